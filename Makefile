@@ -1,0 +1,42 @@
+# Front door. `make run` and `make test` set up a fresh Debian 12 machine (scripts/install-deps.sh),
+# build, and run; everything else is a plain CMake build under build/.
+BUILD_DIR ?= build
+ASAN_DIR ?= build-asan
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+PROMPT ?= The quick brown fox
+MAX_TOKENS ?= 32
+
+.PHONY: all deps build run test asan test-asan clean format
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD_DIR)/CMakeCache.txt:
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+
+build: deps $(BUILD_DIR)/CMakeCache.txt
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+run: build
+	$(BUILD_DIR)/bin/metrale generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --temperature 0.8 --seed 1
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+
+$(ASAN_DIR)/CMakeCache.txt:
+	cmake -S . -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=Debug -DMETRALE_SANITIZE=ON $(CMAKE_FLAGS)
+
+asan: deps $(ASAN_DIR)/CMakeCache.txt
+	cmake --build $(ASAN_DIR) -j $(JOBS)
+
+test-asan: asan
+	cd $(ASAN_DIR) && ctest --output-on-failure -j $(JOBS)
+
+format:
+	find src apps tests -name '*.cpp' -o -name '*.h' -o -name '*.cu' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD_DIR) $(ASAN_DIR)

@@ -1,0 +1,58 @@
+// Errors with context. Inside the engine every failure is an exception derived from metrale::Error;
+// the CLI and the server turn them into a one-line message or an OpenAI-style error body.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <source_location>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace metrale {
+
+enum class ErrorCode {
+  kInvalidArgument,   // bad user input: flags, request fields, token ids
+  kNotFound,          // a file, tensor or key that should exist does not
+  kBadFormat,         // a file exists but is malformed (safetensors header, config.json, tokenizer.json)
+  kUnsupported,       // well-formed but not supported (unknown model_type, dtype, feature)
+  kOutOfMemory,       // an allocation or the cache budget cannot be satisfied
+  kInternal,          // a broken invariant: a bug in metrale
+};
+
+std::string_view error_code_name(ErrorCode code);
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, std::string message) : std::runtime_error(std::move(message)), code_(code) {}
+  ErrorCode code() const { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+template <typename... Args>
+[[noreturn]] void raise(ErrorCode code, fmt::format_string<Args...> format, Args&&... args) {
+  throw Error(code, fmt::format(format, std::forward<Args>(args)...));
+}
+
+// Prefixes the message of an in-flight metrale::Error with context ("layer 3 (attention): ...").
+// Usage: try { ... } catch (Error& e) { rethrow_with_context(e, "layer {}", i); }
+template <typename... Args>
+[[noreturn]] void rethrow_with_context(const Error& inner, fmt::format_string<Args...> format,
+                                       Args&&... args) {
+  throw Error(inner.code(), fmt::format(format, std::forward<Args>(args)...) + ": " + inner.what());
+}
+
+[[noreturn]] void fail_check(const char* condition, const std::string& message,
+                             const std::source_location& where);
+
+}  // namespace metrale
+
+// Checks an internal invariant; a failure is a bug in metrale (ErrorCode::kInternal) and names the
+// source location. User-facing validation uses raise() with a specific code instead.
+#define METRALE_CHECK(cond, ...)                                                              \
+  do {                                                                                        \
+    if (!(cond)) [[unlikely]]                                                                 \
+      ::metrale::fail_check(#cond, ::fmt::format("" __VA_ARGS__), std::source_location::current()); \
+  } while (0)

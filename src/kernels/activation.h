@@ -1,0 +1,16 @@
+// Gated activations.
+#pragma once
+
+#include "kernels/dispatch.h"
+
+namespace metrale::kernels {
+
+// out[t, i] = silu(gate[t, i]) * up[t, i]. gate, up, out [T, I] (row strides may exceed I so that
+// gate and up can be the two halves of one fused projection).
+METRALE_DECLARE_OP_IMPLS(silu_mul, (const Tensor& gate, const Tensor& up, const Tensor& out))
+
+inline void silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  METRALE_KERNEL_DISPATCH(silu_mul, out.device(), gate, up, out);
+}
+
+}  // namespace metrale::kernels

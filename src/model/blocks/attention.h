@@ -1,0 +1,43 @@
+// Grouped-query attention over the paged KV cache, with optional per-head q/k RMSNorm (Qwen3),
+// partial or full RoPE, and optional sliding window.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "model/blocks/layer.h"
+#include "model/blocks/norms.h"
+#include "model/blocks/rope.h"
+
+namespace metrale {
+
+struct AttentionConfig {
+  int64_t hidden_size = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  double rms_norm_eps = 1e-6;
+  bool qk_norm = true;                                    // q_norm / k_norm over head_dim
+  kernels::RmsNormKind norm_kind = kernels::RmsNormKind::kPlain;
+  int window = 0;                                         // sliding window (0 = full causal)
+};
+
+class Attention : public Mixer {
+ public:
+  // Loads `<prefix>q_proj.weight` etc. `rope` is shared by the layers of a model.
+  Attention(const AttentionConfig& config, Weights& weights, const std::string& prefix,
+            std::shared_ptr<const RotaryEmbedding> rope);
+
+  LayerCacheSpec cache_spec() const override;
+  void forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) override;
+
+ private:
+  AttentionConfig config_;
+  Tensor q_proj_, k_proj_, v_proj_, o_proj_;  // [nH*D, H], [nKV*D, H], [nKV*D, H], [H, nH*D]
+  std::optional<RmsNorm> q_norm_, k_norm_;    // [D]
+  std::shared_ptr<const RotaryEmbedding> rope_;
+  float scale_;
+};
+
+}  // namespace metrale

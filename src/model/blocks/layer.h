@@ -1,0 +1,33 @@
+// The seams every decoder layer is built from: a mixer (attention, GDN, ...) and a feed-forward
+// block (dense MLP, MoE), both run on the step's ragged batch.
+#pragma once
+
+#include "model/cache_spec.h"
+#include "model/forward_batch.h"
+#include "runtime/arena.h"
+
+namespace metrale {
+
+// What a block needs from the step besides its input: the batch metadata and the scratch arena.
+struct StepContext {
+  const ForwardBatch& batch;
+  Arena& workspace;
+  DType activation_dtype;  // f32 on the CPU
+};
+
+class Mixer {
+ public:
+  virtual ~Mixer() = default;
+  virtual LayerCacheSpec cache_spec() const = 0;
+  // x [T, H] (normalised layer input); out [T, H] is overwritten.
+  virtual void forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) = 0;
+};
+
+class FeedForward {
+ public:
+  virtual ~FeedForward() = default;
+  // x [T, H]; out [T, H] is overwritten.
+  virtual void forward(const StepContext& step, const Tensor& x, const Tensor& out) = 0;
+};
+
+}  // namespace metrale

@@ -1,0 +1,179 @@
+#include "model/config.h"
+
+#include <fstream>
+
+#include "core/error.h"
+#include "core/strings.h"
+
+namespace metrale {
+namespace {
+
+nlohmann::json read_json(const std::filesystem::path& path) {
+  const std::string text = read_file(path);
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    raise(ErrorCode::kBadFormat, "{}: invalid JSON: {}", path.string(), e.what());
+  }
+}
+
+// eos_token_id may be an int, a list of ints, or null.
+void append_ids(const nlohmann::json& value, std::vector<int64_t>& ids) {
+  auto add = [&](int64_t id) {
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+  };
+  if (value.is_number_integer()) add(value.get<int64_t>());
+  if (value.is_array())
+    for (const auto& item : value)
+      if (item.is_number_integer()) add(item.get<int64_t>());
+}
+
+}  // namespace
+
+bool ModelConfig::has(const std::string& key) const { return text.contains(key) && !text.at(key).is_null(); }
+
+int64_t ModelConfig::get_int(const std::string& key) const {
+  if (!has(key)) raise(ErrorCode::kBadFormat, "{}: missing required field '{}'", source.string(), key);
+  return get_int(key, 0);
+}
+
+int64_t ModelConfig::get_int(const std::string& key, int64_t fallback) const {
+  if (!has(key)) return fallback;
+  const auto& value = text.at(key);
+  if (value.is_number_integer()) return value.get<int64_t>();
+  if (value.is_number_float() && value.get<double>() == static_cast<double>(static_cast<int64_t>(value.get<double>())))
+    return static_cast<int64_t>(value.get<double>());
+  raise(ErrorCode::kBadFormat, "{}: field '{}' must be an integer, got {}", source.string(), key, value.dump());
+}
+
+double ModelConfig::get_double(const std::string& key, double fallback) const {
+  if (!has(key)) return fallback;
+  const auto& value = text.at(key);
+  if (!value.is_number()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a number, got {}", source.string(), key, value.dump());
+  return value.get<double>();
+}
+
+bool ModelConfig::get_bool(const std::string& key, bool fallback) const {
+  if (!has(key)) return fallback;
+  const auto& value = text.at(key);
+  if (!value.is_boolean()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be true or false, got {}", source.string(), key, value.dump());
+  return value.get<bool>();
+}
+
+std::string ModelConfig::get_string(const std::string& key, const std::string& fallback) const {
+  if (!has(key)) return fallback;
+  const auto& value = text.at(key);
+  if (!value.is_string()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a string, got {}", source.string(), key, value.dump());
+  return value.get<std::string>();
+}
+
+std::vector<int64_t> ModelConfig::get_int_list(const std::string& key) const {
+  std::vector<int64_t> values;
+  if (!has(key)) return values;
+  const auto& value = text.at(key);
+  if (!value.is_array()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a list of integers", source.string(), key);
+  for (const auto& item : value) {
+    if (!item.is_number_integer()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a list of integers", source.string(), key);
+    values.push_back(item.get<int64_t>());
+  }
+  return values;
+}
+
+std::vector<std::string> ModelConfig::get_string_list(const std::string& key) const {
+  std::vector<std::string> values;
+  if (!has(key)) return values;
+  const auto& value = text.at(key);
+  if (!value.is_array()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a list of strings", source.string(), key);
+  for (const auto& item : value) {
+    if (!item.is_string()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a list of strings", source.string(), key);
+    values.push_back(item.get<std::string>());
+  }
+  return values;
+}
+
+ModelConfig parse_model_config(const nlohmann::json& config, const std::filesystem::path& source) {
+  if (!config.is_object()) raise(ErrorCode::kBadFormat, "{}: expected a JSON object", source.string());
+  ModelConfig result;
+  result.source = source;
+  result.outer_model_type = config.value("model_type", std::string());
+  if (config.contains("text_config") && config["text_config"].is_object()) {
+    result.text = config["text_config"];
+    // Fields that composite configs keep at the top level.
+    for (const char* key : {"tie_word_embeddings", "eos_token_id", "bos_token_id", "dtype", "torch_dtype"}) {
+      if (!result.text.contains(key) && config.contains(key)) result.text[key] = config[key];
+    }
+  } else {
+    result.text = config;
+  }
+  result.model_type = result.get_string("model_type", result.outer_model_type);
+  if (result.model_type.empty()) raise(ErrorCode::kBadFormat, "{}: no model_type", source.string());
+
+  result.vocab_size = result.get_int("vocab_size");
+  result.hidden_size = result.get_int("hidden_size");
+  result.num_layers = result.get_int("num_hidden_layers");
+  result.num_heads = result.get_int("num_attention_heads");
+  result.num_kv_heads = result.get_int("num_key_value_heads", result.num_heads);
+  result.head_dim = result.get_int("head_dim", result.num_heads > 0 ? result.hidden_size / result.num_heads : 0);
+  result.intermediate_size = result.get_int("intermediate_size", 0);
+  result.rms_norm_eps = result.get_double("rms_norm_eps", 1e-6);
+  result.tie_word_embeddings = result.get_bool("tie_word_embeddings", false);
+  result.max_position_embeddings = result.get_int("max_position_embeddings", 32768);
+  result.dtype = result.get_string("dtype", result.get_string("torch_dtype", "bfloat16"));
+  if (result.has("bos_token_id")) result.bos_token_id = result.get_int("bos_token_id");
+  append_ids(result.text.value("eos_token_id", nlohmann::json()), result.eos_token_ids);
+
+  for (const auto& [name, value] : std::initializer_list<std::pair<const char*, int64_t>>{
+           {"vocab_size", result.vocab_size}, {"hidden_size", result.hidden_size},
+           {"num_hidden_layers", result.num_layers}, {"num_attention_heads", result.num_heads},
+           {"num_key_value_heads", result.num_kv_heads}, {"head_dim", result.head_dim}}) {
+    if (value <= 0) raise(ErrorCode::kBadFormat, "{}: field '{}' must be positive, got {}", source.string(), name, value);
+  }
+  if (result.num_heads % result.num_kv_heads != 0) {
+    raise(ErrorCode::kBadFormat, "{}: num_attention_heads {} is not a multiple of num_key_value_heads {}",
+          source.string(), result.num_heads, result.num_kv_heads);
+  }
+
+  // RoPE: rope_scaling (legacy) replaces rope_parameters; top-level rope_theta and
+  // partial_rotary_factor fill what is missing (transformers' convert_rope_params_to_dict).
+  nlohmann::json rope = nlohmann::json::object();
+  if (result.has("rope_parameters") && result.text["rope_parameters"].is_object()) rope = result.text["rope_parameters"];
+  if (result.has("rope_scaling") && result.text["rope_scaling"].is_object()) rope = result.text["rope_scaling"];
+  if (!rope.contains("rope_theta") && result.has("rope_theta")) rope["rope_theta"] = result.text["rope_theta"];
+  if (!rope.contains("partial_rotary_factor") && result.has("partial_rotary_factor"))
+    rope["partial_rotary_factor"] = result.text["partial_rotary_factor"];
+  auto number = [&](const char* key, double fallback) {
+    if (!rope.contains(key) || rope[key].is_null()) return fallback;
+    if (!rope[key].is_number()) raise(ErrorCode::kBadFormat, "{}: rope field '{}' must be a number", source.string(), key);
+    return rope[key].get<double>();
+  };
+  result.rope.type = rope.value("rope_type", rope.value("type", std::string("default")));
+  result.rope.theta = number("rope_theta", 10000.0);
+  result.rope.partial_rotary_factor = number("partial_rotary_factor", 1.0);
+  result.rope.factor = number("factor", 1.0);
+  result.rope.beta_fast = number("beta_fast", 32.0);
+  result.rope.beta_slow = number("beta_slow", 1.0);
+  if (rope.contains("attention_factor") && rope["attention_factor"].is_number())
+    result.rope.attention_factor = rope["attention_factor"].get<double>();
+  if (rope.contains("original_max_position_embeddings") && rope["original_max_position_embeddings"].is_number())
+    result.rope.original_max_position_embeddings = rope["original_max_position_embeddings"].get<int64_t>();
+  if (rope.contains("truncate") && rope["truncate"].is_boolean()) result.rope.truncate = rope["truncate"].get<bool>();
+  return result;
+}
+
+ModelConfig load_model_config(const std::filesystem::path& dir) {
+  const auto config_path = dir / "config.json";
+  if (!std::filesystem::exists(config_path)) {
+    raise(ErrorCode::kNotFound, "{}: no config.json (is this a Hugging Face model directory?)", dir.string());
+  }
+  ModelConfig config = parse_model_config(read_json(config_path), config_path);
+  const auto generation_path = dir / "generation_config.json";
+  if (std::filesystem::exists(generation_path)) {
+    const nlohmann::json generation = read_json(generation_path);
+    if (generation.is_object() && generation.contains("eos_token_id")) {
+      append_ids(generation["eos_token_id"], config.eos_token_ids);
+    }
+  }
+  return config;
+}
+
+}  // namespace metrale

@@ -1,0 +1,62 @@
+// WeightStore: every tensor of a Hugging Face model directory, from model.safetensors or from the
+// shards listed in model.safetensors.index.json, as CPU views into the mapped files.
+// Weights: the view an architecture reads its parameters through: keys relative to the text
+// model's prefix, shape checks with clear errors, and placement on the model's device.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "model/safetensors.h"
+
+namespace metrale {
+
+class WeightStore {
+ public:
+  explicit WeightStore(const std::filesystem::path& dir);
+
+  const std::filesystem::path& dir() const { return dir_; }
+  bool has(const std::string& name) const { return index_.count(name) != 0; }
+  // CPU view of a tensor; throws kNotFound naming the directory and tensor.
+  Tensor get(const std::string& name) const;
+  const SafetensorsFile& file_of(const std::string& name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  std::filesystem::path dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::unordered_map<std::string, const SafetensorsFile*> index_;
+};
+
+class Weights {
+ public:
+  // prefix: where the text model's modules live ("model." or "model.language_model."); found from
+  // the embedding key when empty.
+  Weights(std::shared_ptr<const WeightStore> store, Device device, std::string prefix = {});
+
+  const std::string& prefix() const { return prefix_; }
+  Device device() const { return device_; }
+  const WeightStore& store() const { return *store_; }
+
+  bool has(const std::string& key) const { return store_->has(prefix_ + key); }
+  bool has_root(const std::string& name) const { return store_->has(name); }
+  // The tensor `prefix + key` on the model's device, checked against `shape`. Throws kNotFound when
+  // missing and kBadFormat when mis-shaped, naming the file and tensor.
+  Tensor get(const std::string& key, const Shape& shape);
+  Tensor get_root(const std::string& name, const Shape& shape);  // no prefix (e.g. lm_head.weight)
+
+  // Device copies made so far (empty on the CPU, where weights stay in the mapping).
+  std::vector<Buffer> take_device_buffers() { return std::move(buffers_); }
+  std::shared_ptr<const WeightStore> store_ptr() const { return store_; }
+
+ private:
+  std::shared_ptr<const WeightStore> store_;
+  Device device_;
+  std::string prefix_;
+  std::vector<Buffer> buffers_;
+};
+
+}  // namespace metrale

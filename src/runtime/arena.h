@@ -1,0 +1,32 @@
+// A bump allocator for the temporaries of one forward step. reset() at the start of each step
+// makes every earlier allocation reusable; tensors from before a reset must not be used after it.
+// On the CPU it grows on demand; a fixed capacity (for device memory planned up front) makes an
+// allocation past it throw kOutOfMemory.
+#pragma once
+
+#include <vector>
+
+#include "runtime/tensor.h"
+
+namespace metrale {
+
+class Arena {
+ public:
+  Arena(Device device, size_t initial_bytes, bool growable = true);
+
+  Tensor alloc(DType dtype, Shape shape);
+  void reset();
+  Device device() const { return device_; }
+  size_t high_water_bytes() const { return high_water_; }
+
+ private:
+  Device device_;
+  bool growable_;
+  std::vector<Buffer> chunks_;
+  size_t chunk_index_ = 0;
+  size_t offset_ = 0;
+  size_t used_ = 0;
+  size_t high_water_ = 0;
+};
+
+}  // namespace metrale

@@ -1,0 +1,86 @@
+#include "runtime/buffer.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <utility>
+
+#include "core/error.h"
+#include "core/strings.h"
+#include "runtime/device_hooks.h"
+
+namespace metrale {
+namespace {
+
+DeviceHooks& require_cuda() {
+  DeviceHooks* hooks = cuda_hooks();
+  if (hooks == nullptr) raise(ErrorCode::kUnsupported, "this build of metrale has no CUDA support");
+  return *hooks;
+}
+
+DeviceHooks*& hooks_slot() {
+  static DeviceHooks* hooks = nullptr;
+  return hooks;
+}
+
+}  // namespace
+
+DeviceHooks* cuda_hooks() { return hooks_slot(); }
+void register_cuda_hooks(DeviceHooks* hooks) { hooks_slot() = hooks; }
+
+Buffer::Buffer(Device device, size_t bytes) : device_(device) {
+  size_ = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  if (size_ == 0) return;
+  if (device.is_cpu()) {
+    data_ = std::aligned_alloc(kAlignment, size_);
+    if (data_ == nullptr) raise(ErrorCode::kOutOfMemory, "cannot allocate {} of host memory", format_bytes(size_));
+  } else {
+    data_ = require_cuda().allocate(device.index, size_);
+  }
+}
+
+Buffer::~Buffer() { release(); }
+
+Buffer::Buffer(Buffer&& other) noexcept
+    : device_(other.device_), data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+Buffer& Buffer::operator=(Buffer&& other) noexcept {
+  if (this != &other) {
+    release();
+    device_ = other.device_;
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+void Buffer::zero() {
+  if (data_ == nullptr) return;
+  if (device_.is_cpu()) {
+    std::memset(data_, 0, size_);
+  } else {
+    require_cuda().memset(data_, 0, size_);
+  }
+}
+
+void Buffer::release() noexcept {
+  if (data_ == nullptr) return;
+  if (device_.is_cpu()) {
+    std::free(data_);
+  } else if (DeviceHooks* hooks = cuda_hooks()) {
+    hooks->release(device_.index, data_);
+  }
+  data_ = nullptr;
+  size_ = 0;
+}
+
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  if (bytes == 0) return;
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    std::memmove(dst, src, bytes);
+    return;
+  }
+  require_cuda().copy(dst, dst_device.is_cuda(), src, src_device.is_cuda(), bytes);
+}
+
+}  // namespace metrale
