@@ -14,6 +14,8 @@ std::string_view error_code_name(ErrorCode code) {
   return "unknown";
 }
 
+void raise_message(ErrorCode code, const std::string& message) { throw Error(code, message); }
+
 void fail_check(const char* condition, const std::string& message, const std::source_location& where) {
   std::string text = fmt::format("internal check failed: {} at {}:{}", condition, where.file_name(), where.line());
   if (!message.empty()) text += " (" + message + ")";

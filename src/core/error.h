@@ -5,31 +5,10 @@
 #include <fmt/format.h>
 
 #include <source_location>
-#include <stdexcept>
-#include <string>
-#include <string_view>
+
+#include "core/error_base.h"
 
 namespace metrale {
-
-enum class ErrorCode {
-  kInvalidArgument,   // bad user input: flags, request fields, token ids
-  kNotFound,          // a file, tensor or key that should exist does not
-  kBadFormat,         // a file exists but is malformed (safetensors header, config.json, tokenizer.json)
-  kUnsupported,       // well-formed but not supported (unknown model_type, dtype, feature)
-  kOutOfMemory,       // an allocation or the cache budget cannot be satisfied
-  kInternal,          // a broken invariant: a bug in metrale
-};
-
-std::string_view error_code_name(ErrorCode code);
-
-class Error : public std::runtime_error {
- public:
-  Error(ErrorCode code, std::string message) : std::runtime_error(std::move(message)), code_(code) {}
-  ErrorCode code() const { return code_; }
-
- private:
-  ErrorCode code_;
-};
 
 template <typename... Args>
 [[noreturn]] void raise(ErrorCode code, fmt::format_string<Args...> format, Args&&... args) {
@@ -43,9 +22,6 @@ template <typename... Args>
                                        Args&&... args) {
   throw Error(inner.code(), fmt::format(format, std::forward<Args>(args)...) + ": " + inner.what());
 }
-
-[[noreturn]] void fail_check(const char* condition, const std::string& message,
-                             const std::source_location& where);
 
 }  // namespace metrale
 

@@ -1,5 +1,6 @@
 #include "core/npy.h"
 
+#include <charconv>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -65,11 +66,17 @@ NpyArray read_npy_f32(const std::filesystem::path& path) {
   const size_t close = header.find(')', open);
   if (open == std::string::npos || close == std::string::npos) throw bad("no shape");
   NpyArray array;
+  int64_t count = 1;
   for (const auto& part : split(header.substr(open + 1, close - open - 1), ',')) {
     const std::string item = trim(part);
-    if (!item.empty()) array.shape.push_back(std::stoll(item));
+    if (item.empty()) continue;
+    int64_t dim = 0;
+    const auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), dim);
+    if (error != std::errc() || end != item.data() + item.size() || dim < 0) throw bad("bad shape");
+    if (dim != 0 && count > (int64_t{1} << 40) / dim) throw bad("shape too large");
+    count *= dim;
+    array.shape.push_back(dim);
   }
-  const int64_t count = std::accumulate(array.shape.begin(), array.shape.end(), int64_t{1}, std::multiplies<>());
   const size_t data_start = header_start + header_len;
   const size_t element = is_f4 ? 4 : 8;
   if (bytes.size() - data_start != static_cast<size_t>(count) * element) throw bad("data size does not match shape");

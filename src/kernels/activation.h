@@ -7,6 +7,8 @@ namespace metrale::kernels {
 
 // out[t, i] = silu(gate[t, i]) * up[t, i]. gate, up, out [T, I] (row strides may exceed I so that
 // gate and up can be the two halves of one fused projection).
+// CUDA: gate, up and out share one dtype D (bf16 or f32); out = D(D(silu(gate)) * up), silu rounded to D
+// before the product as transformers computes it (qwen.md §3.3).
 METRALE_DECLARE_OP_IMPLS(silu_mul, (const Tensor& gate, const Tensor& up, const Tensor& out))
 
 inline void silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {

@@ -10,18 +10,41 @@
 
 namespace metrale::kernels {
 
-// k, v [T, n_kv_heads, head_dim]; slot_mapping [T] i32 (block * block_size + offset, or -1 to skip);
-// k_cache, v_cache [num_blocks, block_size, n_kv_heads, head_dim].
+// k, v [T, n_kv_heads, head_dim] (strided views allowed, head_dim contiguous); slot_mapping [T] i32
+// (block * block_size + offset, or -1 to skip); k_cache, v_cache [num_blocks, block_size,
+// n_kv_heads, head_dim]. CUDA: bf16 caches; k, v bf16 (copied bit for bit) or f16/f32 (rounded).
 METRALE_DECLARE_OP_IMPLS(kv_cache_write, (const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                                           const Tensor& k_cache, const Tensor& v_cache))
 
 struct AttentionParams {
   float scale = 1.0f;  // usually head_dim^-0.5
   int window = 0;      // 0: full causal; w > 0: a query at position p sees keys (p - w, p]
+  // Host-side upper bounds over the batch, for planning (split-KV, tiles). They may exceed the
+  // true values (CUDA graphs capture with bounds), never fall short (the CPU checks them). 0: not given.
+  int64_t max_q_len = 0;
+  int64_t max_kv_len = 0;
+  // Scratch for the CUDA kernels (split-KV partial results): at least
+  // paged_attention_workspace_bytes(...) bytes on the device. Unused on the CPU.
+  Tensor workspace;
 };
 
+// Bytes of scratch the CUDA paged attention needs for a batch within these bounds (0 without CUDA).
+// The split-KV path keeps, for at most 4 * SMs CTAs of the current device, 16 rows of head_dim fp32
+// partial outputs plus one fp32 log-sum-exp each: 4 * SMs * 16 * (head_dim + 1) * 4 bytes
+// (4.4 MB for head_dim 128 on 132 SMs), independent of num_tokens and num_heads; 0 when no split can
+// happen (max_kv_len given and <= 256, or num_seqs >= 2 * SMs). The contents need no initialisation
+// and nothing survives the call, so one buffer can serve every layer of a step. An empty
+// AttentionParams::workspace is allowed (the kernels then never split a sequence's keys: correct,
+// slower at small batch and long context); a non-empty one that is too small raises kInvalidArgument.
+size_t paged_attention_workspace_bytes(int64_t num_seqs, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                                       int64_t max_kv_len);
+
 // q [T, n_heads, head_dim]; out [T, n_heads, head_dim]; cu_q [S+1] i32; kv_lens [S] i32;
-// block_tables [S, max_blocks] i32. n_heads must be a multiple of n_kv_heads (GQA).
+// block_tables [S, max_blocks] i32. n_heads must be a multiple of n_kv_heads (GQA). q and out may be
+// strided views (head_dim contiguous); the caches are contiguous.
+// CUDA: q, out and the caches bf16; head_dim 64, 128 or 256 (others raise kUnsupported); the
+// metadata on the device (it is read there, never on the host, so the call can be graph-captured);
+// grids follow the host bounds in AttentionParams (or T and max_blocks * block_size when 0).
 METRALE_DECLARE_OP_IMPLS(paged_attention, (const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                            const Tensor& cu_q, const Tensor& kv_lens, const Tensor& block_tables,
                                            const Tensor& out, const AttentionParams& params))

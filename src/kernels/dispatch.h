@@ -3,13 +3,15 @@
 // (kernels/cuda/<op>.cu) implementations taking the same arguments.
 #pragma once
 
-#include "core/error.h"
+#include <string>
+
+#include "core/error_base.h"
 #include "runtime/tensor.h"
 
 namespace metrale::kernels {
 
 [[noreturn]] inline void fail_no_cuda(const char* op) {
-  raise(ErrorCode::kUnsupported, "kernel {}: this build of metrale has no CUDA support", op);
+  raise_message(ErrorCode::kUnsupported, std::string("kernel ") + op + ": this build of metrale has no CUDA support");
 }
 
 }  // namespace metrale::kernels

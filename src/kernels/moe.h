@@ -1,5 +1,15 @@
-// Mixture-of-experts routing and token grouping.
+// Mixture-of-experts ops: routing, device-side grouping of (token, slot) pairs by expert, the
+// routed SwiGLU experts (a decode path that reads only the selected experts' rows, and a grouped
+// path over expert-sorted rows for prefill), and the weighted k-slot reduce.
+//
+// Vocabulary. T tokens each pick k experts; slot s = t * k + j is token t's j-th pick (descending
+// probability). H is the hidden size, I an expert's intermediate size, E the number of experts.
+// Every op derives its launch shape from tensor shapes only, never from device values, so that all
+// of them run inside CUDA graphs.
 #pragma once
+
+#include <cstdint>
+#include <vector>
 
 #include "kernels/dispatch.h"
 
@@ -10,17 +20,93 @@ struct MoeRouteParams {
   bool normalize = false;  // renormalise the top-k probabilities to sum to 1
 };
 
-// Softmax over experts, then top-k (descending probability; ties broken by lower expert id),
-// optionally renormalised. router_logits [T, E] f32|bf16; topk_ids [T, k] i32; topk_weights [T, k] f32.
+// The routed experts' weights as the expert ops read them. Expert e computes
+//   h = silu(x . gate[e]^T) * (x . up[e]^T)   [I]
+//   y = h . down[e]^T                          [H]
+struct MoeExpertWeights {
+  int64_t num_experts = 0;
+  int64_t hidden_size = 0;        // H
+  int64_t intermediate_size = 0;  // I
+
+  // Per-expert views (the CPU ops read these): gate[e], up[e] [I, H]; down[e] [H, I]; rows contiguous.
+  // They may point anywhere (one tensor per expert in the checkpoint, or into the fused tensors).
+  std::vector<Tensor> gate, up, down;
+
+  // The fused layout the CUDA ops read: contiguous bf16 on the device.
+  //   gate_up [E, 2I, H]: rows [0, I) are expert e's gate rows, rows [I, 2I) its up rows;
+  //   down_fused [E, H, I].
+  // Empty on the CPU when the checkpoint stores one tensor per expert.
+  Tensor gate_up;
+  Tensor down_fused;
+
+  // Views over the fused tensors (any device): fills the per-expert views from them.
+  static MoeExpertWeights from_fused(const Tensor& gate_up, const Tensor& down);
+  bool has_fused() const { return !gate_up.empty() && !down_fused.empty(); }
+};
+
+// A token count up to which the block runs the decode path: with T * k slots at most this, reading
+// the selected experts' rows once per slot costs less than sorting and a grouped GEMM (whose
+// tensor-core tiles would be mostly padding). Both devices use the same rule.
+inline constexpr int64_t kMoeDecodeMaxSlots = 64;
+
+// Softmax over experts in fp32, then top-k (descending probability; ties broken by lower expert
+// id), optionally renormalised. router_logits [T, E] f32|bf16; topk_ids [T, k] i32; topk_weights
+// [T, k] f32. CUDA: E <= 512.
 METRALE_DECLARE_OP_IMPLS(moe_route, (const Tensor& router_logits, const Tensor& topk_ids,
                                      const Tensor& topk_weights, const MoeRouteParams& params))
 
-// out[i] = src[index[i]]. src [T, H]; index [n] i32; out [n, H].
+// out[i] = src[index[i]]. src [T, W]; index [n] i32; out [n, W] (same dtype as src, any float dtype).
 METRALE_DECLARE_OP_IMPLS(gather_rows, (const Tensor& src, const Tensor& index, const Tensor& out))
 
-// dst[index[i]] += weight[i] * src[i]. dst [T, H] f32; src [n, H]; index [n] i32; weight [n] f32.
+// dst[index[i]] += weight[i] * src[i], in order of i (deterministic). dst [T, W] f32; src [n, W];
+// index [n] i32; weight [n] f32.
 METRALE_DECLARE_OP_IMPLS(scatter_add_rows, (const Tensor& dst, const Tensor& src, const Tensor& index,
                                             const Tensor& weight))
+
+// i32 elements of the scratch tensor moe_sort needs for `slots` = T * k pairs over E experts.
+inline int64_t moe_sort_scratch_elements(int64_t slots, int64_t experts) {
+  constexpr int64_t kSlotsPerChunk = 256;  // = the CUDA sort's block size
+  return ((slots + kSlotsPerChunk - 1) / kSlotsPerChunk) * experts;
+}
+
+// Counting sort of the slots by expert (stable: within an expert, ascending slot id).
+// topk_ids [T, k] i32 (values in [0, E)); expert_offsets [E + 1] i32 (expert e's slots sit at sorted
+// positions [offsets[e], offsets[e+1]); offsets[E] = T * k); sorted_slots [T * k] i32 (slot id at
+// each sorted position); scratch [moe_sort_scratch_elements(T * k, E)] i32 (clobbered).
+METRALE_DECLARE_OP_IMPLS(moe_sort, (const Tensor& topk_ids, const Tensor& expert_offsets, const Tensor& sorted_slots,
+                                    const Tensor& scratch))
+
+// Decode path, step 1: for every slot s = t * k + j with e = topk_ids[t, j],
+//   h[s] = silu(x[t] . gate[e]^T) * (x[t] . up[e]^T).
+// x [T, H] bf16|f32 (rows may be strided); topk_ids [T, k] i32; h [T * k, I] f32.
+METRALE_DECLARE_OP_IMPLS(moe_decode_gate_up, (const Tensor& x, const Tensor& topk_ids, const MoeExpertWeights& experts,
+                                              const Tensor& h))
+
+// Decode path, step 2: slot_out[s] = h[s] . down[e]^T. h [T * k, I] f32; slot_out [T * k, H] f32.
+METRALE_DECLARE_OP_IMPLS(moe_decode_down, (const Tensor& h, const Tensor& topk_ids, const MoeExpertWeights& experts,
+                                           const Tensor& slot_out))
+
+// Grouped path, step 1 (after moe_sort): for every sorted position p of expert e's segment, with
+// slot s = sorted_slots[p] and token t = s / top_k,
+//   h[p] = silu(x[t] . gate[e]^T) * (x[t] . up[e]^T).
+// x [T, H] (CUDA: bf16, rows may be strided); sorted_slots [T * k] i32; expert_offsets [E + 1] i32;
+// h [T * k, I] (CUDA: bf16; CPU: f32 or bf16), rows in sorted order.
+METRALE_DECLARE_OP_IMPLS(moe_grouped_gate_up, (const Tensor& x, const Tensor& sorted_slots,
+                                               const Tensor& expert_offsets, int top_k,
+                                               const MoeExpertWeights& experts, const Tensor& h))
+
+// Grouped path, step 2: slot_out[sorted_slots[p]] = h[p] . down[e]^T for p in expert e's segment.
+// h [T * k, I] (CUDA: bf16), sorted order; slot_out [T * k, H] f32, slot order.
+METRALE_DECLARE_OP_IMPLS(moe_grouped_down, (const Tensor& h, const Tensor& sorted_slots, const Tensor& expert_offsets,
+                                            const MoeExpertWeights& experts, const Tensor& slot_out))
+
+// The weighted k-slot reduce, plus the optional sigmoid-gated shared expert:
+//   out[t] = sum_{j = 0..k-1} topk_weights[t, j] * slot_out[t * k + j]   (fp32, in order of j)
+//            + sigmoid(shared_gate_logits[t]) * shared_out[t]            (when shared_out is given)
+// rounded once to out's dtype. slot_out [T * k, H] f32; topk_weights [T, k] f32; shared_out [T, H]
+// f32 or empty; shared_gate_logits [T, 1] f32 (empty together with shared_out); out [T, H] f32|bf16.
+METRALE_DECLARE_OP_IMPLS(moe_combine, (const Tensor& slot_out, const Tensor& topk_weights, const Tensor& shared_out,
+                                       const Tensor& shared_gate_logits, const Tensor& out))
 
 inline void moe_route(const Tensor& router_logits, const Tensor& topk_ids, const Tensor& topk_weights,
                       const MoeRouteParams& params) {
@@ -31,6 +117,30 @@ inline void gather_rows(const Tensor& src, const Tensor& index, const Tensor& ou
 }
 inline void scatter_add_rows(const Tensor& dst, const Tensor& src, const Tensor& index, const Tensor& weight) {
   METRALE_KERNEL_DISPATCH(scatter_add_rows, dst.device(), dst, src, index, weight);
+}
+inline void moe_sort(const Tensor& topk_ids, const Tensor& expert_offsets, const Tensor& sorted_slots,
+                     const Tensor& scratch) {
+  METRALE_KERNEL_DISPATCH(moe_sort, sorted_slots.device(), topk_ids, expert_offsets, sorted_slots, scratch);
+}
+inline void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpertWeights& experts,
+                               const Tensor& h) {
+  METRALE_KERNEL_DISPATCH(moe_decode_gate_up, h.device(), x, topk_ids, experts, h);
+}
+inline void moe_decode_down(const Tensor& h, const Tensor& topk_ids, const MoeExpertWeights& experts,
+                            const Tensor& slot_out) {
+  METRALE_KERNEL_DISPATCH(moe_decode_down, slot_out.device(), h, topk_ids, experts, slot_out);
+}
+inline void moe_grouped_gate_up(const Tensor& x, const Tensor& sorted_slots, const Tensor& expert_offsets, int top_k,
+                                const MoeExpertWeights& experts, const Tensor& h) {
+  METRALE_KERNEL_DISPATCH(moe_grouped_gate_up, h.device(), x, sorted_slots, expert_offsets, top_k, experts, h);
+}
+inline void moe_grouped_down(const Tensor& h, const Tensor& sorted_slots, const Tensor& expert_offsets,
+                             const MoeExpertWeights& experts, const Tensor& slot_out) {
+  METRALE_KERNEL_DISPATCH(moe_grouped_down, slot_out.device(), h, sorted_slots, expert_offsets, experts, slot_out);
+}
+inline void moe_combine(const Tensor& slot_out, const Tensor& topk_weights, const Tensor& shared_out,
+                        const Tensor& shared_gate_logits, const Tensor& out) {
+  METRALE_KERNEL_DISPATCH(moe_combine, out.device(), slot_out, topk_weights, shared_out, shared_gate_logits, out);
 }
 
 }  // namespace metrale::kernels

@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <cmath>
 #include <fstream>
 
 #include "core/error.h"
@@ -41,8 +42,10 @@ int64_t ModelConfig::get_int(const std::string& key, int64_t fallback) const {
   if (!has(key)) return fallback;
   const auto& value = text.at(key);
   if (value.is_number_integer()) return value.get<int64_t>();
-  if (value.is_number_float() && value.get<double>() == static_cast<double>(static_cast<int64_t>(value.get<double>())))
-    return static_cast<int64_t>(value.get<double>());
+  if (value.is_number_float()) {
+    const double number = value.get<double>();
+    if (number >= -9.2e18 && number <= 9.2e18 && number == std::floor(number)) return static_cast<int64_t>(number);
+  }
   raise(ErrorCode::kBadFormat, "{}: field '{}' must be an integer, got {}", source.string(), key, value.dump());
 }
 
@@ -95,6 +98,9 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::filesyst
   if (!config.is_object()) raise(ErrorCode::kBadFormat, "{}: expected a JSON object", source.string());
   ModelConfig result;
   result.source = source;
+  if (config.contains("model_type") && !config["model_type"].is_string()) {
+    raise(ErrorCode::kBadFormat, "{}: field 'model_type' must be a string, got {}", source.string(), config["model_type"].dump());
+  }
   result.outer_model_type = config.value("model_type", std::string());
   if (config.contains("text_config") && config["text_config"].is_object()) {
     result.text = config["text_config"];
@@ -146,6 +152,10 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::filesyst
     if (!rope[key].is_number()) raise(ErrorCode::kBadFormat, "{}: rope field '{}' must be a number", source.string(), key);
     return rope[key].get<double>();
   };
+  for (const char* key : {"rope_type", "type"}) {
+    if (rope.contains(key) && !rope[key].is_string())
+      raise(ErrorCode::kBadFormat, "{}: rope field '{}' must be a string, got {}", source.string(), key, rope[key].dump());
+  }
   result.rope.type = rope.value("rope_type", rope.value("type", std::string("default")));
   result.rope.theta = number("rope_theta", 10000.0);
   result.rope.partial_rotary_factor = number("partial_rotary_factor", 1.0);

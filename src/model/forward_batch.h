@@ -14,6 +14,10 @@ struct ForwardBatch {
   int64_t num_tokens = 0;  // T
   int64_t num_seqs = 0;    // S
   int64_t block_size = 0;  // tokens per KV block
+  // Upper bounds over the batch (exact for eager steps; CUDA graphs capture with the bounds of
+  // the graph's shape), for kernels that plan on the host.
+  int64_t max_q_len = 0;
+  int64_t max_kv_len = 0;
 
   // On the model's device:
   Tensor token_ids;     // [T] i32

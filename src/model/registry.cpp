@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "kernels/linear.h"
 #include "model/arch/architectures.h"
 #include "model/weight_store.h"
 
@@ -23,8 +24,9 @@ const ArchEntry* find_architecture(std::string_view model_type) {
   return nullptr;
 }
 
-std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device) {
-  const ModelConfig config = load_model_config(dir);
+namespace {
+
+const ArchEntry& require_architecture(const ModelConfig& config) {
   const ArchEntry* entry = find_architecture(config.model_type);
   if (entry == nullptr) entry = find_architecture(config.outer_model_type);
   if (entry == nullptr) {
@@ -33,6 +35,23 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
     raise(ErrorCode::kUnsupported, "{}: unknown model_type '{}' (supported: {})", config.source.string(),
           config.model_type, supported);
   }
+  return *entry;
+}
+
+}  // namespace
+
+std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed) {
+  const ArchEntry& entry = require_architecture(config);
+  if (device.is_cuda()) kernels::linear_prepare(device);
+  Weights weights(RandomWeights{seed, 0.02f, config.tie_word_embeddings}, device);
+  return entry.build(config, weights);
+}
+
+std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device) {
+  const ModelConfig config = load_model_config(dir);
+  const ArchEntry* entry = &require_architecture(config);
+  // GEMM handles and workspaces exist before any graph capture.
+  if (device.is_cuda()) kernels::linear_prepare(device);
   auto store = std::make_shared<const WeightStore>(dir);
   Weights weights(store, device);
   METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {}", entry->model_type, dir.string(), weights.prefix(),

@@ -27,5 +27,7 @@ const ArchEntry* find_architecture(std::string_view model_type);
 // Reads config.json and the checkpoint of `dir` and builds the model on `device`. Errors name the
 // file and the tensor or field at fault.
 std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device);
+// Builds the architecture of `config` with random weights generated on `device` (benchmarks).
+std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed = 1);
 
 }  // namespace metrale

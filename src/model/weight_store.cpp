@@ -1,11 +1,13 @@
 #include "model/weight_store.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/strings.h"
+#include "kernels/random_fill.h"
 
 namespace metrale {
 
@@ -91,9 +93,79 @@ Weights::Weights(std::shared_ptr<const WeightStore> store, Device device, std::s
   }
 }
 
+Weights::Weights(const RandomWeights& random, Device device) : random_(random), device_(device), prefix_("model.") {}
+
+const WeightStore& Weights::store() const {
+  METRALE_CHECK(store_ != nullptr, "random weights have no store");
+  return *store_;
+}
+
+std::string Weights::source_name() const { return store_ ? store_->dir().string() : std::string("random weights"); }
+
+bool Weights::has(const std::string& key) const {
+  if (store_) return store_->has(prefix_ + key);
+  // Random weights take the fused expert layout rather than per-expert keys.
+  return key.find("experts.0.") == std::string::npos;
+}
+
+bool Weights::has_root(const std::string& name) const {
+  if (store_) return store_->has(name);
+  if (name == "lm_head.weight") return !random_.tie_word_embeddings;
+  return true;
+}
+
+Tensor Weights::synthesize(const std::string& name, const Shape& shape) {
+  const DType dtype = device_.is_cpu() ? DType::kF32 : DType::kBF16;
+  Buffer buffer(device_, static_cast<size_t>(shape.numel()) * dtype_size(dtype));
+  Tensor tensor(buffer.data(), dtype, shape, device_);
+  // Vectors are norm weights and gates: near 1 keeps activations in range through deep stacks.
+  const bool vector = shape.ndim() == 1;
+  kernels::random_fill(tensor, {random_.seed * 1000003u + random_index_++, vector ? 1.0f : 0.0f,
+                                vector ? 0.01f : random_.stddev});
+  buffers_.push_back(std::move(buffer));
+  (void)name;
+  return tensor;
+}
+
 Tensor Weights::get(const std::string& key, const Shape& shape) { return get_root(prefix_ + key, shape); }
 
+void Weights::load_into(const std::string& key, const Tensor& destination) {
+  METRALE_CHECK(destination.is_contiguous() && destination.device() == device_, "load_into {}", destination.describe());
+  const std::string name = prefix_ + key;
+  if (!store_) {
+    kernels::random_fill(destination, {random_.seed * 1000003u + random_index_++, 0.0f, random_.stddev});
+    return;
+  }
+  const Tensor view = store_->get(name);
+  if (!(view.shape() == destination.shape())) {
+    raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", store_->file_of(name).path().string(),
+          name, view.shape().to_string(), destination.shape().to_string());
+  }
+  if (!is_floating(view.dtype()) || view.dtype() == DType::kF8E4M3) {
+    raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
+          store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
+  }
+  if (view.dtype() == destination.dtype()) {
+    copy_bytes(destination.data(), device_, view.data(), Device::cpu(), view.nbytes());
+    return;
+  }
+  // Convert on the host in slices, then copy each slice up.
+  const int64_t total = view.numel();
+  const int64_t slice = std::min<int64_t>(total, 1 << 20);
+  std::vector<float> values(static_cast<size_t>(slice));
+  std::vector<char> converted(static_cast<size_t>(slice) * destination.element_size());
+  for (int64_t begin = 0; begin < total; begin += slice) {
+    const int64_t count = std::min(slice, total - begin);
+    convert_to_f32(view.dtype(), static_cast<const char*>(view.data()) + begin * static_cast<int64_t>(view.element_size()),
+                   values.data(), static_cast<size_t>(count));
+    convert_from_f32(destination.dtype(), values.data(), converted.data(), static_cast<size_t>(count));
+    copy_bytes(static_cast<char*>(destination.data()) + begin * static_cast<int64_t>(destination.element_size()),
+               device_, converted.data(), Device::cpu(), static_cast<size_t>(count) * destination.element_size());
+  }
+}
+
 Tensor Weights::get_root(const std::string& name, const Shape& shape) {
+  if (!store_) return synthesize(name, shape);
   const Tensor view = store_->get(name);
   if (!(view.shape() == shape)) {
     raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", store_->file_of(name).path().string(),
@@ -103,10 +175,31 @@ Tensor Weights::get_root(const std::string& name, const Shape& shape) {
     raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
-  if (device_.is_cpu()) return view;
-  Buffer buffer(device_, view.nbytes());
-  copy_bytes(buffer.data(), device_, view.data(), Device::cpu(), view.nbytes());
-  Tensor placed(buffer.data(), view.dtype(), view.shape(), device_);
+  if (device_.is_cpu()) {
+    // Mapped tensors are used in place, unless the file leaves them misaligned for their dtype.
+    if (reinterpret_cast<uintptr_t>(view.data()) % view.element_size() == 0) return view;
+    Buffer buffer(device_, view.nbytes());
+    std::memcpy(buffer.data(), view.data(), view.nbytes());
+    Tensor placed(buffer.data(), view.dtype(), view.shape(), device_);
+    buffers_.push_back(std::move(buffer));
+    return placed;
+  }
+  // The GPU computes with bf16 weights: other float dtypes are converted on the way up.
+  Buffer buffer(device_, static_cast<size_t>(view.numel()) * dtype_size(DType::kBF16));
+  if (view.dtype() == DType::kBF16) {
+    copy_bytes(buffer.data(), device_, view.data(), Device::cpu(), view.nbytes());
+  } else {
+    std::vector<uint16_t> converted(static_cast<size_t>(view.numel()));
+    std::vector<float> row(static_cast<size_t>(std::min<int64_t>(view.numel(), 1 << 20)));
+    for (int64_t begin = 0; begin < view.numel(); begin += static_cast<int64_t>(row.size())) {
+      const int64_t count = std::min<int64_t>(static_cast<int64_t>(row.size()), view.numel() - begin);
+      convert_to_f32(view.dtype(), static_cast<const char*>(view.data()) + begin * static_cast<int64_t>(view.element_size()),
+                     row.data(), static_cast<size_t>(count));
+      convert_from_f32(DType::kBF16, row.data(), converted.data() + begin, static_cast<size_t>(count));
+    }
+    copy_bytes(buffer.data(), device_, converted.data(), Device::cpu(), converted.size() * sizeof(uint16_t));
+  }
+  Tensor placed(buffer.data(), DType::kBF16, view.shape(), device_);
   buffers_.push_back(std::move(buffer));
   return placed;
 }

@@ -31,29 +31,51 @@ class WeightStore {
   std::unordered_map<std::string, const SafetensorsFile*> index_;
 };
 
+// Random weights stand in for a checkpoint in benchmarks: every requested tensor is synthesized
+// on the device (normal(0, stddev) matrices, norm-like vectors near their neutral value).
+struct RandomWeights {
+  uint64_t seed = 0;
+  float stddev = 0.02f;
+  bool tie_word_embeddings = false;
+};
+
 class Weights {
  public:
   // prefix: where the text model's modules live ("model." or "model.language_model."); found from
   // the embedding key when empty.
   Weights(std::shared_ptr<const WeightStore> store, Device device, std::string prefix = {});
+  // Synthesized weights (no files). Layout questions (has()) answer with the fused layouts.
+  Weights(const RandomWeights& random, Device device);
 
   const std::string& prefix() const { return prefix_; }
   Device device() const { return device_; }
-  const WeightStore& store() const { return *store_; }
+  bool is_random() const { return store_ == nullptr; }
+  const WeightStore& store() const;
+  // Where the weights come from, for error messages.
+  std::string source_name() const;
 
-  bool has(const std::string& key) const { return store_->has(prefix_ + key); }
-  bool has_root(const std::string& name) const { return store_->has(name); }
+  bool has(const std::string& key) const;
+  bool has_root(const std::string& name) const;
   // The tensor `prefix + key` on the model's device, checked against `shape`. Throws kNotFound when
   // missing and kBadFormat when mis-shaped, naming the file and tensor.
   Tensor get(const std::string& key, const Shape& shape);
   Tensor get_root(const std::string& name, const Shape& shape);  // no prefix (e.g. lm_head.weight)
+  // Reads `prefix + key` into `destination` (a view on the model's device, e.g. rows of a fused
+  // weight), converting to its dtype; its shape is the expected shape. No other copy is kept.
+  void load_into(const std::string& key, const Tensor& destination);
+  // The dtype weights have on the model's device when placed by get() (bf16 on the GPU).
+  DType device_dtype(DType stored) const { return device_.is_cpu() ? stored : DType::kBF16; }
 
   // Device copies made so far (empty on the CPU, where weights stay in the mapping).
   std::vector<Buffer> take_device_buffers() { return std::move(buffers_); }
   std::shared_ptr<const WeightStore> store_ptr() const { return store_; }
 
  private:
-  std::shared_ptr<const WeightStore> store_;
+  Tensor synthesize(const std::string& name, const Shape& shape);
+
+  std::shared_ptr<const WeightStore> store_;  // null for random weights
+  RandomWeights random_;
+  uint64_t random_index_ = 0;
   Device device_;
   std::string prefix_;
   std::vector<Buffer> buffers_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/error.h"
 #include "core/strings.h"
 
 namespace metrale {
@@ -31,6 +32,22 @@ Tensor Arena::alloc(DType dtype, Shape shape) {
   used_ += bytes;
   high_water_ = std::max(high_water_, used_);
   return Tensor(data, dtype, shape, device_);
+}
+
+size_t Arena::capacity_bytes() const {
+  size_t total = 0;
+  for (const auto& chunk : chunks_) total += chunk.size();
+  return total;
+}
+
+void Arena::reserve(size_t bytes, bool growable) {
+  chunks_.clear();
+  chunks_.emplace_back(device_, bytes);
+  growable_ = growable;
+  chunk_index_ = 0;
+  offset_ = 0;
+  used_ = 0;
+  high_water_ = 0;
 }
 
 void Arena::reset() {

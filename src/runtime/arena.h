@@ -18,6 +18,11 @@ class Arena {
   void reset();
   Device device() const { return device_; }
   size_t high_water_bytes() const { return high_water_; }
+  size_t capacity_bytes() const;
+  // Replaces the memory by one chunk of `bytes` and fixes growth on or off. With growth off,
+  // addresses handed out for the same sequence of allocations after each reset() are stable,
+  // which CUDA graph replays rely on.
+  void reserve(size_t bytes, bool growable);
 
  private:
   Device device_;

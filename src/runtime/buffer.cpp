@@ -18,15 +18,7 @@ DeviceHooks& require_cuda() {
   return *hooks;
 }
 
-DeviceHooks*& hooks_slot() {
-  static DeviceHooks* hooks = nullptr;
-  return hooks;
-}
-
 }  // namespace
-
-DeviceHooks* cuda_hooks() { return hooks_slot(); }
-void register_cuda_hooks(DeviceHooks* hooks) { hooks_slot() = hooks; }
 
 Buffer::Buffer(Device device, size_t bytes) : device_(device) {
   size_ = (bytes + kAlignment - 1) / kAlignment * kAlignment;
@@ -81,6 +73,61 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
     return;
   }
   require_cuda().copy(dst, dst_device.is_cuda(), src, src_device.is_cuda(), bytes);
+}
+
+}  // namespace metrale
+
+namespace metrale {
+
+PinnedBuffer::PinnedBuffer(size_t bytes) : size_(bytes) {
+  if (bytes == 0) return;
+  if (DeviceHooks* hooks = cuda_hooks(); hooks != nullptr && hooks->device_count() > 0) {
+    data_ = hooks->allocate_pinned(bytes);
+    pinned_ = true;
+  } else {
+    data_ = std::aligned_alloc(Buffer::kAlignment, (bytes + Buffer::kAlignment - 1) / Buffer::kAlignment * Buffer::kAlignment);
+    if (data_ == nullptr) raise(ErrorCode::kOutOfMemory, "cannot allocate {} of host memory", format_bytes(bytes));
+  }
+}
+
+PinnedBuffer::~PinnedBuffer() { release(); }
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)), pinned_(other.pinned_) {}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    release();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    pinned_ = other.pinned_;
+  }
+  return *this;
+}
+
+void PinnedBuffer::release() noexcept {
+  if (data_ == nullptr) return;
+  if (pinned_) {
+    cuda_hooks()->release_pinned(data_);
+  } else {
+    std::free(data_);
+  }
+  data_ = nullptr;
+  size_ = 0;
+}
+
+void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  if (bytes == 0) return;
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    std::memmove(dst, src, bytes);
+    return;
+  }
+  require_cuda().copy_async(dst, dst_device.is_cuda(), src, src_device.is_cuda(), bytes);
+}
+
+void device_memory_info(Device device, size_t& free_bytes, size_t& total_bytes) {
+  free_bytes = total_bytes = 0;
+  if (device.is_cuda()) require_cuda().memory_info(device.index, free_bytes, total_bytes);
 }
 
 }  // namespace metrale

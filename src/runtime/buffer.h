@@ -34,7 +34,34 @@ class Buffer {
   size_t size_ = 0;
 };
 
+// Page-locked host memory (RAII) for asynchronous copies; plain host memory in CPU-only builds.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  void release() noexcept;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  bool pinned_ = false;
+};
+
 // Copies `bytes` between any two buffers' memory, host or device.
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+// Like copy_bytes, but queued on the device's stream without waiting when a device is involved;
+// host memory must then be pinned and stay untouched until the stream reaches the copy.
+void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+
+// Free and total bytes on a device (for the CPU: 0 and 0, meaning "not tracked").
+void device_memory_info(Device device, size_t& free_bytes, size_t& total_bytes);
 
 }  // namespace metrale

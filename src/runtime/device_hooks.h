@@ -1,6 +1,6 @@
-// The seam between the device-independent runtime and a device backend. The CPU backend is built in;
-// the CUDA backend registers its hooks from a static initializer in its own translation unit, so
-// builds without CUDA simply have none.
+// The seam between the device-independent runtime and a device backend. The CPU backend is built
+// in; CUDA builds compile runtime/cuda/cuda_runtime.cpp, which provides the hooks, and other builds
+// compile runtime/stream_cpu.cpp, which has none.
 #pragma once
 
 #include <cstddef>
@@ -12,14 +12,20 @@ struct DeviceHooks {
   virtual int device_count() const = 0;
   virtual void* allocate(int device_index, size_t bytes) = 0;  // throws kOutOfMemory on failure
   virtual void release(int device_index, void* pointer) noexcept = 0;
-  // Copies bytes between host and device memory; `to_device`/`from_device` say which side is which.
+  // Copies bytes between host and device memory; the flags say which side each pointer is on.
   virtual void copy(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes) = 0;
   virtual void memset(void* pointer, int value, size_t bytes) = 0;
   virtual void synchronize(int device_index) = 0;
+  // Page-locked host memory, so that copies to and from the device can be asynchronous.
+  virtual void* allocate_pinned(size_t bytes) = 0;
+  virtual void release_pinned(void* pointer) noexcept = 0;
+  // Copies on the device's current stream without waiting (the host side must be pinned).
+  virtual void copy_async(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes) = 0;
+  // Free and total bytes of device memory.
+  virtual void memory_info(int device_index, size_t& free_bytes, size_t& total_bytes) = 0;
 };
 
-// The registered CUDA hooks, or nullptr in a build (or process) without CUDA.
+// The CUDA hooks, or nullptr in a build without CUDA.
 DeviceHooks* cuda_hooks();
-void register_cuda_hooks(DeviceHooks* hooks);
 
 }  // namespace metrale

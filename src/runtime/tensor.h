@@ -9,7 +9,7 @@
 #include <string>
 
 #include "core/dtype.h"
-#include "core/error.h"
+#include "core/error_base.h"
 #include "runtime/buffer.h"
 #include "runtime/device.h"
 

@@ -56,7 +56,8 @@ void ThreadPool::worker_loop() {
 void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
-  const int64_t max_chunks = std::min<int64_t>((n + grain - 1) / grain, int64_t{num_threads()} * 4);
+  // Floor, not ceiling: every range then holds at least `grain` items.
+  const int64_t max_chunks = std::min<int64_t>(std::max<int64_t>(1, n / grain), int64_t{num_threads()} * 4);
   {
     std::unique_lock lock(mutex_);
     if (busy_ || workers_.empty() || max_chunks <= 1) {

@@ -54,10 +54,16 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
   const int64_t kv_row = kv_heads * head_dim;
   METRALE_CHECK(cu[num_seqs] == tokens, "cu_q ends at {} for {} query rows", cu[num_seqs], tokens);
 
-  // Map each query row to its sequence once.
+  // Map each query row to its sequence once. The host bounds, when given, must hold: the CUDA
+  // kernels size their grids from them.
   std::vector<int32_t> row_seq(static_cast<size_t>(tokens));
   for (int64_t s = 0; s < num_seqs; ++s) {
-    METRALE_CHECK(lens[s] >= cu[s + 1] - cu[s], "sequence {} sees {} keys for {} queries", s, lens[s], cu[s + 1] - cu[s]);
+    METRALE_CHECK(lens[s] >= cu[s + 1] - cu[s], "sequence {} sees {} keys for {} queries", s, lens[s],
+                  cu[s + 1] - cu[s]);
+    METRALE_CHECK(params.max_q_len <= 0 || cu[s + 1] - cu[s] <= params.max_q_len,
+                  "sequence {} has {} queries, over the bound max_q_len {}", s, cu[s + 1] - cu[s], params.max_q_len);
+    METRALE_CHECK(params.max_kv_len <= 0 || lens[s] <= params.max_kv_len,
+                  "sequence {} has {} keys, over the bound max_kv_len {}", s, lens[s], params.max_kv_len);
     METRALE_CHECK((lens[s] + block_size - 1) / block_size <= max_blocks, "sequence {} needs more blocks than its table", s);
     for (int32_t t = cu[s]; t < cu[s + 1]; ++t) row_seq[static_cast<size_t>(t)] = static_cast<int32_t>(s);
   }
@@ -113,3 +119,16 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
 }
 
 }  // namespace metrale::kernels::cpu
+
+#if !METRALE_WITH_CUDA
+namespace metrale::kernels {
+
+// Builds without CUDA run attention on the CPU only, which needs no scratch. (CUDA builds define
+// this next to the kernels, in kernels/cuda/attention.cu.)
+size_t paged_attention_workspace_bytes(int64_t /*num_seqs*/, int64_t /*num_tokens*/, int64_t /*num_heads*/,
+                                       int64_t /*head_dim*/, int64_t /*max_kv_len*/) {
+  return 0;
+}
+
+}  // namespace metrale::kernels
+#endif

@@ -6,6 +6,7 @@
 
 #include "core/dtype.h"
 #include "runtime/tensor.h"
+#include "core/error.h"
 #include "runtime/thread_pool.h"
 
 namespace metrale::kernels::cpu {

@@ -5,8 +5,57 @@
 #include <numeric>
 
 #include "kernels/cpu/common.h"
+#include "kernels/linear.h"
+
+namespace metrale::kernels {
+
+MoeExpertWeights MoeExpertWeights::from_fused(const Tensor& gate_up, const Tensor& down) {
+  METRALE_CHECK(gate_up.ndim() == 3 && down.ndim() == 3 && gate_up.size(0) == down.size(0) &&
+                    gate_up.size(1) % 2 == 0 && down.size(1) == gate_up.size(2) && down.size(2) * 2 == gate_up.size(1),
+                "MoE fused expert weights: gate_up {} down {}", gate_up.describe(), down.describe());
+  MoeExpertWeights weights;
+  weights.num_experts = gate_up.size(0);
+  weights.hidden_size = gate_up.size(2);
+  weights.intermediate_size = down.size(2);
+  weights.gate_up = gate_up;
+  weights.down_fused = down;
+  const int64_t inter = weights.intermediate_size;
+  for (int64_t e = 0; e < weights.num_experts; ++e) {
+    const Tensor expert = gate_up.select(0, e);  // [2I, H]
+    weights.gate.push_back(expert.slice(0, 0, inter));
+    weights.up.push_back(expert.slice(0, inter, 2 * inter));
+    weights.down.push_back(down.select(0, e));
+  }
+  return weights;
+}
+
+}  // namespace metrale::kernels
 
 namespace metrale::kernels::cpu {
+namespace {
+
+void check_experts(const MoeExpertWeights& experts) {
+  const auto count = static_cast<size_t>(experts.num_experts);
+  METRALE_CHECK(experts.gate.size() == count && experts.up.size() == count && experts.down.size() == count,
+                "MoE expert views: {} experts but {} / {} / {} views", count, experts.gate.size(), experts.up.size(),
+                experts.down.size());
+}
+
+int32_t checked_expert(int32_t e, const MoeExpertWeights& experts) {
+  METRALE_CHECK(e >= 0 && e < experts.num_experts, "MoE expert id {} outside [0, {})", e, experts.num_experts);
+  return e;
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// out[r] = silu(gate[r]) * up[r], stored in out's dtype. gate, up [rows, I] f32.
+void store_silu_mul(const float* gate, const float* up, int64_t width, const Tensor& out, int64_t out_row) {
+  std::vector<float> h(static_cast<size_t>(width));
+  for (int64_t i = 0; i < width; ++i) h[static_cast<size_t>(i)] = silu(gate[i]) * up[i];
+  store_f32(out.dtype(), h.data(), row_ptr_mut(out, out_row), width);
+}
+
+}  // namespace
 
 void moe_route(const Tensor& router_logits, const Tensor& topk_ids, const Tensor& topk_weights,
                const MoeRouteParams& params) {
@@ -66,10 +115,162 @@ void scatter_add_rows(const Tensor& dst, const Tensor& src, const Tensor& index,
   const auto* w = weight.data_as<const float>();
   float* tmp = scratch_a(width);
   for (int64_t i = 0; i < n; ++i) {
+    METRALE_CHECK(idx[i] >= 0 && idx[i] < dst.size(0), "scatter_add_rows index {}", idx[i]);
     float* d = static_cast<float*>(row_ptr_mut(dst, idx[i]));
     const float* s = as_f32(src.dtype(), row_ptr(src, i), tmp, width);
     for (int64_t c = 0; c < width; ++c) d[c] += w[i] * s[c];
   }
+}
+
+void moe_sort(const Tensor& topk_ids, const Tensor& expert_offsets, const Tensor& sorted_slots, const Tensor& scratch) {
+  const int64_t slots = topk_ids.numel(), experts = expert_offsets.numel() - 1;
+  METRALE_CHECK(topk_ids.dtype() == DType::kI32 && expert_offsets.dtype() == DType::kI32 &&
+                    sorted_slots.dtype() == DType::kI32 && sorted_slots.numel() == slots && experts >= 1 &&
+                    topk_ids.is_contiguous() && sorted_slots.is_contiguous() && expert_offsets.is_contiguous(),
+                "moe_sort: ids {} offsets {} sorted {}", topk_ids.describe(), expert_offsets.describe(),
+                sorted_slots.describe());
+  METRALE_CHECK(scratch.numel() >= moe_sort_scratch_elements(slots, experts), "moe_sort scratch {} too small",
+                scratch.describe());
+  const auto* ids = topk_ids.data_as<const int32_t>();
+  auto* offsets = expert_offsets.data_as<int32_t>();
+  auto* sorted = sorted_slots.data_as<int32_t>();
+  std::vector<int32_t> cursor(static_cast<size_t>(experts), 0);
+  for (int64_t s = 0; s < slots; ++s) {
+    METRALE_CHECK(ids[s] >= 0 && ids[s] < experts, "moe_sort: expert id {} outside [0, {})", ids[s], experts);
+    ++cursor[static_cast<size_t>(ids[s])];
+  }
+  int32_t running = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    offsets[e] = running;
+    running += cursor[static_cast<size_t>(e)];
+    cursor[static_cast<size_t>(e)] = offsets[e];
+  }
+  offsets[experts] = running;
+  for (int64_t s = 0; s < slots; ++s) sorted[cursor[static_cast<size_t>(ids[s])]++] = static_cast<int32_t>(s);
+}
+
+void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpertWeights& experts, const Tensor& h) {
+  check_experts(experts);
+  const int64_t tokens = x.size(0), k = topk_ids.size(1), inter = experts.intermediate_size;
+  METRALE_CHECK(topk_ids.size(0) == tokens && x.size(1) == experts.hidden_size && h.size(0) == tokens * k &&
+                    h.size(1) == inter && topk_ids.is_contiguous(),
+                "moe_decode_gate_up: x {} ids {} h {}", x.describe(), topk_ids.describe(), h.describe());
+  const auto* ids = topk_ids.data_as<const int32_t>();
+  OwnedTensor gate(DType::kF32, {1, inter}), up(DType::kF32, {1, inter});
+  for (int64_t s = 0; s < tokens * k; ++s) {
+    const int32_t e = checked_expert(ids[s], experts);
+    const Tensor x_row = x.slice(0, s / k, s / k + 1);
+    linear(x_row, experts.gate[static_cast<size_t>(e)], *gate, false);
+    linear(x_row, experts.up[static_cast<size_t>(e)], *up, false);
+    store_silu_mul(gate->data_as<const float>(), up->data_as<const float>(), inter, h, s);
+  }
+}
+
+void moe_decode_down(const Tensor& h, const Tensor& topk_ids, const MoeExpertWeights& experts, const Tensor& slot_out) {
+  check_experts(experts);
+  const int64_t slots = topk_ids.numel();
+  METRALE_CHECK(h.size(0) == slots && h.size(1) == experts.intermediate_size && slot_out.size(0) == slots &&
+                    slot_out.size(1) == experts.hidden_size && slot_out.dtype() == DType::kF32 &&
+                    topk_ids.is_contiguous(),
+                "moe_decode_down: h {} ids {} out {}", h.describe(), topk_ids.describe(), slot_out.describe());
+  const auto* ids = topk_ids.data_as<const int32_t>();
+  for (int64_t s = 0; s < slots; ++s) {
+    const int32_t e = checked_expert(ids[s], experts);
+    linear(h.slice(0, s, s + 1), experts.down[static_cast<size_t>(e)], slot_out.slice(0, s, s + 1), false);
+  }
+}
+
+void moe_grouped_gate_up(const Tensor& x, const Tensor& sorted_slots, const Tensor& expert_offsets, int top_k,
+                         const MoeExpertWeights& experts, const Tensor& h) {
+  check_experts(experts);
+  const int64_t slots = sorted_slots.numel(), hidden = experts.hidden_size, inter = experts.intermediate_size;
+  METRALE_CHECK(top_k >= 1 && x.size(1) == hidden && x.size(0) * top_k == slots && h.size(0) == slots &&
+                    h.size(1) == inter && expert_offsets.numel() == experts.num_experts + 1,
+                "moe_grouped_gate_up: x {} sorted {} offsets {} h {}", x.describe(), sorted_slots.describe(),
+                expert_offsets.describe(), h.describe());
+  const auto* offsets = expert_offsets.data_as<const int32_t>();
+  const auto* sorted = sorted_slots.data_as<const int32_t>();
+  METRALE_CHECK(offsets[0] == 0 && offsets[experts.num_experts] == slots, "moe_grouped_gate_up: offsets span [{}, {})",
+                offsets[0], offsets[experts.num_experts]);
+  for (int64_t e = 0; e < experts.num_experts; ++e) {
+    const int64_t begin = offsets[e], end = offsets[e + 1], rows = end - begin;
+    METRALE_CHECK(rows >= 0 && end <= slots, "moe_grouped_gate_up: expert {} segment [{}, {})", e, begin, end);
+    if (rows == 0) continue;
+    std::vector<int32_t> token_rows(static_cast<size_t>(rows));
+    for (int64_t p = 0; p < rows; ++p) token_rows[static_cast<size_t>(p)] = sorted[begin + p] / top_k;
+    OwnedTensor expert_in(x.dtype(), {rows, hidden});
+    gather_rows(x, Tensor(token_rows.data(), DType::kI32, {rows}), *expert_in);
+    OwnedTensor gate(DType::kF32, {rows, inter}), up(DType::kF32, {rows, inter});
+    linear(*expert_in, experts.gate[static_cast<size_t>(e)], *gate, false);
+    linear(*expert_in, experts.up[static_cast<size_t>(e)], *up, false);
+    for (int64_t p = 0; p < rows; ++p) {
+      store_silu_mul(gate->data_as<const float>() + p * inter, up->data_as<const float>() + p * inter, inter, h,
+                     begin + p);
+    }
+  }
+}
+
+void moe_grouped_down(const Tensor& h, const Tensor& sorted_slots, const Tensor& expert_offsets,
+                      const MoeExpertWeights& experts, const Tensor& slot_out) {
+  check_experts(experts);
+  const int64_t slots = sorted_slots.numel(), hidden = experts.hidden_size;
+  METRALE_CHECK(h.size(0) == slots && h.size(1) == experts.intermediate_size && slot_out.size(0) == slots &&
+                    slot_out.size(1) == hidden && slot_out.dtype() == DType::kF32 &&
+                    expert_offsets.numel() == experts.num_experts + 1,
+                "moe_grouped_down: h {} sorted {} offsets {} out {}", h.describe(), sorted_slots.describe(),
+                expert_offsets.describe(), slot_out.describe());
+  const auto* offsets = expert_offsets.data_as<const int32_t>();
+  const auto* sorted = sorted_slots.data_as<const int32_t>();
+  for (int64_t e = 0; e < experts.num_experts; ++e) {
+    const int64_t begin = offsets[e], end = offsets[e + 1], rows = end - begin;
+    METRALE_CHECK(rows >= 0 && begin >= 0 && end <= slots, "moe_grouped_down: expert {} segment [{}, {})", e, begin,
+                  end);
+    if (rows == 0) continue;
+    OwnedTensor expert_out(DType::kF32, {rows, hidden});
+    linear(h.slice(0, begin, end), experts.down[static_cast<size_t>(e)], *expert_out, false);
+    for (int64_t p = 0; p < rows; ++p) {
+      const int32_t slot = sorted[begin + p];
+      METRALE_CHECK(slot >= 0 && slot < slots, "moe_grouped_down: slot {}", slot);
+      std::copy_n(expert_out->data_as<const float>() + p * hidden, hidden,
+                  static_cast<float*>(row_ptr_mut(slot_out, slot)));
+    }
+  }
+}
+
+void moe_combine(const Tensor& slot_out, const Tensor& topk_weights, const Tensor& shared_out,
+                 const Tensor& shared_gate_logits, const Tensor& out) {
+  const int64_t tokens = out.size(0), hidden = out.size(1), k = topk_weights.size(1);
+  const bool shared = !shared_out.empty();
+  METRALE_CHECK(slot_out.dtype() == DType::kF32 && slot_out.size(0) == tokens * k && slot_out.size(1) == hidden &&
+                    topk_weights.dtype() == DType::kF32 && topk_weights.size(0) == tokens &&
+                    topk_weights.is_contiguous() && slot_out.stride(1) == 1 && out.stride(1) == 1,
+                "moe_combine: slot_out {} weights {} out {}", slot_out.describe(), topk_weights.describe(),
+                out.describe());
+  if (shared) {
+    METRALE_CHECK(shared_out.dtype() == DType::kF32 && shared_out.size(0) == tokens && shared_out.size(1) == hidden &&
+                      shared_out.stride(1) == 1 && shared_gate_logits.dtype() == DType::kF32 &&
+                      shared_gate_logits.numel() == tokens,
+                  "moe_combine: shared {} gate {}", shared_out.describe(), shared_gate_logits.describe());
+  }
+  const auto* weights = topk_weights.data_as<const float>();
+  cpu_pool().parallel_for(tokens, 1, [&](int64_t begin, int64_t end) {
+    float* acc = scratch_a(hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill_n(acc, hidden, 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const float w = weights[t * k + j];
+        const auto* row = static_cast<const float*>(row_ptr(slot_out, t * k + j));
+        for (int64_t c = 0; c < hidden; ++c) acc[c] += w * row[c];
+      }
+      if (shared) {
+        const float logit = shared_gate_logits.data_as<const float>()[t * shared_gate_logits.stride(0)];
+        const float gate = 1.0f / (1.0f + std::exp(-logit));
+        const auto* row = static_cast<const float*>(row_ptr(shared_out, t));
+        for (int64_t c = 0; c < hidden; ++c) acc[c] += gate * row[c];
+      }
+      store_f32(out.dtype(), acc, row_ptr_mut(out, t), hidden);
+    }
+  });
 }
 
 }  // namespace metrale::kernels::cpu

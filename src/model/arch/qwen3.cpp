@@ -1,5 +1,6 @@
 // Qwen3 dense (model_type "qwen3"): GQA attention with per-head q/k RMSNorm and full RoPE, SwiGLU
 // MLP, plain RMSNorms, tied or untied LM head. Optional sliding-window layers from layer_types.
+#include "core/error.h"
 #include "model/arch/architectures.h"
 #include "model/blocks/attention.h"
 #include "model/blocks/decoder.h"

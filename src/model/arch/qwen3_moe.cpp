@@ -1,6 +1,7 @@
 // Qwen3-MoE (model_type "qwen3_moe"): Qwen3 attention; the FFN of layer i is a sparse MoE (softmax
 // router, top-k, optional renormalisation, no shared expert) when i is not in mlp_only_layers and
 // (i + 1) % decoder_sparse_step == 0, else a dense SwiGLU MLP of intermediate_size.
+#include "core/error.h"
 #include "model/arch/architectures.h"
 #include "model/blocks/attention.h"
 #include "model/blocks/decoder.h"

@@ -4,6 +4,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/linear.h"
+#include "kernels/qk_norm_rope.h"
 
 namespace metrale {
 
@@ -11,14 +12,28 @@ Attention::Attention(const AttentionConfig& config, Weights& weights, const std:
                      std::shared_ptr<const RotaryEmbedding> rope)
     : config_(config), rope_(std::move(rope)), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
   const int64_t h = config.hidden_size, d = config.head_dim;
-  q_proj_ = weights.get(prefix + "q_proj.weight", {config.num_heads * d, h});
-  k_proj_ = weights.get(prefix + "k_proj.weight", {config.num_kv_heads * d, h});
-  v_proj_ = weights.get(prefix + "v_proj.weight", {config.num_kv_heads * d, h});
+  const int64_t q_rows = config.num_heads * d, kv_rows = config.num_kv_heads * d;
+  if (weights.device().is_cuda()) {
+    qkv_proj_ = OwnedTensor(DType::kBF16, {q_rows + 2 * kv_rows, h}, weights.device());
+    weights.load_into(prefix + "q_proj.weight", qkv_proj_.tensor.slice(0, 0, q_rows));
+    weights.load_into(prefix + "k_proj.weight", qkv_proj_.tensor.slice(0, q_rows, q_rows + kv_rows));
+    weights.load_into(prefix + "v_proj.weight", qkv_proj_.tensor.slice(0, q_rows + kv_rows, q_rows + 2 * kv_rows));
+  } else {
+    q_proj_ = weights.get(prefix + "q_proj.weight", {q_rows, h});
+    k_proj_ = weights.get(prefix + "k_proj.weight", {kv_rows, h});
+    v_proj_ = weights.get(prefix + "v_proj.weight", {kv_rows, h});
+  }
   o_proj_ = weights.get(prefix + "o_proj.weight", {h, config.num_heads * d});
   if (config.qk_norm) {
     q_norm_ = RmsNorm::load(weights, prefix + "q_norm.weight", d, config.rms_norm_eps, config.norm_kind);
     k_norm_ = RmsNorm::load(weights, prefix + "k_norm.weight", d, config.rms_norm_eps, config.norm_kind);
   }
+}
+
+size_t Attention::scratch_bytes(const ForwardBatch& batch, Device device) const {
+  if (!device.is_cuda()) return 0;  // only the CUDA kernels split the keys
+  return kernels::paged_attention_workspace_bytes(batch.num_seqs, batch.num_tokens, config_.num_heads,
+                                                  config_.head_dim, batch.max_kv_len);
 }
 
 LayerCacheSpec Attention::cache_spec() const {
@@ -28,23 +43,42 @@ LayerCacheSpec Attention::cache_spec() const {
 void Attention::forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) {
   const ForwardBatch& batch = step.batch;
   const int64_t tokens = batch.num_tokens, d = config_.head_dim;
+  const int64_t q_rows = config_.num_heads * d, kv_rows = config_.num_kv_heads * d;
   const DType act = step.activation_dtype;
-  const Tensor q = step.workspace.alloc(act, {tokens, config_.num_heads, d});      // [T, nH, D]
-  const Tensor k = step.workspace.alloc(act, {tokens, config_.num_kv_heads, d});   // [T, nKV, D]
-  const Tensor v = step.workspace.alloc(act, {tokens, config_.num_kv_heads, d});   // [T, nKV, D]
-  kernels::linear(x, q_proj_, q.reshape({tokens, config_.num_heads * d}));
-  kernels::linear(x, k_proj_, k.reshape({tokens, config_.num_kv_heads * d}));
-  kernels::linear(x, v_proj_, v.reshape({tokens, config_.num_kv_heads * d}));
+  // [T, (nH + 2 nKV) * D]: q, k and v side by side; the per-head views below are strided into it.
+  const Tensor qkv = step.workspace.alloc(act, {tokens, q_rows + 2 * kv_rows});
+  if (!qkv_proj_.tensor.empty()) {
+    kernels::linear(x, qkv_proj_.tensor, qkv);
+  } else {
+    kernels::linear(x, q_proj_, qkv.slice(1, 0, q_rows));
+    kernels::linear(x, k_proj_, qkv.slice(1, q_rows, q_rows + kv_rows));
+    kernels::linear(x, v_proj_, qkv.slice(1, q_rows + kv_rows, q_rows + 2 * kv_rows));
+  }
+  const int64_t row = qkv.stride(0);
+  const Tensor q(qkv.data(), act, {tokens, config_.num_heads, d}, {row, d, 1}, qkv.device());
+  const Tensor k(qkv.slice(1, q_rows, q_rows + kv_rows).data(), act, {tokens, config_.num_kv_heads, d}, {row, d, 1},
+                 qkv.device());
+  const Tensor v(qkv.slice(1, q_rows + kv_rows, q_rows + 2 * kv_rows).data(), act, {tokens, config_.num_kv_heads, d},
+                 {row, d, 1}, qkv.device());
   // Qwen3 normalises q and k per head before RoPE; the cache holds post-norm, post-RoPE keys.
-  if (q_norm_) q_norm_->apply(q, q);
-  if (k_norm_) k_norm_->apply(k, k);
-  rope_->apply(q, batch.positions);
-  rope_->apply(k, batch.positions);
-  kernels::kv_cache_write(k, v, batch.slot_mapping, cache.k_cache, cache.v_cache);
+  kernels::QkNormRopeParams prologue;
+  prologue.q_norm = q_norm_.has_value();
+  prologue.k_norm = k_norm_.has_value();
+  prologue.norm = q_norm_ ? q_norm_->params : kernels::RmsNormParams{};
+  prologue.rope = rope_->params();
+  kernels::qk_norm_rope_kv_write(q, k, v, q_norm_ ? q_norm_->weight : Tensor(), k_norm_ ? k_norm_->weight : Tensor(),
+                                 batch.positions, rope_->inv_freq(), batch.slot_mapping, cache.k_cache, cache.v_cache,
+                                 prologue);
   const Tensor attn = step.workspace.alloc(act, {tokens, config_.num_heads, d});  // [T, nH, D]
+  kernels::AttentionParams params;
+  params.scale = scale_;
+  params.window = config_.window;
+  params.max_q_len = batch.max_q_len;
+  params.max_kv_len = batch.max_kv_len;
+  if (!step.layer_scratch.empty()) params.workspace = step.layer_scratch;
   kernels::paged_attention(q, cache.k_cache, cache.v_cache, batch.cu_q, batch.kv_lens, batch.block_tables, attn,
-                           {scale_, config_.window});
-  kernels::linear(attn.reshape({tokens, config_.num_heads * d}), o_proj_, out);
+                           params);
+  kernels::linear(attn.reshape({tokens, q_rows}), o_proj_, out);
 }
 
 }  // namespace metrale

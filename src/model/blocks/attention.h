@@ -30,10 +30,14 @@ class Attention : public Mixer {
             std::shared_ptr<const RotaryEmbedding> rope);
 
   LayerCacheSpec cache_spec() const override;
+  size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
   void forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) override;
 
  private:
   AttentionConfig config_;
+  // On the GPU q, k and v are one fused projection [(nH + 2 nKV) * D, H] (one weight read per
+  // step); on the CPU they stay three views into the mapped checkpoint.
+  OwnedTensor qkv_proj_;
   Tensor q_proj_, k_proj_, v_proj_, o_proj_;  // [nH*D, H], [nKV*D, H], [nKV*D, H], [H, nH*D]
   std::optional<RmsNorm> q_norm_, k_norm_;    // [D]
   std::shared_ptr<const RotaryEmbedding> rope_;

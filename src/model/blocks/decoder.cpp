@@ -1,5 +1,7 @@
 #include "model/blocks/decoder.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "kernels/embedding.h"
 #include "kernels/linear.h"
@@ -17,7 +19,7 @@ Tensor load_lm_head(Weights& weights, const ModelConfig& config, const Tensor& e
   }
   if (!config.tie_word_embeddings) {
     raise(ErrorCode::kNotFound, "{}: checkpoint has no 'lm_head.weight' and tie_word_embeddings is false",
-          weights.store().dir().string());
+          weights.source_name());
   }
   return embedding;
 }
@@ -41,8 +43,13 @@ void DecoderModel::forward(const ForwardBatch& batch, std::span<const LayerCache
   METRALE_CHECK(caches.size() == parts_.layers.size(), "{} layer caches for {} layers", caches.size(),
                 parts_.layers.size());
   const int64_t tokens = batch.num_tokens, hidden = config_.hidden_size;
-  const DType act = DType::kF32;
-  StepContext step{batch, workspace, act};
+  // The CPU is the fp32 reference; the GPU keeps bf16 activations (fp32 inside kernels), as the
+  // checkpoints' own bf16 inference does.
+  const DType act = device_.is_cpu() ? DType::kF32 : DType::kBF16;
+  StepContext step{batch, workspace, act, Tensor()};
+  size_t scratch = 0;
+  for (const auto& layer : parts_.layers) scratch = std::max(scratch, layer.mixer->scratch_bytes(batch, device_));
+  if (scratch > 0) step.layer_scratch = workspace.alloc(DType::kU8, {static_cast<int64_t>(scratch)});
   const Tensor residual = workspace.alloc(act, {tokens, hidden});  // [T, H] the residual stream h
   const Tensor normed = workspace.alloc(act, {tokens, hidden});    // [T, H] normalised sublayer input
   const Tensor sublayer = workspace.alloc(act, {tokens, hidden});  // [T, H] sublayer output

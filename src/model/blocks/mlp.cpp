@@ -7,17 +7,31 @@ namespace metrale {
 
 void SwiGluWeights::run(const StepContext& step, const Tensor& x, const Tensor& out, bool accumulate) const {
   const int64_t rows = x.size(0), width = intermediate_size();
-  const Tensor gate_out = step.workspace.alloc(step.activation_dtype, {rows, width});
-  const Tensor up_out = step.workspace.alloc(step.activation_dtype, {rows, width});
-  kernels::linear(x, gate, gate_out);
-  kernels::linear(x, up, up_out);
-  kernels::silu_mul(gate_out, up_out, gate_out);
-  kernels::linear(gate_out, down, out, accumulate);
+  // [rows, 2I]: gate columns then up columns.
+  const Tensor gate_up_out = step.workspace.alloc(step.activation_dtype, {rows, 2 * width});
+  const Tensor gate_out = gate_up_out.slice(1, 0, width);
+  const Tensor up_out = gate_up_out.slice(1, width, 2 * width);
+  if (!gate_up.empty()) {
+    kernels::linear(x, gate_up, gate_up_out);
+  } else {
+    kernels::linear(x, gate, gate_out);
+    kernels::linear(x, up, up_out);
+  }
+  const Tensor hidden = step.workspace.alloc(step.activation_dtype, {rows, width});
+  kernels::silu_mul(gate_out, up_out, hidden);
+  kernels::linear(hidden, down, out, accumulate);
 }
 
 Mlp::Mlp(Weights& weights, const std::string& prefix, int64_t hidden_size, int64_t intermediate_size) {
-  weights_.gate = weights.get(prefix + "gate_proj.weight", {intermediate_size, hidden_size});
-  weights_.up = weights.get(prefix + "up_proj.weight", {intermediate_size, hidden_size});
+  if (weights.device().is_cuda()) {
+    fused_gate_up_ = OwnedTensor(DType::kBF16, {2 * intermediate_size, hidden_size}, weights.device());
+    weights.load_into(prefix + "gate_proj.weight", fused_gate_up_.tensor.slice(0, 0, intermediate_size));
+    weights.load_into(prefix + "up_proj.weight", fused_gate_up_.tensor.slice(0, intermediate_size, 2 * intermediate_size));
+    weights_.gate_up = fused_gate_up_.tensor;
+  } else {
+    weights_.gate = weights.get(prefix + "gate_proj.weight", {intermediate_size, hidden_size});
+    weights_.up = weights.get(prefix + "up_proj.weight", {intermediate_size, hidden_size});
+  }
   weights_.down = weights.get(prefix + "down_proj.weight", {hidden_size, intermediate_size});
 }
 

@@ -9,11 +9,12 @@
 namespace metrale {
 
 struct SwiGluWeights {
-  Tensor gate;  // [I, H]
-  Tensor up;    // [I, H]
-  Tensor down;  // [H, I]
+  Tensor gate;     // [I, H]
+  Tensor up;       // [I, H]
+  Tensor down;     // [H, I]
+  Tensor gate_up;  // [2I, H]: gate rows then up rows, when both live in one tensor (one GEMM)
 
-  int64_t intermediate_size() const { return gate.size(0); }
+  int64_t intermediate_size() const { return down.size(1); }
   // x [n, H] -> out [n, H] (overwritten, or added to with `accumulate`).
   void run(const StepContext& step, const Tensor& x, const Tensor& out, bool accumulate = false) const;
 };
@@ -25,6 +26,7 @@ class Mlp : public FeedForward {
   void forward(const StepContext& step, const Tensor& x, const Tensor& out) override;
 
  private:
+  OwnedTensor fused_gate_up_;  // GPU: gate and up in one [2I, H] weight
   SwiGluWeights weights_;
 };
 

@@ -1,102 +1,165 @@
 #include "model/blocks/moe.h"
 
-#include <cmath>
-
 #include "core/error.h"
+#include "kernels/elementwise.h"
 #include "kernels/linear.h"
-#include "kernels/moe.h"
+#include "runtime/stream.h"
 
 namespace metrale {
+namespace {
+
+bool is_weight_dtype(DType dtype) { return dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32; }
+
+// The checkpoint's CPU view of `weights.prefix() + key`, checked like Weights::get checks it.
+Tensor checked_host_view(const Weights& weights, const std::string& key, const Shape& shape) {
+  const std::string name = weights.prefix() + key;
+  const Tensor view = weights.store().get(name);
+  if (!(view.shape() == shape)) {
+    raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}",
+          weights.store().file_of(name).path().string(), name, view.shape().to_string(), shape.to_string());
+  }
+  if (!is_weight_dtype(view.dtype())) {
+    raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
+          weights.store().file_of(name).path().string(), name, dtype_name(view.dtype()));
+  }
+  return view;
+}
+
+// Copies a CPU tensor into a contiguous bf16 device tensor of the same numel: bf16 goes straight
+// to its place; f16 / f32 go through a temporary device copy and kernels::convert.
+void place_bf16(const Tensor& host, const Tensor& dst) {
+  METRALE_CHECK(host.is_contiguous() && dst.is_contiguous() && host.numel() == dst.numel() &&
+                    dst.dtype() == DType::kBF16,
+                "place_bf16 {} -> {}", host.describe(), dst.describe());
+  if (host.dtype() == DType::kBF16) {
+    copy_bytes(dst.data(), dst.device(), host.data(), Device::cpu(), host.nbytes());
+    return;
+  }
+  const OwnedTensor staging(host.dtype(), dst.shape(), dst.device());
+  copy_bytes(staging->data(), dst.device(), host.data(), Device::cpu(), host.nbytes());
+  kernels::convert(*staging, dst);
+  synchronize(dst.device());  // the staging buffer is freed next
+}
+
+}  // namespace
 
 Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) : config_(config) {
-  const int64_t e_count = config.num_experts, h = config.hidden_size, i = config.expert_intermediate_size;
-  router_ = weights.get(prefix + "gate.weight", {e_count, h});
-  experts_.resize(static_cast<size_t>(e_count));
-  if (weights.has(prefix + "experts.gate_up_proj")) {
-    const Tensor gate_up = weights.get(prefix + "experts.gate_up_proj", {e_count, 2 * i, h});
-    const Tensor down = weights.get(prefix + "experts.down_proj", {e_count, h, i});
-    for (int64_t e = 0; e < e_count; ++e) {
-      const Tensor expert = gate_up.select(0, e);  // [2I, H]
-      experts_[static_cast<size_t>(e)] = {expert.slice(0, 0, i), expert.slice(0, i, 2 * i), down.select(0, e)};
-    }
-  } else if (weights.has(prefix + "experts.0.gate_proj.weight")) {
-    for (int64_t e = 0; e < e_count; ++e) {
-      const std::string key = prefix + "experts." + std::to_string(e) + ".";
-      experts_[static_cast<size_t>(e)] = {weights.get(key + "gate_proj.weight", {i, h}),
-                                          weights.get(key + "up_proj.weight", {i, h}),
-                                          weights.get(key + "down_proj.weight", {h, i})};
-    }
-  } else {
+  const int64_t e_count = config.num_experts, h = config.hidden_size;
+  if (!weights.has(prefix + "experts.gate_up_proj") && !weights.has(prefix + "experts.0.gate_proj.weight")) {
     raise(ErrorCode::kNotFound, "{}: no experts under '{}{}experts.' (neither fused gate_up_proj nor per-expert keys)",
           weights.store().dir().string(), weights.prefix(), prefix);
   }
+  const bool on_cpu = weights.device().is_cpu();
+  if (on_cpu) {
+    router_ = weights.get(prefix + "gate.weight", {e_count, h});
+    load_experts_cpu(weights, prefix);
+  } else {
+    router_ = load_bf16(weights, prefix + "gate.weight", {e_count, h});
+    load_experts_device(weights, prefix);
+  }
   if (config.shared_expert_intermediate_size > 0) {
     const int64_t s = config.shared_expert_intermediate_size;
-    shared_expert_ = SwiGluWeights{weights.get(prefix + "shared_expert.gate_proj.weight", {s, h}),
-                                   weights.get(prefix + "shared_expert.up_proj.weight", {s, h}),
-                                   weights.get(prefix + "shared_expert.down_proj.weight", {h, s})};
-    shared_expert_gate_ = weights.get(prefix + "shared_expert_gate.weight", {1, h});
+    const auto get = [&](const std::string& key, const Shape& shape) {
+      return on_cpu ? weights.get(prefix + key, shape) : load_bf16(weights, prefix + key, shape);
+    };
+    shared_expert_ = SwiGluWeights{get("shared_expert.gate_proj.weight", {s, h}),
+                                   get("shared_expert.up_proj.weight", {s, h}),
+                                   get("shared_expert.down_proj.weight", {h, s}), Tensor()};
+    shared_expert_gate_ = get("shared_expert_gate.weight", {1, h});
   }
 }
 
+void Moe::load_experts_cpu(Weights& weights, const std::string& prefix) {
+  const int64_t e_count = config_.num_experts, h = config_.hidden_size, i = config_.expert_intermediate_size;
+  if (weights.has(prefix + "experts.gate_up_proj")) {
+    experts_ = kernels::MoeExpertWeights::from_fused(weights.get(prefix + "experts.gate_up_proj", {e_count, 2 * i, h}),
+                                                     weights.get(prefix + "experts.down_proj", {e_count, h, i}));
+    return;
+  }
+  experts_.num_experts = e_count;
+  experts_.hidden_size = h;
+  experts_.intermediate_size = i;
+  for (int64_t e = 0; e < e_count; ++e) {
+    const std::string key = prefix + "experts." + std::to_string(e) + ".";
+    experts_.gate.push_back(weights.get(key + "gate_proj.weight", {i, h}));
+    experts_.up.push_back(weights.get(key + "up_proj.weight", {i, h}));
+    experts_.down.push_back(weights.get(key + "down_proj.weight", {h, i}));
+  }
+}
+
+void Moe::load_experts_device(Weights& weights, const std::string& prefix) {
+  // The checkpoint's expert tensors are read from the mapping and placed straight into the fused
+  // buffers (Weights::get would keep a second device copy of every expert alive).
+  const int64_t e_count = config_.num_experts, h = config_.hidden_size, i = config_.expert_intermediate_size;
+  const Device device = weights.device();
+  OwnedTensor gate_up(DType::kBF16, {e_count, 2 * i, h}, device);
+  OwnedTensor down(DType::kBF16, {e_count, h, i}, device);
+  if (weights.has(prefix + "experts.gate_up_proj")) {
+    place_bf16(checked_host_view(weights, prefix + "experts.gate_up_proj", {e_count, 2 * i, h}), *gate_up);
+    place_bf16(checked_host_view(weights, prefix + "experts.down_proj", {e_count, h, i}), *down);
+  } else {
+    for (int64_t e = 0; e < e_count; ++e) {
+      const std::string key = prefix + "experts." + std::to_string(e) + ".";
+      const Tensor expert = gate_up->select(0, e);  // [2I, H]: gate rows, then up rows
+      place_bf16(checked_host_view(weights, key + "gate_proj.weight", {i, h}), expert.slice(0, 0, i));
+      place_bf16(checked_host_view(weights, key + "up_proj.weight", {i, h}), expert.slice(0, i, 2 * i));
+      place_bf16(checked_host_view(weights, key + "down_proj.weight", {h, i}), down->select(0, e));
+    }
+  }
+  experts_ = kernels::MoeExpertWeights::from_fused(*gate_up, *down);
+  owned_.push_back(std::move(gate_up));
+  owned_.push_back(std::move(down));
+}
+
+Tensor Moe::load_bf16(Weights& weights, const std::string& key, const Shape& shape) {
+  OwnedTensor placed(DType::kBF16, shape, weights.device());
+  place_bf16(checked_host_view(weights, key, shape), *placed);
+  const Tensor view = *placed;
+  owned_.push_back(std::move(placed));
+  return view;
+}
+
 void Moe::forward(const StepContext& step, const Tensor& x, const Tensor& out) {
-  METRALE_CHECK(out.device().is_cpu() && out.dtype() == DType::kF32, "Moe: only the CPU path exists so far");
-  const int64_t tokens = x.size(0), k = config_.top_k, e_count = config_.num_experts, h = config_.hidden_size;
+  const int64_t tokens = x.size(0), k = config_.top_k, e_count = config_.num_experts, h = config_.hidden_size,
+                inter = config_.expert_intermediate_size;
+  METRALE_CHECK(x.ndim() == 2 && x.size(1) == h && out.ndim() == 2 && out.size(0) == tokens && out.size(1) == h,
+                "Moe: x {} out {}", x.describe(), out.describe());
+  if (tokens == 0) return;
   Arena& ws = step.workspace;
   const Tensor router_logits = ws.alloc(DType::kF32, {tokens, e_count});
   kernels::linear(x, router_, router_logits);
   const Tensor topk_ids = ws.alloc(DType::kI32, {tokens, k});
   const Tensor topk_weights = ws.alloc(DType::kF32, {tokens, k});
-  kernels::moe_route(router_logits, topk_ids, topk_weights,
-                     {static_cast<int>(k), config_.normalize_top_k});
+  kernels::moe_route(router_logits, topk_ids, topk_weights, {static_cast<int>(k), config_.normalize_top_k});
 
-  // Group the (token, slot) pairs by expert: counting sort over expert ids.
-  const auto* ids = topk_ids.data_as<const int32_t>();
-  const auto* weights = topk_weights.data_as<const float>();
-  std::vector<int64_t> offsets(static_cast<size_t>(e_count + 1), 0);
-  for (int64_t n = 0; n < tokens * k; ++n) ++offsets[static_cast<size_t>(ids[n]) + 1];
-  for (int64_t e = 0; e < e_count; ++e) offsets[static_cast<size_t>(e + 1)] += offsets[static_cast<size_t>(e)];
-  const Tensor sorted_tokens = ws.alloc(DType::kI32, {tokens * k});
-  const Tensor sorted_weights = ws.alloc(DType::kF32, {tokens * k});
-  {
-    std::vector<int64_t> cursor(offsets.begin(), offsets.end() - 1);
-    auto* token_out = sorted_tokens.data_as<int32_t>();
-    auto* weight_out = sorted_weights.data_as<float>();
-    for (int64_t n = 0; n < tokens * k; ++n) {
-      const int64_t pos = cursor[static_cast<size_t>(ids[n])]++;
-      token_out[pos] = static_cast<int32_t>(n / k);
-      weight_out[pos] = weights[n];
-    }
+  // Routed experts: one fp32 output row per (token, slot), in slot order.
+  const int64_t slots = tokens * k;
+  const Tensor slot_out = ws.alloc(DType::kF32, {slots, h});
+  if (slots <= kernels::kMoeDecodeMaxSlots) {
+    const Tensor hidden = ws.alloc(DType::kF32, {slots, inter});  // [T * k, I]
+    kernels::moe_decode_gate_up(x, topk_ids, experts_, hidden);
+    kernels::moe_decode_down(hidden, topk_ids, experts_, slot_out);
+  } else {
+    const Tensor expert_offsets = ws.alloc(DType::kI32, {e_count + 1});
+    const Tensor sorted_slots = ws.alloc(DType::kI32, {slots});
+    const Tensor sort_scratch = ws.alloc(DType::kI32, {kernels::moe_sort_scratch_elements(slots, e_count)});
+    kernels::moe_sort(topk_ids, expert_offsets, sorted_slots, sort_scratch);
+    // [T * k, I] in expert-sorted order; the CUDA grouped GEMM writes bf16.
+    const DType hidden_dtype = x.device().is_cuda() ? DType::kBF16 : step.activation_dtype;
+    const Tensor hidden = ws.alloc(hidden_dtype, {slots, inter});
+    kernels::moe_grouped_gate_up(x, sorted_slots, expert_offsets, static_cast<int>(k), experts_, hidden);
+    kernels::moe_grouped_down(hidden, sorted_slots, expert_offsets, experts_, slot_out);
   }
 
-  // Routed experts: the fp32 output accumulates w * expert(x) over each token's k slots.
-  std::fill_n(out.data_as<float>(), tokens * h, 0.0f);
-  for (int64_t e = 0; e < e_count; ++e) {
-    const int64_t begin = offsets[static_cast<size_t>(e)], end = offsets[static_cast<size_t>(e + 1)];
-    if (begin == end) continue;
-    const int64_t rows = end - begin;
-    const Tensor token_index = sorted_tokens.slice(0, begin, end);
-    const Tensor expert_in = ws.alloc(x.dtype(), {rows, h});
-    const Tensor expert_out = ws.alloc(DType::kF32, {rows, h});
-    kernels::gather_rows(x, token_index, expert_in);
-    experts_[static_cast<size_t>(e)].run(step, expert_in, expert_out);
-    kernels::scatter_add_rows(out, expert_out, token_index, sorted_weights.slice(0, begin, end));
-  }
-
+  // Shared expert: out += sigmoid(x . w_gate) * shared_expert(x), inside the same fp32 sum.
+  Tensor shared_out, shared_gate_logits;
   if (shared_expert_) {
-    // out += sigmoid(x . w_gate) * shared_expert(x)
-    const Tensor shared_out = ws.alloc(DType::kF32, {tokens, h});
+    shared_out = ws.alloc(DType::kF32, {tokens, h});
     shared_expert_->run(step, x, shared_out);
-    const Tensor gate_logit = ws.alloc(DType::kF32, {tokens, 1});
-    kernels::linear(x, shared_expert_gate_, gate_logit);
-    auto* o = out.data_as<float>();
-    const auto* s = shared_out.data_as<const float>();
-    const auto* g = gate_logit.data_as<const float>();
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float gate = 1.0f / (1.0f + std::exp(-g[t]));
-      for (int64_t c = 0; c < h; ++c) o[t * h + c] += gate * s[t * h + c];
-    }
+    shared_gate_logits = ws.alloc(DType::kF32, {tokens, 1});
+    kernels::linear(x, shared_expert_gate_, shared_gate_logits);
   }
+  kernels::moe_combine(slot_out, topk_weights, shared_out, shared_gate_logits, out);
 }
 
 }  // namespace metrale

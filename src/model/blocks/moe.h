@@ -4,12 +4,27 @@
 // Expert weights load from either checkpoint layout:
 //   per expert: <prefix>experts.{e}.{gate,up,down}_proj.weight  [I, H], [I, H], [H, I]
 //   fused:      <prefix>experts.gate_up_proj [E, 2I, H] (gate rows first), <prefix>experts.down_proj [E, H, I]
+// On the CPU the block keeps zero-copy views into the mapped checkpoint. On CUDA it builds, at load,
+// the layout the kernels read (kernels::MoeExpertWeights): contiguous bf16 gate_up [E, 2I, H] and
+// down [E, H, I], converted on the device when the checkpoint stores f16 or f32.
+//
+// forward runs the same ops on both devices, all from host-known shapes (graph-safe on CUDA):
+//   router logits [T, E] f32 = x . W_gate^T; moe_route -> topk ids [T, k], weights [T, k];
+//   T * k <= kernels::kMoeDecodeMaxSlots: decode path (per-slot GEMVs over the selected experts);
+//   otherwise: moe_sort by expert, grouped gate_up + SiLU, grouped down;
+//   moe_combine: fp32 weighted sum over the k slots (+ sigmoid-gated shared expert), one rounding.
+//
+// Workspace per step (allocated from step.workspace in this order, same sizes for the same T):
+//   router logits T*E f32, topk ids T*k i32, topk weights T*k f32, slot_out T*k*H f32, then
+//   decode: h T*k*I f32; grouped: offsets E+1 i32, sorted slots T*k i32, sort scratch
+//   ceil(T*k/256)*E i32, h T*k*I activation dtype; shared expert: its MLP temporaries, T*H f32, T f32.
 #pragma once
 
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "kernels/moe.h"
 #include "model/blocks/mlp.h"
 
 namespace metrale {
@@ -29,11 +44,17 @@ class Moe : public FeedForward {
   void forward(const StepContext& step, const Tensor& x, const Tensor& out) override;
 
  private:
+  void load_experts_cpu(Weights& weights, const std::string& prefix);
+  void load_experts_device(Weights& weights, const std::string& prefix);
+  // The checkpoint tensor `prefix + key` as bf16 on the model's (CUDA) device, owned by the block.
+  Tensor load_bf16(Weights& weights, const std::string& key, const Shape& shape);
+
   MoeConfig config_;
   Tensor router_;                        // [E, H]
-  std::vector<SwiGluWeights> experts_;   // E views (into the fused tensors or per-expert tensors)
+  kernels::MoeExpertWeights experts_;
   std::optional<SwiGluWeights> shared_expert_;
   Tensor shared_expert_gate_;            // [1, H]
+  std::vector<OwnedTensor> owned_;       // device copies this block made (CUDA only)
 };
 
 }  // namespace metrale

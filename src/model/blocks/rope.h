@@ -16,6 +16,7 @@ class RotaryEmbedding {
 
   int rotary_dim() const { return params_.rotary_dim; }
   const Tensor& inv_freq() const { return inv_freq_.tensor; }
+  const kernels::RopeParams& params() const { return params_; }
   // x [T, heads, head_dim], rotated in place at `positions` [T] i32.
   void apply(const Tensor& x, const Tensor& positions) const { kernels::rope(x, positions, inv_freq_.tensor, params_); }
 

@@ -1,0 +1,146 @@
+// metrale generate: text (or token ids) in, generated text out. Several --prompt flags run together
+// in one continuously batched engine.
+#include <cstdio>
+#include <iostream>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "core/error.h"
+#include "core/strings.h"
+#include "options.h"
+#include "text/tokenizer.h"
+
+namespace metrale::cli {
+namespace {
+
+struct GenerateOptions {
+  EngineOptions engine;
+  CLI::App* command = nullptr;  // to ask which sampling flags the user gave
+  std::vector<std::string> prompts;
+  std::string prompt_ids;
+  int max_tokens = 64;
+  SamplingParams sampling;
+  std::optional<uint64_t> seed;
+  bool ignore_eos = false;
+  std::string stop_token_ids;
+  bool json = false;
+};
+
+int run_generate(const GenerateOptions& options) {
+  if (options.prompts.empty() == options.prompt_ids.empty()) {
+    raise(ErrorCode::kInvalidArgument, "give either --prompt or --prompt-ids");
+  }
+  const auto model_dir = resolve_model_dir(options.engine);
+  std::optional<Tokenizer> tokenizer;
+  const bool need_tokenizer = !options.prompts.empty() || std::filesystem::exists(model_dir / "tokenizer.json");
+  if (need_tokenizer) tokenizer = Tokenizer::from_dir(model_dir);
+
+  std::vector<std::vector<int32_t>> prompts;
+  if (!options.prompt_ids.empty()) {
+    std::vector<int32_t> ids;
+    for (const int64_t id : parse_int_list(options.prompt_ids, "--prompt-ids")) ids.push_back(static_cast<int32_t>(id));
+    prompts.push_back(std::move(ids));
+  }
+  for (const auto& text : options.prompts) prompts.push_back(tokenizer->encode(text, /*add_special_tokens=*/true));
+
+  // Sampling flags the user did not give take the model's generation_config.json defaults, as the
+  // model's authors intend (vLLM's --generation-config auto).
+  SamplingParams sampling = load_generation_defaults(model_dir);
+  const auto given = [&](const char* flag) { return options.command->count(flag) > 0; };
+  if (given("--temperature")) sampling.temperature = options.sampling.temperature;
+  if (given("--top-p")) sampling.top_p = options.sampling.top_p;
+  if (given("--top-k")) sampling.top_k = options.sampling.top_k;
+  if (given("--min-p")) sampling.min_p = options.sampling.min_p;
+  if (given("--repetition-penalty")) sampling.repetition_penalty = options.sampling.repetition_penalty;
+  if (given("--presence-penalty")) sampling.presence_penalty = options.sampling.presence_penalty;
+  if (given("--frequency-penalty")) sampling.frequency_penalty = options.sampling.frequency_penalty;
+
+  auto engine = make_engine(options.engine);
+  std::vector<int64_t> ids;
+  for (auto& prompt : prompts) {
+    Request request;
+    request.prompt = std::move(prompt);
+    request.sampling = sampling;
+    request.sampling.seed = options.seed;
+    request.max_tokens = options.max_tokens;
+    request.ignore_eos = options.ignore_eos;
+    for (const int64_t id : parse_int_list(options.stop_token_ids, "--stop-token-ids"))
+      request.stop_token_ids.push_back(static_cast<int32_t>(id));
+    ids.push_back(engine->add_request(std::move(request)));
+  }
+
+  // One prompt streams to the terminal as tokens arrive; several are printed when all are done.
+  const bool stream = !options.json && ids.size() == 1 && tokenizer.has_value();
+  std::optional<IncrementalDetokenizer> detokenizer;
+  if (stream) detokenizer.emplace(*tokenizer, /*skip_special_tokens=*/true);
+  while (engine->has_unfinished()) {
+    for (const TokenEvent& event : engine->step()) {
+      if (stream && event.sampled.token >= 0) {
+        const std::string piece = detokenizer->push(event.sampled.token);
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+        std::fflush(stdout);
+      }
+    }
+  }
+  if (stream) {
+    const std::string rest = detokenizer->flush();
+    std::fwrite(rest.data(), 1, rest.size(), stdout);
+    std::fputc('\n', stdout);
+    return kExitOk;
+  }
+
+  nlohmann::json results = nlohmann::json::array();
+  for (const int64_t id : ids) {
+    const Sequence& sequence = engine->sequence(id);
+    const std::vector<int32_t> output(sequence.output().begin(), sequence.output().end());
+    const std::string text = tokenizer ? tokenizer->decode(output, /*skip_special_tokens=*/true) : std::string();
+    if (options.json) {
+      results.push_back({{"token_ids", output},
+                         {"text", text},
+                         {"finish_reason", std::string(finish_reason_name(sequence.finish_reason))}});
+    } else if (tokenizer) {
+      std::cout << text << "\n";
+    } else {
+      std::cout << nlohmann::json(output).dump() << "\n";
+    }
+  }
+  if (options.json) {
+    std::cout << (results.size() == 1 ? results[0] : results).dump(-1, ' ', false,
+                                                                   nlohmann::json::error_handler_t::replace)
+              << "\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void register_generate(CLI::App& root, Action& action) {
+  auto options = std::make_shared<GenerateOptions>();
+  CLI::App* command = root.add_subcommand("generate", "Generate text from a prompt");
+  options->command = command;
+  add_model_option(*command, options->engine);
+  command->add_option("--prompt,-p", options->prompts, "prompt text (repeat for a batch of prompts)");
+  command->add_option("--prompt-ids", options->prompt_ids, "prompt as comma-separated token ids");
+  command->add_option("--max-tokens,-n", options->max_tokens, "tokens to generate")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  command->add_option("--temperature,-t", options->sampling.temperature, "sampling temperature (0: greedy)")
+      ->capture_default_str();
+  command->add_option("--top-p", options->sampling.top_p, "nucleus sampling mass")->capture_default_str();
+  command->add_option("--top-k", options->sampling.top_k, "keep the k most likely tokens (0: off)")
+      ->capture_default_str();
+  command->add_option("--min-p", options->sampling.min_p, "drop tokens below min-p x the top probability")
+      ->capture_default_str();
+  command->add_option("--repetition-penalty", options->sampling.repetition_penalty)->capture_default_str();
+  command->add_option("--presence-penalty", options->sampling.presence_penalty)->capture_default_str();
+  command->add_option("--frequency-penalty", options->sampling.frequency_penalty)->capture_default_str();
+  command->add_option("--seed", options->seed, "random seed (same seed, same tokens)");
+  command->add_flag("--ignore-eos", options->ignore_eos, "keep generating after an end-of-sequence token");
+  command->add_option("--stop-token-ids", options->stop_token_ids, "comma-separated ids that end generation");
+  command->add_flag("--json", options->json, "print {token_ids, text, finish_reason} as JSON");
+  add_engine_options(*command, options->engine);
+  command->callback([options, &action] { action = [options] { return run_generate(*options); }; });
+}
+
+}  // namespace metrale::cli

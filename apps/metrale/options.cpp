@@ -1,0 +1,119 @@
+#include "options.h"
+
+#include <cmath>
+#include <cstdlib>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/strings.h"
+#include "core/log.h"
+#include "model/registry.h"
+#include "runtime/thread_pool.h"
+
+namespace metrale::cli {
+
+std::filesystem::path default_model_dir() {
+  if (const char* env = std::getenv("METRALE_DEFAULT_MODEL"); env != nullptr && *env != '\0') return env;
+  return std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "default";
+}
+
+void add_model_option(CLI::App& command, EngineOptions& options) {
+  command.add_option("--model,-m", options.model,
+                     "Hugging Face model directory (default: the bundled models/default)");
+}
+
+void add_engine_options(CLI::App& command, EngineOptions& options) {
+  command.add_option("--device", options.device, "cpu, cuda or cuda:N (default: the GPU when present, else cpu)");
+  command.add_option("--threads", options.threads, "CPU threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  command.add_option("--block-size", options.block_size, "tokens per KV-cache block")
+      ->capture_default_str()->check(CLI::Range(1, 1024));
+  command.add_option("--max-num-seqs", options.max_num_seqs, "sequences per step at most")
+      ->capture_default_str()->check(CLI::Range(1, 65536));
+  command.add_option("--max-num-batched-tokens", options.max_num_batched_tokens, "tokens per step at most")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  command.add_option("--max-model-len", options.max_model_len, "context length (default: the model's)")
+      ->check(CLI::NonNegativeNumber);
+  command.add_option("--kv-cache-memory", options.kv_cache_memory, "CPU: memory for the KV cache, e.g. 512MiB, 4GiB")
+      ->capture_default_str();
+  command.add_option("--gpu-memory-utilization", options.gpu_memory_utilization,
+                     "GPU: share of device memory for weights, workspace, graphs and KV cache")
+      ->capture_default_str()->check(CLI::Range(0.05, 1.0));
+  command.add_flag("--no-cuda-graphs", options.no_cuda_graphs, "GPU: run decode steps without CUDA graphs");
+}
+
+uint64_t parse_byte_size(const std::string& text, const std::string& what) {
+  size_t end = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &end);
+  } catch (const std::exception&) {
+    raise(ErrorCode::kInvalidArgument, "{}: '{}' is not a size", what, text);
+  }
+  std::string unit = text.substr(end);
+  double scale = 1;
+  if (unit.empty() || unit == "B") scale = 1;
+  else if (unit == "K" || unit == "KiB" || unit == "KB") scale = 1024.0;
+  else if (unit == "M" || unit == "MiB" || unit == "MB") scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB" || unit == "GB") scale = 1024.0 * 1024 * 1024;
+  else raise(ErrorCode::kInvalidArgument, "{}: unknown unit '{}' in '{}'", what, unit, text);
+  if (!(value > 0) || !std::isfinite(value)) raise(ErrorCode::kInvalidArgument, "{}: '{}' must be positive", what, text);
+  return static_cast<uint64_t>(value * scale);
+}
+
+SamplingParams load_generation_defaults(const std::filesystem::path& model_dir) {
+  SamplingParams params;
+  const auto path = model_dir / "generation_config.json";
+  if (!std::filesystem::exists(path)) return params;
+  nlohmann::json config;
+  try {
+    config = nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    raise(ErrorCode::kBadFormat, "{}: invalid JSON: {}", path.string(), e.what());
+  }
+  const auto number = [&](const char* key, auto& field) {
+    if (config.contains(key) && config[key].is_number()) field = config[key].get<std::decay_t<decltype(field)>>();
+  };
+  number("temperature", params.temperature);
+  number("top_p", params.top_p);
+  number("top_k", params.top_k);
+  number("min_p", params.min_p);
+  number("repetition_penalty", params.repetition_penalty);
+  if (config.value("do_sample", true) == false) params.temperature = 0.0f;
+  return params;
+}
+
+std::filesystem::path resolve_model_dir(const EngineOptions& options) {
+  const std::filesystem::path dir = options.model.empty() ? default_model_dir() : std::filesystem::path(options.model);
+  if (!std::filesystem::is_directory(dir)) {
+    raise(ErrorCode::kInvalidArgument, "model directory {} does not exist", dir.string());
+  }
+  return dir;
+}
+
+EngineConfig engine_config_from(const EngineOptions& options) {
+  EngineConfig config;
+  config.block_size = options.block_size;
+  config.max_model_len = options.max_model_len;
+  config.kv_cache_bytes = parse_byte_size(options.kv_cache_memory, "--kv-cache-memory");
+  config.scheduler.max_num_seqs = options.max_num_seqs;
+  config.scheduler.max_num_batched_tokens = options.max_num_batched_tokens;
+  config.gpu_memory_utilization = options.gpu_memory_utilization;
+  config.cuda_graphs = !options.no_cuda_graphs;
+  return config;
+}
+
+std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk) {
+  if (options.threads > 0) set_cpu_threads(options.threads);
+  const Device device = options.device.empty() ? default_device() : parse_device(options.device);
+  if (device.is_cuda() && !cuda_available()) {
+    raise(ErrorCode::kInvalidArgument, "--device {}: no CUDA device is available in this build or machine",
+          options.device);
+  }
+  EngineConfig config = engine_config_from(options);
+  config.scheduler.max_prefill_chunk = max_prefill_chunk;
+  auto model = load_model(resolve_model_dir(options), device);
+  return std::make_unique<Engine>(std::move(model), config);
+}
+
+}  // namespace metrale::cli

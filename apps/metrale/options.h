@@ -1,0 +1,50 @@
+// Options shared by the subcommands that load a model: where it is, where it runs, and how the
+// engine is sized.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "engine/engine.h"
+
+namespace metrale::cli {
+
+struct EngineOptions {
+  std::string model;                  // directory; empty: the bundled default model
+  std::string device;                 // "cpu", "cuda", "cuda:N"; empty: GPU when present
+  int threads = 0;                    // CPU threads; 0: all cores
+  int block_size = 16;
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 2048;
+  int64_t max_model_len = 0;
+  std::string kv_cache_memory = "2GiB";   // CPU KV-cache budget
+  double gpu_memory_utilization = 0.90;   // GPU: share of device memory for weights, workspace, graphs, cache
+  bool no_cuda_graphs = false;
+};
+
+// The EngineConfig the flags describe (limits, memory, graphs); the scheduler's chunk cap aside.
+EngineConfig engine_config_from(const EngineOptions& options);
+
+// The bundled default model: $METRALE_DEFAULT_MODEL, else models/default of the source tree the
+// binary was built from.
+std::filesystem::path default_model_dir();
+
+// `--model` and the engine flags. `model_required`: whether --model may be omitted.
+void add_model_option(CLI::App& command, EngineOptions& options);
+void add_engine_options(CLI::App& command, EngineOptions& options);
+
+std::filesystem::path resolve_model_dir(const EngineOptions& options);
+// Loads the model and builds the engine; `scheduler` overrides are applied on top of the flags.
+std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk = 0);
+
+// Sampling defaults from <dir>/generation_config.json (temperature, top_p, top_k, min_p,
+// repetition_penalty; do_sample false means greedy); library defaults where absent.
+SamplingParams load_generation_defaults(const std::filesystem::path& model_dir);
+
+// Parses "512MiB", "2GiB", "1.5G", "1048576" into bytes; throws kInvalidArgument.
+uint64_t parse_byte_size(const std::string& text, const std::string& what);
+
+}  // namespace metrale::cli

@@ -1,0 +1,343 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/strings.h"
+#include "kernels/sampling.h"
+#include "runtime/buffer.h"
+#include "runtime/stream.h"
+
+#include <fmt/ranges.h>
+
+namespace metrale {
+
+std::string_view finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kAbort: return "abort";
+    case FinishReason::kNone: return "";
+  }
+  return "";
+}
+
+std::string EnginePlan::describe() const {
+  std::string text = fmt::format("KV cache: {} blocks of {} tokens ({}, {} tokens); max model length {}", num_kv_blocks,
+                                 block_size, format_bytes(kv_cache_bytes),
+                                 static_cast<int64_t>(num_kv_blocks) * block_size, max_model_len);
+  if (device_total_bytes > 0) {
+    text += fmt::format("; workspace {}; in use before the cache {} of {}", format_bytes(workspace_bytes),
+                        format_bytes(used_before_cache), format_bytes(device_total_bytes));
+  }
+  if (!graph_batch_sizes.empty()) text += fmt::format("; decode graphs for batch {}", fmt::join(graph_batch_sizes, ","));
+  return text;
+}
+
+Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
+    : model_(std::move(model)), config_(config), scheduler_(config.scheduler), seed_source_(std::random_device{}()) {
+  const ModelConfig& model_config = model_->config();
+  const Device device = model_->device();
+  const std::vector<LayerCacheSpec> specs = model_->cache_specs();
+  if (config_.block_size <= 0) raise(ErrorCode::kInvalidArgument, "block size must be positive");
+  if (config_.scheduler.max_num_seqs <= 0 || config_.scheduler.max_num_batched_tokens <= 0)
+    raise(ErrorCode::kInvalidArgument, "max-num-seqs and max-num-batched-tokens must be positive");
+  if (!(config_.gpu_memory_utilization > 0.0 && config_.gpu_memory_utilization <= 1.0))
+    raise(ErrorCode::kInvalidArgument, "gpu-memory-utilization must be in (0, 1], got {}", config_.gpu_memory_utilization);
+  plan_.block_size = config_.block_size;
+  plan_.max_model_len = config_.max_model_len > 0 ? config_.max_model_len : model_config.max_position_embeddings;
+
+  RunnerLimits limits;
+  limits.max_num_tokens = config_.scheduler.max_num_batched_tokens;
+  limits.max_num_seqs = config_.scheduler.max_num_seqs;
+  limits.max_model_len = plan_.max_model_len;
+  limits.block_size = config_.block_size;
+  runner_ = std::make_unique<Runner>(*model_, limits);
+
+  const DType kv_dtype = device.is_cpu() ? DType::kF32 : DType::kBF16;
+  const uint64_t per_block = std::max<uint64_t>(1, kv_bytes_per_block(specs, config_.block_size, kv_dtype));
+  const int64_t blocks_per_seq = (plan_.max_model_len + config_.block_size - 1) / config_.block_size;
+  uint64_t kv_budget = config_.kv_cache_bytes;
+  if (device.is_cuda()) {
+    // One budget: weights (already resident), then the workspace of the largest step, then the
+    // graphs, then the KV cache gets what is left of utilization x total.
+    plan_.workspace_bytes = runner_->plan_workspace();
+    size_t free_bytes = 0, total_bytes = 0;
+    device_memory_info(device, free_bytes, total_bytes);
+    plan_.device_total_bytes = total_bytes;
+    plan_.used_before_cache = total_bytes - free_bytes;
+    const uint64_t graph_reserve = config_.cuda_graphs ? (256ull << 20) : 0;
+    const auto allowed = static_cast<uint64_t>(config_.gpu_memory_utilization * static_cast<double>(total_bytes));
+    const uint64_t committed = plan_.used_before_cache + graph_reserve;
+    if (allowed <= committed + per_block) {
+      raise(ErrorCode::kOutOfMemory,
+            "no room for a KV cache: {} of {} in use after loading (weights + workspace {}), limit {} "
+            "(raise --gpu-memory-utilization or lower --max-num-batched-tokens)",
+            format_bytes(plan_.used_before_cache), format_bytes(total_bytes), format_bytes(plan_.workspace_bytes),
+            format_bytes(allowed));
+    }
+    kv_budget = allowed - committed;
+  }
+  if (config_.num_kv_blocks > 0) {
+    plan_.num_kv_blocks = config_.num_kv_blocks;
+  } else {
+    // Enough for every sequence at full length when that fits the budget, else what the budget holds.
+    const int64_t wanted = blocks_per_seq * config_.scheduler.max_num_seqs;
+    const int64_t affordable = static_cast<int64_t>(kv_budget / per_block);
+    plan_.num_kv_blocks = static_cast<int32_t>(std::clamp<int64_t>(std::min(wanted, affordable), 1, 1 << 30));
+  }
+  CacheConfig cache_config{config_.block_size, plan_.num_kv_blocks, kv_dtype};
+  cache_ = std::make_unique<CacheManager>(specs, cache_config, device);
+  plan_.kv_cache_bytes = cache_->memory_bytes();
+  runner_->set_cache(cache_.get());
+  if (device.is_cuda() && config_.cuda_graphs) {
+    runner_->capture_decode_graphs(config_.graph_batch_sizes);
+    plan_.graph_batch_sizes = runner_->graph_batch_sizes();
+  }
+  METRALE_LOG_INFO("{}", plan_.describe());
+}
+
+struct Engine::DeviceSampling {
+  PinnedBuffer host;  // staging for the six parameter arrays, then the results
+  OwnedTensor temperature, top_k, top_p, min_p, seed, step, tokens, logprobs;
+  int64_t capacity = 0;
+};
+
+Engine::~Engine() = default;
+
+bool Engine::sample_on_device(const StepResult& result, std::vector<SampledToken>& sampled) {
+  const Device device = result.logits.device();
+  const int64_t rows = static_cast<int64_t>(result.uses.size());
+  for (int64_t i = 0; i < rows; ++i) {
+    const LogitRowUse& use = result.uses[static_cast<size_t>(i)];
+    const Sequence& sequence = *use.chunk.sequence;
+    const SamplingParams& params = sequence.request.sampling;
+    if (!use.chunk.samples || use.num_rows != 1 || use.first_row != i || sequence.request.max_tokens == 0 ||
+        sequence.request.return_prompt_logits || params.top_logprobs > 0 || params.repetition_penalty != 1.0f ||
+        params.presence_penalty != 0.0f || params.frequency_penalty != 0.0f) {
+      return false;
+    }
+  }
+  if (!device_sampling_ || device_sampling_->capacity < rows) {
+    auto state = std::make_unique<DeviceSampling>();
+    state->capacity = std::max<int64_t>(rows, config_.scheduler.max_num_seqs);
+    const int64_t n = state->capacity;
+    state->host = PinnedBuffer(static_cast<size_t>(n) * 40);
+    state->temperature = OwnedTensor(DType::kF32, {n}, device);
+    state->top_k = OwnedTensor(DType::kI32, {n}, device);
+    state->top_p = OwnedTensor(DType::kF32, {n}, device);
+    state->min_p = OwnedTensor(DType::kF32, {n}, device);
+    state->seed = OwnedTensor(DType::kI64, {n}, device);
+    state->step = OwnedTensor(DType::kI64, {n}, device);
+    state->tokens = OwnedTensor(DType::kI32, {n}, device);
+    state->logprobs = OwnedTensor(DType::kF32, {n}, device);
+    device_sampling_ = std::move(state);
+  }
+  DeviceSampling& state = *device_sampling_;
+  // Host layout: temperature f32 | top_k i32 | top_p f32 | min_p f32 | seed i64 | step i64, each [n].
+  const int64_t n = state.capacity;
+  auto* base = static_cast<char*>(state.host.data());
+  auto* temperature = reinterpret_cast<float*>(base);
+  auto* top_k = reinterpret_cast<int32_t*>(base + 4 * n);
+  auto* top_p = reinterpret_cast<float*>(base + 8 * n);
+  auto* min_p = reinterpret_cast<float*>(base + 12 * n);
+  auto* seed = reinterpret_cast<int64_t*>(base + 16 * n);
+  auto* step = reinterpret_cast<int64_t*>(base + 24 * n);
+  for (int64_t i = 0; i < rows; ++i) {
+    const Sequence& sequence = *result.uses[static_cast<size_t>(i)].chunk.sequence;
+    const SamplingParams& params = sequence.request.sampling;
+    temperature[i] = params.temperature;
+    top_k[i] = params.top_k;
+    top_p[i] = params.top_p;
+    min_p[i] = params.min_p;
+    seed[i] = static_cast<int64_t>(sequence.seed);
+    step[i] = sequence.num_output();
+  }
+  const auto upload = [&](OwnedTensor& target, const void* source, size_t element) {
+    copy_bytes_async(target.tensor.data(), device, source, Device::cpu(), static_cast<size_t>(rows) * element);
+  };
+  upload(state.temperature, temperature, 4);
+  upload(state.top_k, top_k, 4);
+  upload(state.top_p, top_p, 4);
+  upload(state.min_p, min_p, 4);
+  upload(state.seed, seed, 8);
+  upload(state.step, step, 8);
+  kernels::SamplingRowParams row_params{state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
+                                        state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
+                                        state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
+  kernels::sample_tokens(result.logits.slice(0, 0, rows), row_params, state.tokens.tensor.slice(0, 0, rows),
+                         state.logprobs.tensor.slice(0, 0, rows));
+  // Results come back into the (now consumed) staging area: tokens i32 then logprobs f32.
+  auto* tokens_out = reinterpret_cast<int32_t*>(base);
+  auto* logprobs_out = reinterpret_cast<float*>(base + 4 * n);
+  copy_bytes_async(tokens_out, Device::cpu(), state.tokens.tensor.data(), device, static_cast<size_t>(rows) * 4);
+  copy_bytes_async(logprobs_out, Device::cpu(), state.logprobs.tensor.data(), device, static_cast<size_t>(rows) * 4);
+  synchronize(device);
+  sampled.resize(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) {
+    if (tokens_out[i] < 0) raise(ErrorCode::kInternal, "device sampling found no valid logit in row {}", i);
+    sampled[static_cast<size_t>(i)].token = tokens_out[i];
+    sampled[static_cast<size_t>(i)].logprob = logprobs_out[i];
+  }
+  return true;
+}
+
+int64_t Engine::add_request(Request request) {
+  const int64_t vocab = model_->config().vocab_size;
+  if (request.prompt.empty()) raise(ErrorCode::kInvalidArgument, "the prompt is empty");
+  for (const int32_t id : request.prompt) {
+    if (id < 0 || id >= vocab) raise(ErrorCode::kInvalidArgument, "prompt token id {} is outside the vocabulary [0, {})", id, vocab);
+  }
+  for (const int32_t id : request.stop_token_ids) {
+    if (id < 0 || id >= vocab) raise(ErrorCode::kInvalidArgument, "stop token id {} is outside the vocabulary [0, {})", id, vocab);
+  }
+  if (request.max_tokens < 0) raise(ErrorCode::kInvalidArgument, "max_tokens must be >= 0, got {}", request.max_tokens);
+  if (request.max_tokens == 0 && !request.return_prompt_logits)
+    raise(ErrorCode::kInvalidArgument, "max_tokens must be at least 1");
+  request.sampling.validate();
+  const int64_t prompt_len = static_cast<int64_t>(request.prompt.size());
+  if (prompt_len > plan_.max_model_len) {
+    raise(ErrorCode::kInvalidArgument, "the prompt has {} tokens but the model's context is {}", prompt_len,
+          plan_.max_model_len);
+  }
+  // The longest this request can get must fit in the whole cache, or it could never finish.
+  const int64_t longest = std::min<int64_t>(prompt_len + request.max_tokens, plan_.max_model_len);
+  if (cache_->blocks_for(longest) > plan_.num_kv_blocks) {
+    raise(ErrorCode::kInvalidArgument, "the request needs up to {} tokens of KV cache but the cache holds {}", longest,
+          static_cast<int64_t>(plan_.num_kv_blocks) * plan_.block_size);
+  }
+  auto sequence = std::make_unique<Sequence>();
+  sequence->id = next_id_++;
+  sequence->arrival = next_arrival_++;
+  sequence->tokens = request.prompt;
+  sequence->num_prompt = prompt_len;
+  sequence->seed = request.sampling.seed.value_or(seed_source_());
+  if (request.return_prompt_logits) sequence->prompt_logits.assign(static_cast<size_t>(prompt_len * vocab), 0.0f);
+  sequence->request = std::move(request);
+  Sequence* raw = sequence.get();
+  sequences_.emplace(raw->id, std::move(sequence));
+  waiting_.push_back(raw);
+  return raw->id;
+}
+
+void Engine::abort_request(int64_t request_id) {
+  const auto it = sequences_.find(request_id);
+  if (it == sequences_.end() || it->second->finished()) return;
+  Sequence& sequence = *it->second;
+  running_.erase(std::remove(running_.begin(), running_.end(), &sequence), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &sequence), waiting_.end());
+  finish(sequence, FinishReason::kAbort);
+  TokenEvent event;
+  event.request_id = request_id;
+  event.finish_reason = FinishReason::kAbort;
+  pending_events_.push_back(std::move(event));
+}
+
+void Engine::finish(Sequence& sequence, FinishReason reason) {
+  sequence.status = SequenceStatus::kFinished;
+  sequence.finish_reason = reason;
+  cache_->free_sequence(sequence.id);
+}
+
+std::optional<FinishReason> Engine::stop_reason(const Sequence& sequence, int32_t token) const {
+  const Request& request = sequence.request;
+  if (!request.ignore_eos) {
+    const auto& eos = model_->config().eos_token_ids;
+    if (std::find(eos.begin(), eos.end(), token) != eos.end()) return FinishReason::kStop;
+  }
+  if (std::find(request.stop_token_ids.begin(), request.stop_token_ids.end(), token) != request.stop_token_ids.end())
+    return FinishReason::kStop;
+  if (sequence.num_output() >= request.max_tokens) return FinishReason::kLength;
+  if (sequence.num_tokens() >= plan_.max_model_len) return FinishReason::kLength;
+  return std::nullopt;
+}
+
+std::vector<TokenEvent> Engine::step() {
+  std::vector<TokenEvent> events = std::move(pending_events_);
+  pending_events_.clear();
+  if (!has_unfinished()) return events;
+  const SchedulePlan plan = scheduler_.schedule(running_, waiting_, *cache_);
+  if (plan.empty()) {
+    METRALE_CHECK(running_.empty() || !waiting_.empty(), "nothing schedulable with {} running", running_.size());
+    return events;
+  }
+  StepResult result = runner_->execute(plan);
+  const int64_t vocab = model_->config().vocab_size;
+  std::vector<SampledToken> device_sampled;
+  const bool sampled_on_device = !result.logits.device().is_cpu() && sample_on_device(result, device_sampled);
+  if (!result.logits.device().is_cpu() && !sampled_on_device) {
+    // Sampling runs on the host: bring back the rows the step asked for.
+    int64_t rows = 0;
+    for (const LogitRowUse& use : result.uses) rows = std::max(rows, use.first_row + use.num_rows);
+    host_logits_.resize(static_cast<size_t>(rows * vocab));
+    copy_bytes(host_logits_.data(), Device::cpu(), result.logits.data(), result.logits.device(),
+               host_logits_.size() * sizeof(float));
+    result.logits = Tensor(host_logits_.data(), DType::kF32, {rows, vocab}, Device::cpu());
+  }
+  std::vector<Sequence*> finished;
+  for (const LogitRowUse& use : result.uses) {
+    Sequence& sequence = *use.chunk.sequence;
+    // Prompt logits for scoring: rows for positions below num_prompt.
+    if (sequence.request.return_prompt_logits) {
+      for (int64_t r = 0; r < use.num_rows; ++r) {
+        const int64_t position = use.first_position + r;
+        if (position >= sequence.num_prompt) break;
+        const float* row = result.logits.data_as<const float>() + (use.first_row + r) * vocab;
+        std::copy(row, row + vocab, sequence.prompt_logits.begin() + position * vocab);
+      }
+    }
+    sequence.num_computed += use.chunk.num_new;
+    if (!use.chunk.samples) continue;
+    if (sequence.request.max_tokens == 0) {  // scoring only
+      finish(sequence, FinishReason::kLength);
+      finished.push_back(&sequence);
+      TokenEvent event;
+      event.request_id = sequence.id;
+      event.finish_reason = FinishReason::kLength;
+      events.push_back(std::move(event));
+      continue;
+    }
+    TokenEvent event;
+    event.request_id = sequence.id;
+    if (sampled_on_device) {
+      event.sampled = device_sampled[static_cast<size_t>(use.first_row)];
+    } else {
+      float* row = result.logits.data_as<float>() + (use.first_row + use.num_rows - 1) * vocab;
+      event.sampled = sampler_.sample(std::span<float>(row, static_cast<size_t>(vocab)), sequence.request.sampling,
+                                      sequence.prompt(), sequence.output(), sequence.seed,
+                                      static_cast<uint64_t>(sequence.num_output()));
+    }
+    sequence.tokens.push_back(event.sampled.token);
+    if (const auto reason = stop_reason(sequence, event.sampled.token)) {
+      finish(sequence, *reason);
+      finished.push_back(&sequence);
+      event.finish_reason = *reason;
+    }
+    events.push_back(std::move(event));
+  }
+  if (!finished.empty()) {
+    running_.erase(std::remove_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->finished(); }),
+                   running_.end());
+  }
+  return events;
+}
+
+const Sequence& Engine::sequence(int64_t request_id) const {
+  const auto it = sequences_.find(request_id);
+  if (it == sequences_.end()) raise(ErrorCode::kNotFound, "no request {}", request_id);
+  return *it->second;
+}
+
+void Engine::release(int64_t request_id) {
+  const auto it = sequences_.find(request_id);
+  if (it == sequences_.end()) return;
+  if (!it->second->finished()) abort_request(request_id);
+  sequences_.erase(request_id);
+  // Drop events of a released request that were not delivered yet.
+  pending_events_.erase(std::remove_if(pending_events_.begin(), pending_events_.end(),
+                                       [&](const TokenEvent& e) { return e.request_id == request_id; }),
+                        pending_events_.end());
+}
+
+}  // namespace metrale

@@ -1,0 +1,115 @@
+// Engine: the step loop. Callers add requests; each step() schedules a ragged batch (decode rows
+// and prefill chunks together), runs it, samples, applies stop conditions and reports the new
+// tokens. The engine is single-threaded: one thread owns it (and the device).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "engine/request.h"
+#include "engine/runner.h"
+#include "engine/sampler.h"
+#include "engine/scheduler.h"
+#include "model/model.h"
+
+namespace metrale {
+
+struct EngineConfig {
+  int32_t block_size = 16;
+  int32_t num_kv_blocks = 0;            // 0: planned from kv_cache_bytes and the limits below
+  uint64_t kv_cache_bytes = 2ull << 30; // budget for the KV cache when num_kv_blocks is 0
+  int64_t max_model_len = 0;            // 0: the model's max_position_embeddings
+  SchedulerConfig scheduler;
+  // GPU: the fraction of device memory the engine may use (weights, workspace, graphs, KV cache).
+  double gpu_memory_utilization = 0.90;
+  bool cuda_graphs = true;               // capture decode steps as CUDA graphs
+  std::vector<int64_t> graph_batch_sizes = {1, 2, 4, 8, 16, 32, 64, 128};
+};
+
+struct TokenEvent {
+  int64_t request_id = 0;
+  SampledToken sampled;              // token, logprob, top logprobs
+  FinishReason finish_reason = FinishReason::kNone;  // set on the event that finishes the request
+  bool finished() const { return finish_reason != FinishReason::kNone; }
+};
+
+// What the planner chose, for logs and tests.
+struct EnginePlan {
+  int32_t num_kv_blocks = 0;
+  int32_t block_size = 0;
+  int64_t max_model_len = 0;
+  uint64_t kv_cache_bytes = 0;
+  uint64_t workspace_bytes = 0;      // GPU step workspace
+  uint64_t device_total_bytes = 0;   // GPU memory
+  uint64_t used_before_cache = 0;    // weights + workspace + runtime, measured before the KV cache
+  std::vector<int64_t> graph_batch_sizes;
+  std::string describe() const;      // one line for logs and `bench`
+};
+
+class Engine {
+ public:
+  Engine(std::unique_ptr<Model> model, const EngineConfig& config);
+  ~Engine();
+
+  const Model& model() const { return *model_; }
+  const EnginePlan& plan() const { return plan_; }
+  const CacheManager& cache() const { return *cache_; }
+  CacheManager& mutable_cache() { return *cache_; }
+  Runner& runner() { return *runner_; }
+
+  // Validates and queues a request; returns its id. Throws kInvalidArgument for bad requests
+  // (empty prompt, ids outside the vocabulary, bad sampling parameters, too long for the context
+  // or for the whole KV cache).
+  int64_t add_request(Request request);
+  // Cancels a request: it finishes with kAbort and its blocks are freed at once.
+  void abort_request(int64_t request_id);
+
+  bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
+  size_t num_running() const { return running_.size(); }
+  size_t num_waiting() const { return waiting_.size(); }
+
+  // Runs one step; returns one event per token generated (and one for each request that finished
+  // without a token, e.g. scoring or abort).
+  std::vector<TokenEvent> step();
+
+  // A request's state (finished ones stay until release()).
+  const Sequence& sequence(int64_t request_id) const;
+  void release(int64_t request_id);
+
+ private:
+  void finish(Sequence& sequence, FinishReason reason);
+  std::optional<FinishReason> stop_reason(const Sequence& sequence, int32_t token) const;
+
+  std::unique_ptr<Model> model_;
+  EngineConfig config_;
+  EnginePlan plan_;
+  std::unique_ptr<CacheManager> cache_;
+  std::unique_ptr<Runner> runner_;
+  Scheduler scheduler_;
+  Sampler sampler_;
+  std::mt19937_64 seed_source_;
+
+  int64_t next_id_ = 1;
+  int64_t next_arrival_ = 0;
+  std::unordered_map<int64_t, std::unique_ptr<Sequence>> sequences_;
+  std::vector<Sequence*> running_;
+  std::deque<Sequence*> waiting_;
+  std::vector<TokenEvent> pending_events_;  // events produced outside step() (aborts)
+  std::vector<float> host_logits_;          // logits rows copied from the device for sampling
+
+  // Sampling on the device: per-row parameters and results, sized for max_num_seqs rows.
+  struct DeviceSampling;
+  std::unique_ptr<DeviceSampling> device_sampling_;
+  // Samples rows [0, uses.size()) of a device logits tensor on the device when every row can be
+  // (no penalties, no top logprobs) and rows line up with the chunks; returns false otherwise.
+  bool sample_on_device(const StepResult& result, std::vector<SampledToken>& sampled);
+};
+
+}  // namespace metrale

@@ -1,0 +1,54 @@
+// Request: what a caller asks the engine for. Sequence: the engine's running state of one request.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "engine/sampler.h"
+
+namespace metrale {
+
+enum class FinishReason {
+  kNone,    // still running
+  kStop,    // an EOS id or a stop token id was generated
+  kLength,  // max_tokens reached, or the model's context is full
+  kAbort,   // cancelled by the caller
+};
+
+std::string_view finish_reason_name(FinishReason reason);  // "stop", "length", "abort", ""
+
+struct Request {
+  std::vector<int32_t> prompt;            // token ids, at least one
+  SamplingParams sampling;
+  int32_t max_tokens = 16;                // tokens to generate; 0 only with return_prompt_logits
+  bool ignore_eos = false;                // do not stop on the model's EOS ids
+  std::vector<int32_t> stop_token_ids;    // extra ids that end generation (the id is kept in the output)
+  bool return_prompt_logits = false;      // keep the logits of every prompt position (scoring)
+};
+
+enum class SequenceStatus { kWaiting, kRunning, kFinished };
+
+struct Sequence {
+  int64_t id = 0;
+  Request request;
+  std::vector<int32_t> tokens;  // prompt followed by generated tokens
+  int64_t num_prompt = 0;
+  int64_t num_computed = 0;     // leading tokens whose keys/values are in the cache
+  SequenceStatus status = SequenceStatus::kWaiting;
+  FinishReason finish_reason = FinishReason::kNone;
+  uint64_t seed = 0;            // the request's seed, or one drawn by the engine
+  int64_t arrival = 0;          // admission order, for FCFS and preemption
+  int32_t num_preemptions = 0;
+  std::vector<float> prompt_logits;  // [num_prompt, vocab] when requested
+
+  int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  int64_t num_output() const { return num_tokens() - num_prompt; }
+  std::span<const int32_t> prompt() const { return {tokens.data(), static_cast<size_t>(num_prompt)}; }
+  std::span<const int32_t> output() const {
+    return {tokens.data() + num_prompt, static_cast<size_t>(num_output())};
+  }
+  bool finished() const { return status == SequenceStatus::kFinished; }
+};
+
+}  // namespace metrale

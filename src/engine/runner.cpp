@@ -1,0 +1,320 @@
+#include "engine/runner.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/strings.h"
+#include "runtime/stream.h"
+#if METRALE_WITH_CUDA
+#include "runtime/cuda/cuda_graph.h"
+#endif
+
+namespace metrale {
+
+// Host arrays of one step, each sized for the limits (pinned when a GPU is used).
+struct Runner::HostStep {
+  PinnedBuffer token_ids, positions, cu_q, kv_lens, block_tables, slot_mapping, logit_rows;
+  int64_t num_tokens = 0, num_seqs = 0, num_rows = 0;
+  int64_t block_stride = 0;  // columns of the block table
+  int64_t max_q_len = 0, max_kv_len = 0;
+
+  static int32_t* ints(const PinnedBuffer& buffer) { return static_cast<int32_t*>(buffer.data()); }
+};
+
+struct Runner::Graph {
+#if METRALE_WITH_CUDA
+  CudaGraph graph;
+#endif
+  int64_t batch_size = 0;
+};
+
+namespace {
+
+int64_t max_blocks_per_seq(const RunnerLimits& limits) {
+  return (limits.max_model_len + limits.block_size - 1) / limits.block_size;
+}
+
+}  // namespace
+
+Runner::Runner(Model& model, const RunnerLimits& limits)
+    : model_(model), limits_(limits), workspace_(model.device(), 16u << 20, /*growable=*/true),
+      host_(std::make_unique<HostStep>()) {
+  const int64_t tokens = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const int64_t seqs = limits_.max_num_seqs;
+  const int64_t blocks = max_blocks_per_seq(limits_);
+  const auto ints = [](int64_t count) { return PinnedBuffer(static_cast<size_t>(count) * sizeof(int32_t)); };
+  host_->token_ids = ints(tokens);
+  host_->positions = ints(tokens);
+  host_->slot_mapping = ints(tokens);
+  host_->logit_rows = ints(tokens);
+  host_->cu_q = ints(seqs + 1);
+  host_->kv_lens = ints(seqs);
+  host_->block_tables = ints(seqs * blocks);
+  const Device device = model_.device();
+  if (device.is_cuda()) {
+    token_ids_ = OwnedTensor(DType::kI32, {tokens}, device);
+    positions_ = OwnedTensor(DType::kI32, {tokens}, device);
+    slot_mapping_ = OwnedTensor(DType::kI32, {tokens}, device);
+    logit_rows_ = OwnedTensor(DType::kI32, {tokens}, device);
+    cu_q_ = OwnedTensor(DType::kI32, {seqs + 1}, device);
+    kv_lens_ = OwnedTensor(DType::kI32, {seqs}, device);
+    block_tables_ = OwnedTensor(DType::kI32, {seqs * blocks}, device);
+    logits_ = OwnedTensor(DType::kF32, {seqs, model_.config().vocab_size}, device);
+  }
+}
+
+Runner::~Runner() = default;
+
+void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, StepResult& result) {
+  HostStep& h = *host_;
+  const int64_t block_size = limits_.block_size;
+  const int64_t real_seqs = static_cast<int64_t>(plan.chunks.size());
+  const int64_t num_seqs = std::max(real_seqs, padded_seqs);
+  METRALE_CHECK(num_seqs <= limits_.max_num_seqs, "step of {} sequences exceeds the limit {}", num_seqs,
+                limits_.max_num_seqs);
+  int64_t step_blocks = 1;
+  for (const auto& chunk : plan.chunks) {
+    step_blocks = std::max<int64_t>(step_blocks, cache_->block_table(chunk.sequence->id).size());
+  }
+  h.block_stride = padded_seqs > 0 ? max_blocks_per_seq(limits_) : step_blocks;
+  int32_t* token_ids = HostStep::ints(h.token_ids);
+  int32_t* positions = HostStep::ints(h.positions);
+  int32_t* slots = HostStep::ints(h.slot_mapping);
+  int32_t* rows = HostStep::ints(h.logit_rows);
+  int32_t* cu_q = HostStep::ints(h.cu_q);
+  int32_t* kv_lens = HostStep::ints(h.kv_lens);
+  int32_t* tables = HostStep::ints(h.block_tables);
+  std::fill(tables, tables + num_seqs * h.block_stride, 0);
+
+  int64_t t = 0, r = 0;
+  h.max_q_len = 0;
+  h.max_kv_len = 0;
+  cu_q[0] = 0;
+  result.uses.clear();
+  for (int64_t s = 0; s < real_seqs; ++s) {
+    const ScheduledChunk& chunk = plan.chunks[static_cast<size_t>(s)];
+    const Sequence& sequence = *chunk.sequence;
+    const auto table = cache_->block_table(sequence.id);
+    const int64_t begin = sequence.num_computed, end = begin + chunk.num_new;
+    METRALE_CHECK(static_cast<int64_t>(table.size()) * block_size >= end, "sequence {} has {} blocks for {} tokens",
+                  sequence.id, table.size(), end);
+    METRALE_CHECK(t + chunk.num_new <= std::max(limits_.max_num_tokens, limits_.max_num_seqs),
+                  "step exceeds the token limit");
+    std::copy(table.begin(), table.end(), tables + s * h.block_stride);
+    const int64_t first_row = t;
+    for (int64_t p = begin; p < end; ++p, ++t) {
+      token_ids[t] = sequence.tokens[static_cast<size_t>(p)];
+      positions[t] = static_cast<int32_t>(p);
+      slots[t] = table[static_cast<size_t>(p / block_size)] * static_cast<int32_t>(block_size) +
+                 static_cast<int32_t>(p % block_size);
+    }
+    cu_q[s + 1] = static_cast<int32_t>(t);
+    kv_lens[s] = static_cast<int32_t>(end);
+    h.max_q_len = std::max(h.max_q_len, chunk.num_new);
+    h.max_kv_len = std::max(h.max_kv_len, end);
+
+    // Rows whose logits the engine needs: every prompt position when scoring, and the last row
+    // when the chunk yields a token.
+    LogitRowUse use{chunk, r, 0, 0};
+    int64_t first_wanted = end;
+    if (sequence.request.return_prompt_logits && begin < sequence.num_prompt) first_wanted = begin;
+    if (chunk.samples) first_wanted = std::min(first_wanted, end - 1);
+    const int64_t last_wanted = chunk.samples ? end : std::min(end, sequence.num_prompt);
+    if (first_wanted < last_wanted) {
+      use.first_position = first_wanted;
+      use.num_rows = last_wanted - first_wanted;
+      for (int64_t p = first_wanted; p < last_wanted; ++p) rows[r++] = static_cast<int32_t>(first_row + p - begin);
+    }
+    result.uses.push_back(use);
+  }
+  // Padding rows of a graph batch: one token at position 0 that writes nothing (slot -1) and reads
+  // one key of block 0; their logits are computed and ignored.
+  for (int64_t s = real_seqs; s < num_seqs; ++s, ++t) {
+    token_ids[t] = 0;
+    positions[t] = 0;
+    slots[t] = -1;
+    cu_q[s + 1] = static_cast<int32_t>(t + 1);
+    kv_lens[s] = 1;
+    rows[r++] = static_cast<int32_t>(t);
+    h.max_q_len = std::max<int64_t>(h.max_q_len, 1);
+  }
+  h.num_tokens = t;
+  h.num_seqs = num_seqs;
+  h.num_rows = r;
+  if (padded_seqs > 0) h.max_kv_len = limits_.max_model_len;  // graphs plan for any context
+}
+
+ForwardBatch Runner::upload(bool fixed_block_stride) {
+  HostStep& h = *host_;
+  ForwardBatch batch;
+  batch.num_tokens = h.num_tokens;
+  batch.num_seqs = h.num_seqs;
+  batch.block_size = limits_.block_size;
+  batch.max_q_len = h.max_q_len;
+  batch.max_kv_len = h.max_kv_len;
+  batch.host_cu_q = {HostStep::ints(h.cu_q), static_cast<size_t>(h.num_seqs + 1)};
+  batch.host_kv_lens = {HostStep::ints(h.kv_lens), static_cast<size_t>(h.num_seqs)};
+  batch.host_logit_rows = {HostStep::ints(h.logit_rows), static_cast<size_t>(h.num_rows)};
+  const Device device = model_.device();
+  const int64_t stride = fixed_block_stride ? max_blocks_per_seq(limits_) : h.block_stride;
+  const auto place = [&](const PinnedBuffer& host, OwnedTensor& target, int64_t count, Shape shape) -> Tensor {
+    if (device.is_cpu()) return Tensor(host.data(), DType::kI32, shape, Device::cpu());
+    copy_bytes_async(target.tensor.data(), device, host.data(), Device::cpu(), static_cast<size_t>(count) * sizeof(int32_t));
+    return Tensor(target.tensor.data(), DType::kI32, shape, device);
+  };
+  batch.token_ids = place(h.token_ids, token_ids_, h.num_tokens, {h.num_tokens});
+  batch.positions = place(h.positions, positions_, h.num_tokens, {h.num_tokens});
+  batch.slot_mapping = place(h.slot_mapping, slot_mapping_, h.num_tokens, {h.num_tokens});
+  batch.logit_rows = place(h.logit_rows, logit_rows_, h.num_rows, {h.num_rows});
+  batch.cu_q = place(h.cu_q, cu_q_, h.num_seqs + 1, {h.num_seqs + 1});
+  batch.kv_lens = place(h.kv_lens, kv_lens_, h.num_seqs, {h.num_seqs});
+  METRALE_CHECK(h.block_stride == stride, "block table stride {} != {}", h.block_stride, stride);
+  batch.block_tables = place(h.block_tables, block_tables_, h.num_seqs * stride, {h.num_seqs, stride});
+  return batch;
+}
+
+void Runner::run_forward(const ForwardBatch& batch, const Tensor& logits) {
+  workspace_.reset();
+  model_.forward(batch, cache_->layer_caches(), logits, workspace_);
+}
+
+StepResult Runner::execute(const SchedulePlan& plan) {
+  METRALE_CHECK(!plan.empty(), "empty step");
+  METRALE_CHECK(cache_ != nullptr, "runner has no cache");
+  StepResult result;
+  const Device device = model_.device();
+  const int64_t vocab = model_.config().vocab_size;
+  const int64_t seqs = static_cast<int64_t>(plan.chunks.size());
+  const bool all_decode = std::all_of(plan.chunks.begin(), plan.chunks.end(), [](const ScheduledChunk& c) {
+    return c.num_new == 1 && c.samples && !c.sequence->request.return_prompt_logits;
+  });
+  // The smallest captured graph that holds this decode batch.
+  const auto graph = all_decode ? graphs_.lower_bound(seqs) : graphs_.end();
+#if METRALE_WITH_CUDA
+  if (graph != graphs_.end()) {
+    const int64_t padded = graph->first;
+    build_host_step(plan, padded, result);
+    upload(/*fixed_block_stride=*/true);
+    graph->second->graph.launch(static_cast<cudaStream_t>(current_stream(device)));
+    result.logits = logits_.tensor.slice(0, 0, padded);
+    result.used_graph = true;
+    return result;
+  }
+#else
+  (void)graph;
+#endif
+  build_host_step(plan, 0, result);
+  const ForwardBatch batch = upload(/*fixed_block_stride=*/false);
+  const int64_t rows = host_->num_rows;
+  if (device.is_cpu()) {
+    logits_ = OwnedTensor(DType::kF32, {rows, vocab}, device);
+    run_forward(batch, logits_.tensor);
+    result.logits = logits_.tensor;
+  } else if (rows <= logits_.tensor.size(0)) {
+    result.logits = logits_.tensor.slice(0, 0, rows);
+    run_forward(batch, result.logits);
+  } else {
+    // Scoring many rows at once: a one-off buffer (eager steps may allocate).
+    synchronize(device);
+    score_logits_ = OwnedTensor(DType::kF32, {rows, vocab}, device);
+    result.logits = score_logits_.tensor;
+    run_forward(batch, result.logits);
+  }
+  return result;
+}
+
+size_t Runner::plan_workspace() {
+  const Device device = model_.device();
+  if (device.is_cpu()) return 0;
+  // A scratch cache big enough for the profile batch: the largest step the scheduler can build.
+  const int64_t tokens = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const int64_t seqs = std::min(limits_.max_num_seqs, tokens);
+  const int64_t per_seq = (tokens + seqs - 1) / seqs;
+  CacheConfig scratch_config{static_cast<int32_t>(limits_.block_size),
+                             static_cast<int32_t>(seqs * ((per_seq + limits_.block_size - 1) / limits_.block_size)),
+                             DType::kBF16};
+  CacheManager scratch(model_.cache_specs(), scratch_config, device);
+  CacheManager* real_cache = cache_;
+  cache_ = &scratch;
+  std::vector<std::unique_ptr<Sequence>> sequences;
+  SchedulePlan plan;
+  int64_t remaining = tokens;
+  for (int64_t s = 0; s < seqs && remaining > 0; ++s) {
+    auto sequence = std::make_unique<Sequence>();
+    sequence->id = -1 - s;
+    const int64_t count = std::min(per_seq, remaining);
+    remaining -= count;
+    sequence->tokens.assign(static_cast<size_t>(count), 0);
+    sequence->num_prompt = count;
+    METRALE_CHECK(scratch.reserve(sequence->id, count), "profile cache too small");
+    plan.chunks.push_back({sequence.get(), count, true});
+    sequences.push_back(std::move(sequence));
+  }
+  StepResult result;
+  build_host_step(plan, 0, result);
+  host_->max_kv_len = limits_.max_model_len;  // size attention scratch for the longest context
+  const ForwardBatch batch = upload(false);
+  workspace_.reserve(workspace_.capacity_bytes(), /*growable=*/true);
+  run_forward(batch, logits_.tensor.slice(0, 0, host_->num_rows));
+  synchronize(device);
+  size_t needed = workspace_.high_water_bytes();
+  // Decode graphs pad to their batch size with the longest context bound: profile the largest one too.
+  if (limits_.max_num_seqs > 0) {
+    SchedulePlan empty;
+    build_host_step(empty, limits_.max_num_seqs, result);
+    const ForwardBatch decode = upload(true);
+    run_forward(decode, logits_.tensor.slice(0, 0, host_->num_rows));
+    synchronize(device);
+    needed = std::max(needed, workspace_.high_water_bytes());
+  }
+  cache_ = real_cache;
+  // Headroom for allocations whose size depends on the batch in ways the two profiles miss.
+  needed = needed + needed / 8 + (4u << 20);
+  workspace_.reserve(needed, /*growable=*/false);
+  METRALE_LOG_INFO("workspace: {} (profiled {} tokens in {} sequences)", format_bytes(needed), tokens, seqs);
+  return needed;
+}
+
+void Runner::capture_decode_graphs(const std::vector<int64_t>& batch_sizes) {
+#if METRALE_WITH_CUDA
+  const Device device = model_.device();
+  if (device.is_cpu()) return;
+  auto stream = static_cast<cudaStream_t>(current_stream(device));
+  for (const int64_t size : batch_sizes) {
+    if (size > limits_.max_num_seqs || graphs_.count(size)) continue;
+    SchedulePlan empty;
+    StepResult result;
+    build_host_step(empty, size, result);
+    const ForwardBatch batch = upload(true);
+    const Tensor logits = logits_.tensor.slice(0, 0, size);
+    run_forward(batch, logits);  // warm-up outside capture: libraries pick algorithms, lazy loads happen
+    synchronize(device);
+    auto graph = std::make_unique<Graph>();
+    graph->batch_size = size;
+    graph->graph.begin_capture(stream);
+    try {
+      run_forward(batch, logits);
+    } catch (...) {
+      cudaGraph_t broken = nullptr;
+      cudaStreamEndCapture(stream, &broken);
+      if (broken != nullptr) cudaGraphDestroy(broken);
+      throw;
+    }
+    graph->graph.end_capture(stream);
+    graphs_.emplace(size, std::move(graph));
+  }
+  synchronize(device);
+  METRALE_LOG_INFO("captured {} decode graphs", graphs_.size());
+#else
+  (void)batch_sizes;
+#endif
+}
+
+std::vector<int64_t> Runner::graph_batch_sizes() const {
+  std::vector<int64_t> sizes;
+  for (const auto& [size, graph] : graphs_) sizes.push_back(size);
+  return sizes;
+}
+
+}  // namespace metrale

@@ -1,0 +1,85 @@
+// Runner: turns a schedule into the model's ForwardBatch, runs the forward and hands back the
+// logits of the requested rows.
+//
+// Step inputs live in persistent buffers sized for the engine's limits: host arrays (pinned when a
+// GPU is used) are filled once per step and uploaded once into device buffers at fixed addresses,
+// so that CUDA graphs captured for decode batch sizes can be replayed with new inputs. Decode steps
+// whose batch fits a captured size are padded to it (padding rows write no KV and their logits are
+// ignored); other steps run eagerly.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "engine/scheduler.h"
+#include "model/model.h"
+
+namespace metrale {
+
+struct RunnerLimits {
+  int64_t max_num_tokens = 2048;  // tokens per step
+  int64_t max_num_seqs = 64;      // sequences per step
+  int64_t max_model_len = 4096;   // longest sequence
+  int64_t block_size = 16;
+};
+
+// Which logits row belongs to what.
+struct LogitRowUse {
+  ScheduledChunk chunk;
+  int64_t first_row = 0;        // index in the step's logits of the chunk's first requested row
+  int64_t first_position = 0;   // token position that row belongs to
+  int64_t num_rows = 0;         // consecutive requested rows (positions first_position, +1, ...)
+};
+
+struct StepResult {
+  Tensor logits;                    // [R, vocab] f32 on the model's device
+  std::vector<LogitRowUse> uses;    // one per scheduled chunk
+  bool used_graph = false;
+};
+
+class Runner {
+ public:
+  Runner(Model& model, const RunnerLimits& limits);
+  ~Runner();
+
+  void set_cache(CacheManager* cache) { cache_ = cache; }
+  const RunnerLimits& limits() const { return limits_; }
+
+  // GPU only: runs the largest step the limits allow (with a scratch cache) and sizes the
+  // workspace arena to its high-water mark; afterwards the arena never grows.
+  size_t plan_workspace();
+  // GPU only: captures one decode graph per batch size (those above max_num_seqs are skipped).
+  void capture_decode_graphs(const std::vector<int64_t>& batch_sizes);
+  std::vector<int64_t> graph_batch_sizes() const;
+
+  // Runs one step. Every chunk's blocks must already be reserved.
+  StepResult execute(const SchedulePlan& plan);
+
+  size_t workspace_bytes() const { return workspace_.capacity_bytes(); }
+
+ private:
+  struct HostStep;  // the step's host arrays
+  // Fills the host arrays for `plan`, padded to `padded_seqs` decode rows when > 0.
+  void build_host_step(const SchedulePlan& plan, int64_t padded_seqs, StepResult& result);
+  ForwardBatch upload(bool fixed_block_stride);
+  void run_forward(const ForwardBatch& batch, const Tensor& logits);
+
+  Model& model_;
+  RunnerLimits limits_;
+  CacheManager* cache_ = nullptr;
+  Arena workspace_;
+  std::unique_ptr<HostStep> host_;
+
+  // Device copies of the step inputs at fixed addresses (GPU), each sized for the limits.
+  OwnedTensor token_ids_, positions_, cu_q_, kv_lens_, block_tables_, slot_mapping_, logit_rows_;
+  OwnedTensor logits_;        // [max_num_seqs, vocab] f32 (GPU); this step's logits (CPU)
+  OwnedTensor score_logits_;  // one-off buffer for steps with more rows than logits_ holds
+
+  struct Graph;
+  std::map<int64_t, std::unique_ptr<Graph>> graphs_;  // by padded batch size
+};
+
+}  // namespace metrale

@@ -1,0 +1,81 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace metrale {
+namespace {
+
+void preempt(Sequence* sequence, CacheManager& cache) {
+  cache.free_sequence(sequence->id);
+  sequence->num_computed = 0;
+  sequence->status = SequenceStatus::kWaiting;
+  ++sequence->num_preemptions;
+}
+
+}  // namespace
+
+SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Sequence*>& waiting, CacheManager& cache) {
+  SchedulePlan plan;
+  int64_t budget = config_.max_num_batched_tokens;
+  const auto chunk_for = [&](const Sequence& sequence) {
+    int64_t count = std::min(sequence.num_tokens() - sequence.num_computed, budget);
+    if (config_.max_prefill_chunk > 0) count = std::min<int64_t>(count, config_.max_prefill_chunk);
+    return count;
+  };
+
+  // Running sequences, oldest first. If one cannot grow, preempt from the newest end.
+  std::sort(running.begin(), running.end(), [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; });
+  std::vector<Sequence*> kept;
+  kept.reserve(running.size());
+  for (size_t i = 0; i < running.size(); ++i) {
+    Sequence* sequence = running[i];
+    const int64_t count = chunk_for(*sequence);
+    if (count <= 0) {
+      kept.push_back(sequence);
+      continue;
+    }
+    bool reserved = cache.reserve(sequence->id, sequence->num_computed + count);
+    while (!reserved && running.size() > i + 1) {
+      Sequence* victim = running.back();
+      running.pop_back();
+      preempt(victim, cache);
+      plan.preempted.push_back(victim);
+      reserved = cache.reserve(sequence->id, sequence->num_computed + count);
+    }
+    if (!reserved) {
+      // Even alone it does not fit this step: preempt it too (it is rescheduled when blocks free up).
+      preempt(sequence, cache);
+      plan.preempted.push_back(sequence);
+      continue;
+    }
+    kept.push_back(sequence);
+    plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens()});
+    plan.num_tokens += count;
+    budget -= count;
+  }
+  running = std::move(kept);
+  // Preempted sequences go back to the front of the queue, oldest first.
+  std::sort(plan.preempted.begin(), plan.preempted.end(),
+            [](const Sequence* a, const Sequence* b) { return a->arrival > b->arrival; });
+  for (Sequence* sequence : plan.preempted) waiting.push_front(sequence);
+
+  // Admit waiting sequences while there is room. A preemption this step means memory is tight:
+  // admit nothing new until the running set has drained a little.
+  while (plan.preempted.empty() && budget > 0 && !waiting.empty() &&
+         static_cast<int32_t>(running.size()) < config_.max_num_seqs) {
+    Sequence* sequence = waiting.front();
+    const int64_t count = chunk_for(*sequence);
+    if (count <= 0 || !cache.reserve(sequence->id, sequence->num_computed + count)) break;
+    waiting.pop_front();
+    sequence->status = SequenceStatus::kRunning;
+    running.push_back(sequence);
+    plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens()});
+    plan.num_tokens += count;
+    budget -= count;
+  }
+  return plan;
+}
+
+}  // namespace metrale

@@ -1,0 +1,241 @@
+// Engine behaviour on tiny random models: continuous batching gives each request the tokens it
+// would get alone, stop conditions, chunked prefill, preemption, aborts, and cache accounting.
+#include "engine/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "core/error.h"
+#include "engine/test_models_helpers.h"
+#include "model/registry.h"
+
+namespace metrale {
+namespace {
+
+using testing::TinyQwen3Options;
+using testing::write_tiny_qwen3;
+
+std::unique_ptr<Engine> make_engine(const std::filesystem::path& dir, EngineConfig config = {}) {
+  return std::make_unique<Engine>(load_model(dir, Device::cpu()), config);
+}
+
+// Runs the engine until every request is done; returns each request's generated tokens.
+std::map<int64_t, std::vector<int32_t>> run_to_completion(Engine& engine) {
+  std::map<int64_t, std::vector<int32_t>> outputs;
+  int guard = 0;
+  while (engine.has_unfinished()) {
+    for (const TokenEvent& event : engine.step()) {
+      if (event.sampled.token >= 0) outputs[event.request_id].push_back(event.sampled.token);
+    }
+    EXPECT_LT(++guard, 10000) << "engine does not make progress";
+    if (guard >= 10000) break;
+  }
+  return outputs;
+}
+
+void expect_cache_drained(const Engine& engine) {
+  const BlockPool& pool = engine.cache().pool();
+  EXPECT_EQ(pool.num_free(), pool.num_blocks());
+  EXPECT_EQ(pool.num_free() + pool.num_used(), pool.num_blocks());
+  EXPECT_EQ(engine.cache().num_sequences(), 0u);
+}
+
+Request make_request(std::vector<int32_t> prompt, int32_t max_tokens, float temperature = 0.0f,
+                     std::optional<uint64_t> seed = std::nullopt) {
+  Request request;
+  request.prompt = std::move(prompt);
+  request.max_tokens = max_tokens;
+  request.ignore_eos = true;
+  request.sampling.temperature = temperature;
+  request.sampling.seed = seed;
+  return request;
+}
+
+const std::vector<std::vector<int32_t>> kPrompts = {
+    {5, 9, 17, 3, 44, 61, 2, 8, 90, 33, 12, 7, 70, 71, 72, 19, 21, 5, 6},  // 19 tokens: spans two blocks
+    {11, 12},
+    {80, 3, 3, 3, 3, 50, 40, 30, 20, 10},
+    {7},
+};
+
+class EngineBatching : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(EngineBatching, TogetherEqualsAlone) {
+  TinyQwen3Options options;
+  options.num_experts = GetParam();
+  const auto dir = write_tiny_qwen3(options, "batching" + std::to_string(GetParam()));
+  for (const float temperature : {0.0f, 0.9f}) {
+    std::vector<std::vector<int32_t>> alone;
+    for (size_t i = 0; i < kPrompts.size(); ++i) {
+      auto engine = make_engine(dir);
+      engine->add_request(make_request(kPrompts[i], 12, temperature, 100 + i));
+      auto outputs = run_to_completion(*engine);
+      ASSERT_EQ(outputs.size(), 1u);
+      alone.push_back(outputs.begin()->second);
+      EXPECT_EQ(alone.back().size(), 12u);
+      expect_cache_drained(*engine);
+    }
+    // Together, staggered: two start at once, the others join while the first ones decode.
+    auto engine = make_engine(dir);
+    std::vector<int64_t> ids;
+    ids.push_back(engine->add_request(make_request(kPrompts[0], 12, temperature, 100)));
+    ids.push_back(engine->add_request(make_request(kPrompts[1], 12, temperature, 101)));
+    std::map<int64_t, std::vector<int32_t>> together;
+    for (int s = 0; s < 3; ++s)
+      for (const auto& event : engine->step()) together[event.request_id].push_back(event.sampled.token);
+    ids.push_back(engine->add_request(make_request(kPrompts[2], 12, temperature, 102)));
+    ids.push_back(engine->add_request(make_request(kPrompts[3], 12, temperature, 103)));
+    for (auto& [id, tokens] : run_to_completion(*engine))
+      together[id].insert(together[id].end(), tokens.begin(), tokens.end());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      EXPECT_EQ(together[ids[i]], alone[i]) << "prompt " << i << " temperature " << temperature;
+    }
+    expect_cache_drained(*engine);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DenseAndMoe, EngineBatching, ::testing::Values(0, 4),
+                         [](const auto& param_info) { return param_info.param == 0 ? "qwen3" : "qwen3_moe"; });
+
+TEST(Engine, ChunkedPrefillAndSmallBudgetsGiveTheSameTokens) {
+  const auto dir = write_tiny_qwen3({}, "chunked");
+  auto reference_engine = make_engine(dir);
+  for (const auto& prompt : kPrompts) reference_engine->add_request(make_request(prompt, 10));
+  const auto reference = run_to_completion(*reference_engine);
+  for (const int32_t budget : {1, 3, 7}) {
+    EngineConfig config;
+    config.scheduler.max_num_batched_tokens = budget;
+    auto engine = make_engine(dir, config);
+    for (const auto& prompt : kPrompts) engine->add_request(make_request(prompt, 10));
+    EXPECT_EQ(run_to_completion(*engine), reference) << "budget " << budget;
+    expect_cache_drained(*engine);
+  }
+}
+
+TEST(Engine, PreemptionLosesAndRepeatsNothing) {
+  const auto dir = write_tiny_qwen3({}, "preempt");
+  auto reference_engine = make_engine(dir);
+  for (const auto& prompt : kPrompts) reference_engine->add_request(make_request(prompt, 24, 0.8f, 5));
+  const auto reference = run_to_completion(*reference_engine);
+  // 4 blocks of 16 tokens: the longest request (19 + 24 tokens) needs 3 of them on its own, so the
+  // four requests cannot all stay resident and the scheduler must preempt.
+  EngineConfig config;
+  config.num_kv_blocks = 4;
+  auto engine = make_engine(dir, config);
+  for (const auto& prompt : kPrompts) engine->add_request(make_request(prompt, 24, 0.8f, 5));
+  const auto outputs = run_to_completion(*engine);
+  EXPECT_EQ(outputs, reference);
+  int32_t preemptions = 0;
+  for (const auto& [id, tokens] : outputs) preemptions += engine->sequence(id).num_preemptions;
+  EXPECT_GT(preemptions, 0) << "the scenario is meant to force preemption";
+  expect_cache_drained(*engine);
+}
+
+TEST(Engine, StopsOnEosStopIdsAndLength) {
+  TinyQwen3Options options;
+  const auto dir = write_tiny_qwen3(options, "stops");
+  // Find what greedy decoding produces, then make its third token the stop id.
+  auto probe = make_engine(dir);
+  const int64_t probe_id = probe->add_request(make_request({4, 5, 6}, 6));
+  run_to_completion(*probe);
+  const auto generated = probe->sequence(probe_id).output();
+  ASSERT_EQ(generated.size(), 6u);
+  const int32_t stop_token = generated[2];
+  const size_t first_stop = static_cast<size_t>(std::find(generated.begin(), generated.end(), stop_token) - generated.begin());
+
+  auto engine = make_engine(dir);
+  Request with_stop = make_request({4, 5, 6}, 6);
+  with_stop.stop_token_ids = {stop_token};
+  const int64_t stop_id = engine->add_request(with_stop);
+  const int64_t length_id = engine->add_request(make_request({4, 5, 6}, 2));
+  run_to_completion(*engine);
+  EXPECT_EQ(engine->sequence(stop_id).finish_reason, FinishReason::kStop);
+  EXPECT_EQ(engine->sequence(stop_id).num_output(), static_cast<int64_t>(first_stop + 1));
+  EXPECT_EQ(engine->sequence(length_id).finish_reason, FinishReason::kLength);
+  EXPECT_EQ(engine->sequence(length_id).num_output(), 2);
+
+  // The model's EOS id (from config.json) ends generation unless ignore_eos.
+  TinyQwen3Options eos_options;
+  eos_options.eos_token_id = stop_token;
+  const auto eos_dir = write_tiny_qwen3(eos_options, "stops_eos");
+  auto eos_engine = make_engine(eos_dir);
+  Request honours = make_request({4, 5, 6}, 6);
+  honours.ignore_eos = false;
+  const int64_t honours_id = eos_engine->add_request(honours);
+  const int64_t ignores_id = eos_engine->add_request(make_request({4, 5, 6}, 6));
+  run_to_completion(*eos_engine);
+  EXPECT_EQ(eos_engine->sequence(honours_id).finish_reason, FinishReason::kStop);
+  EXPECT_EQ(eos_engine->sequence(honours_id).num_output(), static_cast<int64_t>(first_stop + 1));
+  EXPECT_EQ(eos_engine->sequence(ignores_id).finish_reason, FinishReason::kLength);
+  EXPECT_EQ(eos_engine->sequence(ignores_id).num_output(), 6);
+  expect_cache_drained(*eos_engine);
+}
+
+TEST(Engine, AbortFreesBlocksAndOthersContinue) {
+  const auto dir = write_tiny_qwen3({}, "abort");
+  auto engine = make_engine(dir);
+  const int64_t keep = engine->add_request(make_request(kPrompts[0], 8));
+  const int64_t drop = engine->add_request(make_request(kPrompts[2], 8));
+  engine->step();
+  engine->abort_request(drop);
+  EXPECT_EQ(engine->sequence(drop).finish_reason, FinishReason::kAbort);
+  const auto outputs = run_to_completion(*engine);
+  EXPECT_EQ(engine->sequence(keep).num_output(), 8);
+  EXPECT_EQ(outputs.count(drop), 0u);
+  expect_cache_drained(*engine);
+}
+
+TEST(Engine, RejectsInvalidRequests) {
+  const auto dir = write_tiny_qwen3({}, "invalid");
+  EngineConfig config;
+  config.num_kv_blocks = 2;
+  auto engine = make_engine(dir, config);
+  const auto expect_invalid = [&](Request request) {
+    try {
+      engine->add_request(std::move(request));
+      ADD_FAILURE() << "accepted an invalid request";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    }
+  };
+  expect_invalid(make_request({}, 4));
+  expect_invalid(make_request({1, 96}, 4));   // id == vocab size
+  expect_invalid(make_request({1, -3}, 4));
+  expect_invalid(make_request({1, 2}, 0));
+  expect_invalid(make_request(std::vector<int32_t>(40, 3), 4));  // more than the 2 blocks hold
+  Request bad_sampling = make_request({1, 2}, 4, 0.7f);
+  bad_sampling.sampling.top_p = 0.0f;
+  expect_invalid(bad_sampling);
+  EXPECT_FALSE(engine->has_unfinished());
+}
+
+TEST(Engine, PromptLogitsDoNotDependOnChunking) {
+  const auto dir = write_tiny_qwen3({}, "prompt_logits");
+  std::vector<float> reference;
+  for (const int32_t chunk : {0, 1, 5}) {
+    EngineConfig config;
+    config.scheduler.max_prefill_chunk = chunk;
+    auto engine = make_engine(dir, config);
+    Request request = make_request(kPrompts[0], 0);
+    request.return_prompt_logits = true;
+    const int64_t id = engine->add_request(request);
+    run_to_completion(*engine);
+    const auto& logits = engine->sequence(id).prompt_logits;
+    ASSERT_EQ(logits.size(), kPrompts[0].size() * 96);
+    if (reference.empty()) {
+      reference = logits;
+      continue;
+    }
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < logits.size(); ++i) {
+      diff += (logits[i] - reference[i]) * (logits[i] - reference[i]);
+      norm += reference[i] * reference[i];
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 1e-5) << "chunk " << chunk;
+    expect_cache_drained(*engine);
+  }
+}
+
+}  // namespace
+}  // namespace metrale

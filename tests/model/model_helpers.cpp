@@ -1,0 +1,443 @@
+#include "model/model_helpers.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "model/safetensors.h"
+
+namespace metrale::testing {
+
+bool TinySpec::layer_is_moe(int64_t layer) const {
+  return is_moe_model() && num_experts > 0 &&
+         std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end();
+}
+
+int TinySpec::layer_window(int64_t layer) const {
+  return sliding_window > 0 && layer >= max_window_layers ? sliding_window : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weights
+
+TinyWeights make_tiny_weights(const TinySpec& spec, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  TinyWeights weights;
+  // Uniform values rounded to bf16, never zero. Scales keep activations of order one.
+  const auto add = [&](const std::string& key, std::vector<int64_t> shape, float lo, float hi) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    HostWeight w{std::move(shape), {}};
+    const int64_t count = std::accumulate(w.shape.begin(), w.shape.end(), int64_t{1}, std::multiplies<>());
+    w.values.resize(static_cast<size_t>(count));
+    for (auto& v : w.values) {
+      do v = round_to_bf16(dist(rng));
+      while (v == 0.0f);
+    }
+    weights[key] = std::move(w);
+  };
+  const int64_t h = spec.hidden_size, d = spec.head_dim;
+  add("embed_tokens.weight", {spec.vocab_size, h}, -1.0f, 1.0f);
+  for (int64_t i = 0; i < spec.num_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    add(p + "input_layernorm.weight", {h}, 0.7f, 1.3f);
+    add(p + "post_attention_layernorm.weight", {h}, 0.7f, 1.3f);
+    add(p + "self_attn.q_proj.weight", {spec.num_heads * d, h}, -0.3f, 0.3f);
+    add(p + "self_attn.k_proj.weight", {spec.num_kv_heads * d, h}, -0.3f, 0.3f);
+    add(p + "self_attn.v_proj.weight", {spec.num_kv_heads * d, h}, -0.3f, 0.3f);
+    add(p + "self_attn.o_proj.weight", {h, spec.num_heads * d}, -0.25f, 0.25f);
+    add(p + "self_attn.q_norm.weight", {d}, 0.7f, 1.3f);
+    add(p + "self_attn.k_norm.weight", {d}, 0.7f, 1.3f);
+    if (spec.layer_is_moe(i)) {
+      const int64_t e_count = spec.num_experts, inter = spec.moe_intermediate_size;
+      add(p + "mlp.gate.weight", {e_count, h}, -0.5f, 0.5f);
+      for (int64_t e = 0; e < e_count; ++e) {
+        const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+        add(ep + "gate_proj.weight", {inter, h}, -0.3f, 0.3f);
+        add(ep + "up_proj.weight", {inter, h}, -0.3f, 0.3f);
+        add(ep + "down_proj.weight", {h, inter}, -0.3f, 0.3f);
+      }
+    } else {
+      add(p + "mlp.gate_proj.weight", {spec.intermediate_size, h}, -0.3f, 0.3f);
+      add(p + "mlp.up_proj.weight", {spec.intermediate_size, h}, -0.3f, 0.3f);
+      add(p + "mlp.down_proj.weight", {h, spec.intermediate_size}, -0.25f, 0.25f);
+    }
+  }
+  add("norm.weight", {h}, 0.7f, 1.3f);
+  if (!spec.tie_word_embeddings) add("lm_head.weight", {spec.vocab_size, h}, -0.3f, 0.3f);
+  return weights;
+}
+
+nlohmann::json tiny_config_json(const TinySpec& spec) {
+  nlohmann::json config = {{"model_type", spec.model_type},
+                           {"architectures", {spec.is_moe_model() ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"}},
+                           {"vocab_size", spec.vocab_size},
+                           {"hidden_size", spec.hidden_size},
+                           {"num_hidden_layers", spec.num_layers},
+                           {"num_attention_heads", spec.num_heads},
+                           {"num_key_value_heads", spec.num_kv_heads},
+                           {"head_dim", spec.head_dim},
+                           {"intermediate_size", spec.intermediate_size},
+                           {"rms_norm_eps", spec.rms_norm_eps},
+                           {"rope_theta", spec.rope_theta},
+                           {"max_position_embeddings", 256},
+                           {"tie_word_embeddings", spec.tie_word_embeddings},
+                           {"hidden_act", "silu"},
+                           {"dtype", "bfloat16"},
+                           {"bos_token_id", 1},
+                           {"eos_token_id", 2}};
+  if (spec.sliding_window > 0) {
+    config["use_sliding_window"] = true;
+    config["sliding_window"] = spec.sliding_window;
+    config["max_window_layers"] = spec.max_window_layers;
+  }
+  if (spec.is_moe_model()) {
+    config["num_experts"] = spec.num_experts;
+    config["num_experts_per_tok"] = spec.top_k;
+    config["moe_intermediate_size"] = spec.moe_intermediate_size;
+    config["norm_topk_prob"] = spec.norm_topk_prob;
+    config["decoder_sparse_step"] = 1;
+    config["mlp_only_layers"] = spec.mlp_only_layers;
+  }
+  return config;
+}
+
+namespace {
+
+// A tensor to write: its full name, shape and values (converted to the storage dtype when written).
+struct NamedValues {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+std::vector<NamedValues> checkpoint_tensors(const TinySpec& spec, const TinyWeights& weights,
+                                            const CheckpointLayout& layout) {
+  std::vector<NamedValues> tensors;
+  for (const auto& [key, w] : weights) {
+    const bool expert_key = key.find(".mlp.experts.") != std::string::npos;
+    if (expert_key && layout.experts == ExpertLayout::kFused) continue;
+    const std::string name = key == "lm_head.weight" ? key : layout.prefix + key;
+    tensors.push_back({name, w.shape, w.values});
+  }
+  if (layout.experts == ExpertLayout::kFused) {
+    const int64_t e_count = spec.num_experts, inter = spec.moe_intermediate_size, h = spec.hidden_size;
+    for (int64_t i = 0; i < spec.num_layers; ++i) {
+      if (!spec.layer_is_moe(i)) continue;
+      const std::string p = "layers." + std::to_string(i) + ".mlp.experts.";
+      // gate_up_proj [E, 2I, H]: per expert the gate rows, then the up rows. down_proj [E, H, I].
+      NamedValues gate_up{layout.prefix + p + "gate_up_proj", {e_count, 2 * inter, h}, {}};
+      NamedValues down{layout.prefix + p + "down_proj", {e_count, h, inter}, {}};
+      for (int64_t e = 0; e < e_count; ++e) {
+        const std::string ep = p + std::to_string(e) + ".";
+        for (const char* part : {"gate_proj.weight", "up_proj.weight"}) {
+          const auto& values = weights.at(ep + part).values;
+          gate_up.values.insert(gate_up.values.end(), values.begin(), values.end());
+        }
+        const auto& down_values = weights.at(ep + "down_proj.weight").values;
+        down.values.insert(down.values.end(), down_values.begin(), down_values.end());
+      }
+      tensors.push_back(std::move(gate_up));
+      tensors.push_back(std::move(down));
+    }
+  }
+  return tensors;
+}
+
+}  // namespace
+
+void write_tiny_checkpoint(const std::filesystem::path& dir, const TinySpec& spec, const TinyWeights& weights,
+                           const CheckpointLayout& layout) {
+  std::ofstream(dir / "config.json") << tiny_config_json(spec).dump(2);
+  const std::vector<NamedValues> tensors = checkpoint_tensors(spec, weights, layout);
+  METRALE_CHECK(layout.shards >= 1 && layout.storage != DType::kF8E4M3);
+  std::vector<std::vector<std::pair<std::string, Tensor>>> per_shard(static_cast<size_t>(layout.shards));
+  std::vector<std::vector<uint8_t>> storage;  // keeps converted data alive until written
+  storage.reserve(tensors.size());
+  nlohmann::json weight_map = nlohmann::json::object();
+  const auto shard_name = [&](int s) {
+    return layout.shards == 1 ? std::string("model.safetensors")
+                              : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, layout.shards);
+  };
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const NamedValues& t = tensors[i];
+    storage.emplace_back(t.values.size() * dtype_size(layout.storage));
+    convert_from_f32(layout.storage, t.values.data(), storage.back().data(), t.values.size());
+    const int shard = static_cast<int>(i % static_cast<size_t>(layout.shards));
+    per_shard[static_cast<size_t>(shard)].emplace_back(
+        t.name, Tensor(storage.back().data(), layout.storage, Shape(std::span<const int64_t>(t.shape))));
+    weight_map[t.name] = shard_name(shard);
+  }
+  for (int s = 0; s < layout.shards; ++s) write_safetensors(dir / shard_name(s), per_shard[static_cast<size_t>(s)]);
+  if (layout.shards > 1) {
+    std::ofstream(dir / "model.safetensors.index.json")
+        << nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}}.dump(2);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reference forward (double precision, one sequence at positions 0..T-1)
+
+namespace {
+
+using Matrix = std::vector<std::vector<double>>;  // [rows][cols]
+
+const std::vector<float>& param(const TinyWeights& weights, const std::string& key) {
+  return weights.at(key).values;
+}
+
+// y = x W^T with W [out, in] row-major.
+std::vector<double> matvec(const std::vector<float>& w, const std::vector<double>& x, int64_t out) {
+  const size_t in = x.size();
+  std::vector<double> y(static_cast<size_t>(out), 0.0);
+  for (size_t o = 0; o < y.size(); ++o)
+    for (size_t i = 0; i < in; ++i) y[o] += static_cast<double>(w[o * in + i]) * x[i];
+  return y;
+}
+
+// Plain RMSNorm over `width` consecutive values starting at `begin`.
+void rms_norm_in_place(std::vector<double>& x, size_t begin, size_t width, const std::vector<float>& w, double eps) {
+  double sum = 0.0;
+  for (size_t i = 0; i < width; ++i) sum += x[begin + i] * x[begin + i];
+  const double inv = 1.0 / std::sqrt(sum / static_cast<double>(width) + eps);
+  for (size_t i = 0; i < width; ++i) x[begin + i] = x[begin + i] * inv * w[i];
+}
+
+// Rotate-half RoPE over a whole head at `begin`: channel j pairs with j + d/2, inv_freq = 1/theta^(2j/d).
+void rope_in_place(std::vector<double>& x, size_t begin, size_t d, int64_t position, double theta) {
+  const size_t half = d / 2;
+  for (size_t j = 0; j < half; ++j) {
+    const double inv_freq = 1.0 / std::pow(theta, static_cast<double>(2 * j) / static_cast<double>(d));
+    const double angle = static_cast<double>(position) * inv_freq;
+    const double c = std::cos(angle), s = std::sin(angle);
+    const double a = x[begin + j], b = x[begin + j + half];
+    x[begin + j] = a * c - b * s;
+    x[begin + j + half] = b * c + a * s;
+  }
+}
+
+double silu(double v) {
+  return v / (1.0 + std::exp(-v));
+}
+
+std::vector<double> swiglu(const std::vector<float>& gate, const std::vector<float>& up, const std::vector<float>& down,
+                           const std::vector<double>& x, int64_t inter) {
+  const std::vector<double> g = matvec(gate, x, inter), u = matvec(up, x, inter);
+  std::vector<double> act(g.size());
+  for (size_t i = 0; i < g.size(); ++i) act[i] = silu(g[i]) * u[i];
+  return matvec(down, act, static_cast<int64_t>(x.size()));
+}
+
+std::vector<double> moe(const TinySpec& spec, const TinyWeights& weights, const std::string& p,
+                        const std::vector<double>& x) {
+  const std::vector<double> logits = matvec(param(weights, p + "mlp.gate.weight"), x, spec.num_experts);
+  const double max_logit = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> probs(logits.size());
+  double sum = 0.0;
+  for (size_t e = 0; e < probs.size(); ++e) sum += (probs[e] = std::exp(logits[e] - max_logit));
+  for (auto& prob : probs) prob /= sum;
+  std::vector<int64_t> order(probs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return probs[static_cast<size_t>(a)] > probs[static_cast<size_t>(b)]; });
+  double selected = 0.0;
+  for (int64_t j = 0; j < spec.top_k; ++j) selected += probs[static_cast<size_t>(order[static_cast<size_t>(j)])];
+  std::vector<double> out(x.size(), 0.0);
+  for (int64_t j = 0; j < spec.top_k; ++j) {
+    const int64_t e = order[static_cast<size_t>(j)];
+    const double weight = probs[static_cast<size_t>(e)] / (spec.norm_topk_prob ? selected : 1.0);
+    const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+    const std::vector<double> y = swiglu(param(weights, ep + "gate_proj.weight"), param(weights, ep + "up_proj.weight"),
+                                         param(weights, ep + "down_proj.weight"), x, spec.moe_intermediate_size);
+    for (size_t c = 0; c < out.size(); ++c) out[c] += weight * y[c];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::vector<double>> reference_logits(const TinySpec& spec, const TinyWeights& weights,
+                                                  const std::vector<int32_t>& tokens) {
+  const size_t t_count = tokens.size(), h = static_cast<size_t>(spec.hidden_size),
+               d = static_cast<size_t>(spec.head_dim);
+  const size_t heads = static_cast<size_t>(spec.num_heads), kv_heads = static_cast<size_t>(spec.num_kv_heads);
+  const size_t group = heads / kv_heads;
+  const double eps = spec.rms_norm_eps, scale = 1.0 / std::sqrt(static_cast<double>(d));
+
+  Matrix hidden(t_count, std::vector<double>(h));
+  const auto& embed = param(weights, "embed_tokens.weight");
+  for (size_t t = 0; t < t_count; ++t)
+    for (size_t c = 0; c < h; ++c) hidden[t][c] = embed[static_cast<size_t>(tokens[t]) * h + c];
+
+  for (int64_t layer = 0; layer < spec.num_layers; ++layer) {
+    const std::string p = "layers." + std::to_string(layer) + ".";
+    const int window = spec.layer_window(layer);
+    // Attention: q/k/v projections, per-head q/k RMSNorm, RoPE, causal GQA softmax attention, o_proj.
+    Matrix q(t_count), k(t_count), v(t_count);
+    for (size_t t = 0; t < t_count; ++t) {
+      std::vector<double> x = hidden[t];
+      rms_norm_in_place(x, 0, h, param(weights, p + "input_layernorm.weight"), eps);
+      q[t] = matvec(param(weights, p + "self_attn.q_proj.weight"), x, static_cast<int64_t>(heads * d));
+      k[t] = matvec(param(weights, p + "self_attn.k_proj.weight"), x, static_cast<int64_t>(kv_heads * d));
+      v[t] = matvec(param(weights, p + "self_attn.v_proj.weight"), x, static_cast<int64_t>(kv_heads * d));
+      for (size_t head = 0; head < heads; ++head) {
+        rms_norm_in_place(q[t], head * d, d, param(weights, p + "self_attn.q_norm.weight"), eps);
+        rope_in_place(q[t], head * d, d, static_cast<int64_t>(t), spec.rope_theta);
+      }
+      for (size_t head = 0; head < kv_heads; ++head) {
+        rms_norm_in_place(k[t], head * d, d, param(weights, p + "self_attn.k_norm.weight"), eps);
+        rope_in_place(k[t], head * d, d, static_cast<int64_t>(t), spec.rope_theta);
+      }
+    }
+    for (size_t t = 0; t < t_count; ++t) {
+      std::vector<double> attn(heads * d, 0.0);
+      const size_t first = window > 0 && t + 1 > static_cast<size_t>(window) ? t + 1 - static_cast<size_t>(window) : 0;
+      for (size_t head = 0; head < heads; ++head) {
+        const size_t kvh = head / group;
+        std::vector<double> scores;
+        double max_score = -INFINITY;
+        for (size_t j = first; j <= t; ++j) {
+          double dot = 0.0;
+          for (size_t c = 0; c < d; ++c) dot += q[t][head * d + c] * k[j][kvh * d + c];
+          scores.push_back(dot * scale);
+          max_score = std::max(max_score, dot * scale);
+        }
+        double denom = 0.0;
+        for (auto& s : scores) denom += (s = std::exp(s - max_score));
+        for (size_t j = first; j <= t; ++j)
+          for (size_t c = 0; c < d; ++c) attn[head * d + c] += scores[j - first] / denom * v[j][kvh * d + c];
+      }
+      const std::vector<double> o =
+          matvec(param(weights, p + "self_attn.o_proj.weight"), attn, static_cast<int64_t>(h));
+      for (size_t c = 0; c < h; ++c) hidden[t][c] += o[c];
+    }
+    // FFN: SwiGLU MLP or MoE on the post-attention-normalised residual.
+    for (size_t t = 0; t < t_count; ++t) {
+      std::vector<double> x = hidden[t];
+      rms_norm_in_place(x, 0, h, param(weights, p + "post_attention_layernorm.weight"), eps);
+      const std::vector<double> y =
+          spec.layer_is_moe(layer)
+              ? moe(spec, weights, p, x)
+              : swiglu(param(weights, p + "mlp.gate_proj.weight"), param(weights, p + "mlp.up_proj.weight"),
+                       param(weights, p + "mlp.down_proj.weight"), x, spec.intermediate_size);
+      for (size_t c = 0; c < h; ++c) hidden[t][c] += y[c];
+    }
+  }
+  const auto& head = param(weights, spec.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
+  Matrix logits(t_count);
+  for (size_t t = 0; t < t_count; ++t) {
+    std::vector<double> x = hidden[t];
+    rms_norm_in_place(x, 0, h, param(weights, "norm.weight"), eps);
+    logits[t] = matvec(head, x, spec.vocab_size);
+  }
+  return logits;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runner
+
+ForwardRunner::ForwardRunner(Model& model, int32_t block_size, int32_t num_blocks, uint64_t seed)
+    : model_(model), block_size_(block_size), arena_(model.device(), 1 << 20) {
+  const std::vector<LayerCacheSpec> specs = model.cache_specs();
+  layers_.resize(specs.size());
+  storage_.reserve(2 * specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].kind != LayerCacheKind::kPagedKv) continue;
+    const Shape shape{num_blocks, block_size, specs[i].num_kv_heads, specs[i].head_dim};
+    for (int kv = 0; kv < 2; ++kv) {
+      storage_.emplace_back(DType::kF32, shape, model.device());
+      // NaN everywhere: a read of a slot that was never written poisons the logits.
+      std::fill_n(storage_.back()->data_as<float>(), shape.numel(), std::nanf(""));
+    }
+    layers_[i] = {storage_[storage_.size() - 2].tensor, storage_.back().tensor};
+  }
+  free_blocks_.resize(static_cast<size_t>(num_blocks));
+  std::iota(free_blocks_.begin(), free_blocks_.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(free_blocks_.begin(), free_blocks_.end(), rng);
+}
+
+std::vector<std::vector<float>> ForwardRunner::step(const std::vector<Chunk>& chunks, bool last_rows_only) {
+  const int64_t block_size = block_size_;
+  const auto num_seqs = static_cast<int64_t>(chunks.size());
+  std::vector<int32_t> token_ids, positions, slot_mapping, cu_q = {0}, kv_lens, logit_rows;
+  int64_t max_blocks = 1;
+  for (const auto& chunk : chunks) {
+    const int64_t total = cached_[chunk.seq_id] + static_cast<int64_t>(chunk.tokens.size());
+    auto& table = tables_[chunk.seq_id];
+    while (static_cast<int64_t>(table.size()) * block_size < total) {
+      if (free_blocks_.empty()) raise(ErrorCode::kOutOfMemory, "test cache too small");
+      table.push_back(free_blocks_.back());
+      free_blocks_.pop_back();
+    }
+    max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(table.size()));
+  }
+  // Padding entries of the table are never read by a correct kernel.
+  std::vector<int32_t> block_tables(static_cast<size_t>(num_seqs * max_blocks), 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const Chunk& chunk = chunks[static_cast<size_t>(s)];
+    const auto& table = tables_[chunk.seq_id];
+    std::copy(table.begin(), table.end(), block_tables.begin() + s * max_blocks);
+    const int64_t begin = cached_[chunk.seq_id];
+    for (size_t i = 0; i < chunk.tokens.size(); ++i) {
+      const int64_t position = begin + static_cast<int64_t>(i);
+      if (!last_rows_only || i + 1 == chunk.tokens.size()) logit_rows.push_back(static_cast<int32_t>(token_ids.size()));
+      token_ids.push_back(chunk.tokens[i]);
+      positions.push_back(static_cast<int32_t>(position));
+      slot_mapping.push_back(table[static_cast<size_t>(position / block_size)] * static_cast<int32_t>(block_size) +
+                             static_cast<int32_t>(position % block_size));
+    }
+    cached_[chunk.seq_id] = begin + static_cast<int64_t>(chunk.tokens.size());
+    cu_q.push_back(static_cast<int32_t>(token_ids.size()));
+    kv_lens.push_back(static_cast<int32_t>(cached_[chunk.seq_id]));
+  }
+  const auto tokens = static_cast<int64_t>(token_ids.size());
+  ForwardBatch batch;
+  batch.num_tokens = tokens;
+  batch.num_seqs = num_seqs;
+  batch.block_size = block_size;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    batch.max_q_len =
+        std::max<int64_t>(batch.max_q_len, cu_q[static_cast<size_t>(s + 1)] - cu_q[static_cast<size_t>(s)]);
+    batch.max_kv_len = std::max<int64_t>(batch.max_kv_len, kv_lens[static_cast<size_t>(s)]);
+  }
+  batch.token_ids = Tensor(token_ids.data(), DType::kI32, {tokens});
+  batch.positions = Tensor(positions.data(), DType::kI32, {tokens});
+  batch.cu_q = Tensor(cu_q.data(), DType::kI32, {num_seqs + 1});
+  batch.kv_lens = Tensor(kv_lens.data(), DType::kI32, {num_seqs});
+  batch.block_tables = Tensor(block_tables.data(), DType::kI32, {num_seqs, max_blocks});
+  batch.slot_mapping = Tensor(slot_mapping.data(), DType::kI32, {tokens});
+  const auto rows = static_cast<int64_t>(logit_rows.size());
+  batch.logit_rows = Tensor(logit_rows.data(), DType::kI32, {rows});
+  batch.host_cu_q = cu_q;
+  batch.host_kv_lens = kv_lens;
+  batch.host_logit_rows = logit_rows;
+
+  const int64_t vocab = model_.config().vocab_size;
+  std::vector<float> logits(static_cast<size_t>(rows * vocab), std::nanf(""));  // unwritten rows stay NaN
+  arena_.reset();
+  model_.forward(batch, layers_, Tensor(logits.data(), DType::kF32, {rows, vocab}), arena_);
+  std::vector<std::vector<float>> result(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r)
+    result[static_cast<size_t>(r)].assign(logits.begin() + r * vocab, logits.begin() + (r + 1) * vocab);
+  return result;
+}
+
+double relative_l2(const std::vector<std::vector<float>>& actual, const std::vector<std::vector<double>>& expected) {
+  METRALE_CHECK(actual.size() == expected.size(), "{} rows vs {}", actual.size(), expected.size());
+  double diff = 0.0, norm = 0.0;
+  for (size_t r = 0; r < actual.size(); ++r) {
+    METRALE_CHECK(actual[r].size() == expected[r].size());
+    for (size_t c = 0; c < actual[r].size(); ++c) {
+      if (!std::isfinite(actual[r][c])) return INFINITY;
+      diff += (actual[r][c] - expected[r][c]) * (actual[r][c] - expected[r][c]);
+      norm += expected[r][c] * expected[r][c];
+    }
+  }
+  return std::sqrt(diff / norm);
+}
+
+}  // namespace metrale::testing
