@@ -1,0 +1,291 @@
+// metrale bench: measures the device's ceilings (copy bandwidth, bf16 GEMM rate) and then the
+// model's decode step time and prefill throughput in the same run, each as a fraction of the
+// roofline (bytes that must be read / time / measured bandwidth; FLOPs / time / measured GEMM rate).
+// Runs on a checkpoint (--model) or on a preset with weights generated on the device
+// (--config configs/<preset>.json --random-weights). Decode rows see a cached context of the
+// requested length whose contents are arbitrary: the speed does not depend on them.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "core/error.h"
+#include "core/strings.h"
+#include "cost_model.h"
+#include "kernels/linear.h"
+#include "kernels/random_fill.h"
+#include "model/registry.h"
+#include "options.h"
+#include "runtime/stream.h"
+#include "runtime/thread_pool.h"
+#if METRALE_WITH_CUDA
+#include "runtime/cuda/cuda_graph.h"
+#endif
+
+namespace metrale::cli {
+namespace {
+
+struct BenchOptions {
+  EngineOptions engine;
+  std::string config;
+  bool random_weights = false;
+  std::string batches = "1,8,32,128";
+  int64_t context = 1024;
+  std::string prefills = "512,2048,8192";
+  int warmup = 3;
+  int iters = 20;
+  bool json = false;
+};
+
+// Times work on one device: CUDA events on the GPU, the steady clock on the CPU.
+class DeviceTimer {
+ public:
+  explicit DeviceTimer(Device device) : device_(device) {}
+  void start() {
+#if METRALE_WITH_CUDA
+    if (device_.is_cuda()) {
+      begin_.record(static_cast<cudaStream_t>(current_stream(device_)));
+      return;
+    }
+#endif
+    host_begin_ = std::chrono::steady_clock::now();
+  }
+  double stop_ms() {
+#if METRALE_WITH_CUDA
+    if (device_.is_cuda()) {
+      end_.record(static_cast<cudaStream_t>(current_stream(device_)));
+      end_.synchronize();
+      return end_.elapsed_ms_since(begin_);
+    }
+#endif
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_begin_).count();
+  }
+
+ private:
+  Device device_;
+#if METRALE_WITH_CUDA
+  CudaEvent begin_, end_;
+#endif
+  std::chrono::steady_clock::time_point host_begin_;
+};
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0.0 : values[values.size() / 2];
+}
+
+// Device-to-device copy of a large buffer: bytes read plus bytes written over time.
+double measure_copy_bandwidth(Device device) {
+  const size_t bytes = device.is_cuda() ? (2ull << 30) : (256ull << 20);
+  Buffer src(device, bytes), dst(device, bytes);
+  kernels::random_fill(Tensor(src.data(), DType::kF32, {static_cast<int64_t>(bytes / 4)}, device), {1, 0.0f, 1.0f});
+  DeviceTimer timer(device);
+  std::vector<double> times;
+  for (int i = 0; i < 8; ++i) {
+    timer.start();
+    copy_bytes_async(dst.data(), device, src.data(), device, bytes);
+    const double ms = timer.stop_ms();
+    if (i >= 2) times.push_back(ms);
+  }
+  return 2.0 * static_cast<double>(bytes) / (median(times) * 1e-3);
+}
+
+// A large bf16 GEMM through the engine's own linear op, on random data (never zeros).
+double measure_gemm_rate(Device device) {
+  const int64_t n = device.is_cuda() ? 8192 : 512;
+  const DType dtype = device.is_cuda() ? DType::kBF16 : DType::kF32;
+  OwnedTensor a(dtype, {n, n}, device), b(dtype, {n, n}, device), c(dtype, {n, n}, device);
+  kernels::random_fill(a.tensor, {2, 0.0f, 1.0f});
+  kernels::random_fill(b.tensor, {3, 0.0f, 1.0f});
+  DeviceTimer timer(device);
+  std::vector<double> times;
+  for (int i = 0; i < 8; ++i) {
+    timer.start();
+    kernels::linear(a.tensor, b.tensor, c.tensor);
+    const double ms = timer.stop_ms();
+    if (i >= 2) times.push_back(ms);
+  }
+  return 2.0 * static_cast<double>(n * n) * static_cast<double>(n) / (median(times) * 1e-3);
+}
+
+struct Row {
+  std::string name;
+  int64_t batch = 0, tokens = 0, context = 0;
+  double step_ms = 0, tokens_per_s = 0, bytes = 0, flops = 0, bandwidth_fraction = 0, compute_fraction = 0;
+  bool graph = false;
+};
+
+int run_bench(const BenchOptions& options) {
+  if (options.config.empty() == options.engine.model.empty()) {
+    raise(ErrorCode::kInvalidArgument, "give either --model DIR or --config FILE --random-weights");
+  }
+  if (!options.config.empty() && !options.random_weights) {
+    raise(ErrorCode::kInvalidArgument, "--config needs --random-weights (a preset has no weights)");
+  }
+  if (options.engine.threads > 0) set_cpu_threads(options.engine.threads);
+  const Device device = options.engine.device.empty() ? default_device() : parse_device(options.engine.device);
+  if (device.is_cuda() && !cuda_available()) raise(ErrorCode::kInvalidArgument, "no CUDA device is available");
+  const auto batches = parse_int_list(options.batches, "--batch");
+  const auto prefills = parse_int_list(options.prefills, "--prefill");
+  const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
+  const int64_t max_prefill = prefills.empty() ? 1 : *std::max_element(prefills.begin(), prefills.end());
+
+  // Ceilings first, before the model takes the memory.
+  const double bandwidth = measure_copy_bandwidth(device);
+  const double gemm_rate = measure_gemm_rate(device);
+
+  std::unique_ptr<Model> model;
+  std::string source;
+  if (options.random_weights) {
+    const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
+    model = make_random_model(config, device, 1);
+    source = options.config + " (random weights)";
+  } else {
+    model = load_model(resolve_model_dir(options.engine), device);
+    source = options.engine.model;
+  }
+  const ModelConfig config = model->config();
+  const CostModel cost(config);
+
+  EngineConfig engine_config = engine_config_from(options.engine);
+  engine_config.max_model_len = std::max<int64_t>(options.context + options.warmup + options.iters + 2, max_prefill);
+  engine_config.scheduler.max_num_seqs = static_cast<int32_t>(max_batch);
+  engine_config.scheduler.max_num_batched_tokens = static_cast<int32_t>(std::max(max_prefill, max_batch));
+  Engine engine(std::move(model), engine_config);
+  CacheManager& cache = engine.mutable_cache();
+  Runner& runner = engine.runner();
+  DeviceTimer timer(device);
+  std::vector<Row> rows;
+
+  // Decode: `batch` sequences with `context` cached tokens each add one token per step.
+  for (const int64_t batch : batches) {
+    std::vector<std::unique_ptr<Sequence>> sequences;
+    SchedulePlan plan;
+    for (int64_t s = 0; s < batch; ++s) {
+      auto sequence = std::make_unique<Sequence>();
+      sequence->id = 1'000'000 + s;
+      sequence->tokens.assign(static_cast<size_t>(options.context + 1), static_cast<int32_t>((s * 7919) % config.vocab_size));
+      sequence->num_prompt = options.context + 1;
+      sequence->num_computed = options.context;
+      if (!cache.reserve(sequence->id, options.context + 1)) {
+        raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} sequences of {} tokens", batch, options.context + 1);
+      }
+      plan.chunks.push_back({sequence.get(), 1, true});
+      plan.num_tokens += 1;
+      sequences.push_back(std::move(sequence));
+    }
+    std::vector<double> times;
+    bool graph = false;
+    for (int i = 0; i < options.warmup + options.iters; ++i) {
+      timer.start();
+      graph = runner.execute(plan).used_graph;
+      const double ms = timer.stop_ms();
+      if (i >= options.warmup) times.push_back(ms);
+    }
+    for (const auto& sequence : sequences) cache.free_sequence(sequence->id);
+    Row row;
+    row.name = "decode";
+    row.batch = batch;
+    row.tokens = batch;
+    row.context = options.context;
+    row.step_ms = median(times);
+    row.graph = graph;
+    const StepCost step = cost.decode(batch, options.context);
+    row.bytes = step.bytes;
+    row.flops = step.flops;
+    row.tokens_per_s = static_cast<double>(batch) / (row.step_ms * 1e-3);
+    row.bandwidth_fraction = step.bytes / (row.step_ms * 1e-3) / bandwidth;
+    row.compute_fraction = step.flops / (row.step_ms * 1e-3) / gemm_rate;
+    rows.push_back(row);
+  }
+
+  // Prefill: one sequence of `tokens` prompt tokens from an empty cache, in one step.
+  for (const int64_t tokens : prefills) {
+    std::vector<double> times;
+    const int iters = std::max(2, options.iters / 4);
+    for (int i = 0; i < options.warmup + iters; ++i) {
+      Sequence sequence;
+      sequence.id = 2'000'000;
+      sequence.tokens.resize(static_cast<size_t>(tokens));
+      for (int64_t t = 0; t < tokens; ++t) sequence.tokens[static_cast<size_t>(t)] = static_cast<int32_t>((t * 104729) % config.vocab_size);
+      sequence.num_prompt = tokens;
+      if (!cache.reserve(sequence.id, tokens)) raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} tokens", tokens);
+      SchedulePlan plan;
+      plan.chunks.push_back({&sequence, tokens, true});
+      plan.num_tokens = tokens;
+      timer.start();
+      runner.execute(plan);
+      const double ms = timer.stop_ms();
+      if (i >= options.warmup) times.push_back(ms);
+      cache.free_sequence(sequence.id);
+    }
+    Row row;
+    row.name = "prefill";
+    row.batch = 1;
+    row.tokens = tokens;
+    row.step_ms = median(times);
+    const StepCost step = cost.prefill(tokens);
+    row.bytes = step.bytes;
+    row.flops = step.flops;
+    row.tokens_per_s = static_cast<double>(tokens) / (row.step_ms * 1e-3);
+    row.bandwidth_fraction = step.bytes / (row.step_ms * 1e-3) / bandwidth;
+    row.compute_fraction = step.flops / (row.step_ms * 1e-3) / gemm_rate;
+    rows.push_back(row);
+  }
+
+  if (options.json) {
+    nlohmann::json out = {{"model", source},
+                          {"model_type", config.model_type},
+                          {"device", device.to_string()},
+                          {"copy_bandwidth_bytes_per_s", bandwidth},
+                          {"gemm_flops_per_s", gemm_rate},
+                          {"weight_bytes", cost.weight_bytes()},
+                          {"plan", engine.plan().describe()},
+                          {"results", nlohmann::json::array()}};
+    for (const Row& row : rows) {
+      out["results"].push_back({{"phase", row.name}, {"batch", row.batch}, {"tokens", row.tokens},
+                                {"context", row.context}, {"step_ms", row.step_ms}, {"tokens_per_s", row.tokens_per_s},
+                                {"bytes", row.bytes}, {"flops", row.flops}, {"bandwidth_fraction", row.bandwidth_fraction},
+                                {"compute_fraction", row.compute_fraction}, {"cuda_graph", row.graph}});
+    }
+    std::cout << out.dump(2) << "\n";
+    return kExitOk;
+  }
+  std::cout << fmt::format("model: {} ({}, {:.2f} GB of weights)\n", source, config.model_type, cost.weight_bytes() / 1e9);
+  std::cout << fmt::format("device: {}; measured copy bandwidth {:.0f} GB/s, bf16 GEMM {:.0f} TFLOP/s\n",
+                           device.to_string(), bandwidth / 1e9, gemm_rate / 1e12);
+  std::cout << engine.plan().describe() << "\n\n";
+  std::cout << fmt::format("{:<8} {:>6} {:>7} {:>8} {:>10} {:>12} {:>10} {:>10} {:>6}\n", "phase", "batch", "tokens",
+                           "context", "step ms", "tokens/s", "% HBM", "% GEMM", "graph");
+  for (const Row& row : rows) {
+    std::cout << fmt::format("{:<8} {:>6} {:>7} {:>8} {:>10.3f} {:>12.1f} {:>9.1f}% {:>9.1f}% {:>6}\n", row.name,
+                             row.batch, row.tokens, row.context, row.step_ms, row.tokens_per_s,
+                             100.0 * row.bandwidth_fraction, 100.0 * row.compute_fraction, row.graph ? "yes" : "no");
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void register_bench(CLI::App& root, Action& action) {
+  auto options = std::make_shared<BenchOptions>();
+  CLI::App* command = root.add_subcommand("bench", "Measure decode and prefill speed against the device's limits");
+  add_model_option(*command, options->engine);
+  command->add_option("--config", options->config, "a config.json preset (e.g. configs/qwen3-8b.json)");
+  command->add_flag("--random-weights", options->random_weights, "generate weights on the device (with --config)");
+  command->add_option("--batch", options->batches, "decode batch sizes")->capture_default_str();
+  command->add_option("--context", options->context, "cached tokens per decode row")->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 22));
+  command->add_option("--prefill", options->prefills, "prefill lengths (empty: none)")->capture_default_str();
+  command->add_option("--warmup", options->warmup, "untimed iterations")->capture_default_str()->check(CLI::Range(0, 1000));
+  command->add_option("--iters", options->iters, "timed iterations")->capture_default_str()->check(CLI::Range(1, 100000));
+  command->add_flag("--json", options->json, "print the results as JSON");
+  add_engine_options(*command, options->engine);
+  command->callback([options, &action] { action = [options] { return run_bench(*options); }; });
+}
+
+}  // namespace metrale::cli

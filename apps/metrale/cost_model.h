@@ -1,0 +1,41 @@
+// What a step must move and compute at minimum, from the model's shapes: the numerators of the
+// roofline fractions `metrale bench` reports. Bytes count each weight read once per step (the
+// embedding only for the rows gathered) and the keys/values each decode row reads; FLOPs count
+// the matrix products (2 per multiply-add) and causal attention.
+#pragma once
+
+#include <cstdint>
+
+#include "model/config.h"
+
+namespace metrale::cli {
+
+struct StepCost {
+  double bytes = 0;  // minimum bytes read from device memory
+  double flops = 0;  // floating-point operations
+};
+
+class CostModel {
+ public:
+  explicit CostModel(const ModelConfig& config);
+
+  // `batch` sequences each decoding one token after `context` cached tokens.
+  StepCost decode(int64_t batch, int64_t context) const;
+  // One sequence prefilling `tokens` tokens from an empty cache.
+  StepCost prefill(int64_t tokens) const;
+
+  double weight_bytes() const { return weight_bytes_; }
+
+ private:
+  // Parameters per layer kind (elements), bf16 weights (2 bytes each).
+  double attention_params_ = 0;  // per layer: q, k, v, o projections and norms
+  double dense_ffn_params_ = 0;  // per dense layer
+  double expert_params_ = 0;     // one expert
+  double router_params_ = 0;
+  int64_t num_layers_ = 0, num_moe_layers_ = 0, num_experts_ = 0, top_k_ = 0;
+  double head_params_ = 0;       // lm_head
+  double hidden_ = 0, kv_row_elements_ = 0, q_dim_ = 0;
+  double weight_bytes_ = 0;
+};
+
+}  // namespace metrale::cli

@@ -1,0 +1,103 @@
+// Warp-level building blocks of the attention kernels (sm_80+ instructions, used on sm_90a):
+// asynchronous 16-byte global->shared copies, ldmatrix fragment loads, the bf16 m16n8k16 tensor-core
+// product with fp32 accumulation, and the XOR swizzle of shared-memory tiles.
+//
+// Fragment layouts of mma.m16n8k16 (lane = 4 * group + quad_lane, group = lane / 4):
+//   A (16 x 16, row-major, 4 x b32): a0 = (row group,     cols 2q, 2q+1)   a1 = (row group + 8, cols 2q, 2q+1)
+//                                    a2 = (row group,     cols 2q+8, +9)   a3 = (row group + 8, cols 2q+8, +9)
+//   B (16 x 8, k x n, 2 x b32):      b0 = (k 2q, 2q+1, col group)          b1 = (k 2q+8, 2q+9, col group)
+//   C (16 x 8, fp32, 4 floats):      c0, c1 = (row group, cols 2q, 2q+1)   c2, c3 = (row group + 8, cols 2q, 2q+1)
+// where q = quad_lane. The lower column (or k) index sits in the low 16 bits of a b32 register.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace metrale::kernels::cuda::attn {
+
+__device__ __forceinline__ uint32_t smem_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// Copies 16 bytes global -> shared without going through registers. When `valid` is false nothing is
+// read and the 16 destination bytes are zero-filled (the source must still be a mapped address).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and register i of every
+// lane receives its part of matrix i (lane l: row l/4, columns 2(l%4), 2(l%4)+1).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&regs)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+               : "r"(address));
+}
+// The same with each matrix transposed: lane l receives rows 2(l%4), 2(l%4)+1 of column l/4.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&regs)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+               : "r"(address));
+}
+
+// acc (16 x 8 fp32) += a (16 x 16 bf16) * b (16 x 8 bf16).
+__device__ __forceinline__ void mma_bf16_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two fp32 values as a bf16x2 register, round to nearest even; `lo` goes to the low half.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t packed;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  return packed;
+}
+
+// Element offset of the 16-byte chunk `chunk` of row `row` in a shared tile of rows of kHeadDim
+// bf16. Chunks are XOR-swizzled with the row's low three bits, so that the 8 rows read by one
+// ldmatrix matrix (or written by 8 consecutive 16-byte stores of one row) fall in 8 different bank
+// groups. Needs kHeadDim >= 64 (8 chunks per row).
+template <int kHeadDim>
+__device__ __forceinline__ int swizzled_offset(int row, int chunk) {
+  static_assert(kHeadDim % 64 == 0, "the swizzle needs at least 8 chunks of 16 bytes per row");
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  return __log2f(x);
+}
+
+__device__ __forceinline__ float quad_max(float value) {
+  value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, 1));
+  return fmaxf(value, __shfl_xor_sync(0xffffffffu, value, 2));
+}
+__device__ __forceinline__ float quad_sum(float value) {
+  value += __shfl_xor_sync(0xffffffffu, value, 1);
+  return value + __shfl_xor_sync(0xffffffffu, value, 2);
+}
+
+// Launches `kernel` on `stream`. (A function rather than the <<<>>> syntax at every call site, so
+// that the launch is one place to change.)
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                   Args&&... args) {
+  kernel<<<grid, block, smem_bytes, stream>>>(static_cast<Params>(args)...);
+}
+
+}  // namespace metrale::kernels::cuda::attn

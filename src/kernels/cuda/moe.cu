@@ -1,0 +1,661 @@
+// CUDA MoE ops (see kernels/moe.h for the contracts):
+//   moe_route            one warp per token: softmax in fp32 (sum in fp64, as the CPU), k rounds
+//                        of warp argmax (ties to the lower id), optional renormalisation.
+//   moe_sort             counting sort of slots by expert in three small launches: per-chunk
+//                        histograms, one block that scans them, a stable scatter.
+//   moe_decode_gate_up   per (slot, 8 intermediate rows) a 4-warp block; each warp streams 2 gate
+//   moe_decode_down      and 2 up rows (or 4 down rows) of the slot's expert with 16-byte loads.
+//   moe_grouped_gate_up  tensor-core grouped GEMMs over the expert-sorted rows (gemm_grouped.cuh).
+//   moe_grouped_down
+//   moe_combine          fp32 weighted sum over the k slots in order, plus the gated shared expert.
+//   gather_rows, scatter_add_rows: row copies; the scatter runs one thread per column over the
+//                        rows in order (deterministic, no atomics).
+#include <mutex>
+#include <string>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemm_gemv.cuh"
+#include "kernels/cuda/gemm_grouped.cuh"
+#include "kernels/moe.h"
+
+namespace metrale::kernels::cuda {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { raise_message(ErrorCode::kInternal, message); }
+void expect(bool condition, const char* op, const std::string& what) {
+  if (!condition) fail(std::string(op) + ": " + what);
+}
+
+bool aligned_16(const void* pointer) { return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0; }
+
+// A 2-D tensor whose rows can be read as 16-byte chunks: contiguous rows, 16-byte aligned base and row stride.
+bool rows_vectorizable(const Tensor& t) {
+  return t.ndim() == 2 && t.stride(1) == 1 && aligned_16(t.data()) &&
+         (t.stride(0) * static_cast<int64_t>(t.element_size())) % 16 == 0;
+}
+
+std::string shape_of(const Tensor& t) { return t.describe(); }
+
+// ---------------------------------------------------------------------------------------------
+// moe_route
+
+constexpr int kRouteWarps = 4;
+
+template <int kPerLane, typename LogitT>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    moe_route_kernel(const LogitT* __restrict__ logits, int64_t logit_stride, int tokens, int experts, int top_k,
+                     bool normalize, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  const int token = blockIdx.x * kRouteWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (token >= tokens) return;
+  const LogitT* row = logits + static_cast<int64_t>(token) * logit_stride;
+  // Lane l holds experts l, l + 32, ...; removed or absent experts hold -1 (probabilities are >= 0).
+  float p[kPerLane];
+  float local_max = -INFINITY;
+#pragma unroll
+  for (int q = 0; q < kPerLane; ++q) {
+    const int e = lane + 32 * q;
+    p[q] = e < experts ? to_f32(row[e]) : -INFINITY;
+    local_max = fmaxf(local_max, p[q]);
+  }
+  const float max_logit = warp_max(local_max);
+  double local_sum = 0.0;
+#pragma unroll
+  for (int q = 0; q < kPerLane; ++q) {
+    if (lane + 32 * q < experts) {
+      p[q] = expf(p[q] - max_logit);
+      local_sum += p[q];
+    } else {
+      p[q] = -1.0f;
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) local_sum += __shfl_xor_sync(0xffffffffu, local_sum, offset);
+  const float inv = static_cast<float>(1.0 / local_sum);
+#pragma unroll
+  for (int q = 0; q < kPerLane; ++q) {
+    if (p[q] >= 0.0f) p[q] *= inv;
+  }
+  int32_t* token_ids = ids + static_cast<int64_t>(token) * top_k;
+  float* token_weights = weights + static_cast<int64_t>(token) * top_k;
+  float selected_sum = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    float best = -1.0f;
+    int best_expert = 0x7fffffff;
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) {
+      if (p[q] > best) {  // strict: within a lane, experts ascend with q, so ties keep the lower id
+        best = p[q];
+        best_expert = lane + 32 * q;
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+      const int other_expert = __shfl_xor_sync(0xffffffffu, best_expert, offset);
+      if (other > best || (other == best && other_expert < best_expert)) {
+        best = other;
+        best_expert = other_expert;
+      }
+    }
+    if ((best_expert & 31) == lane) {
+#pragma unroll
+      for (int q = 0; q < kPerLane; ++q) {
+        if (q == (best_expert >> 5)) p[q] = -1.0f;
+      }
+    }
+    if (lane == 0) {
+      token_ids[j] = best_expert;
+      token_weights[j] = best;
+    }
+    selected_sum += best;  // same order as the CPU: j ascending
+  }
+  if (normalize) {
+    __syncwarp();  // lane 0's stores above are visible to the warp after this
+    for (int j = lane; j < top_k; j += 32) token_weights[j] = token_weights[j] / selected_sum;
+  }
+}
+
+template <typename LogitT>
+void launch_route(const Tensor& logits, int tokens, int experts, const MoeRouteParams& params, const Tensor& ids,
+                  const Tensor& weights) {
+  const int blocks = ceil_div(tokens, kRouteWarps);
+  const auto launch = [&](auto per_lane) {
+    constexpr int kPerLane = decltype(per_lane)::value;
+    moe_route_kernel<kPerLane, LogitT><<<blocks, kRouteWarps * 32, 0, stream_of(ids)>>>(
+        logits.data_as<const LogitT>(), logits.stride(0), tokens, experts, params.top_k, params.normalize,
+        ids.data_as<int32_t>(), weights.data_as<float>());
+  };
+  if (experts <= 32) {
+    launch(std::integral_constant<int, 1>{});
+  } else if (experts <= 64) {
+    launch(std::integral_constant<int, 2>{});
+  } else if (experts <= 128) {
+    launch(std::integral_constant<int, 4>{});
+  } else if (experts <= 256) {
+    launch(std::integral_constant<int, 8>{});
+  } else {
+    launch(std::integral_constant<int, 16>{});
+  }
+  METRALE_CHECK_LAUNCH("moe_route_kernel");
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_sort
+
+constexpr int kSortChunk = 256;  // slots per block; must match moe_sort_scratch_elements
+constexpr int kMaxSortExperts = 1024;
+
+// chunk_counts[c][e] = number of slots of chunk c routed to expert e.
+__global__ void __launch_bounds__(kSortChunk)
+    moe_sort_count_kernel(const int32_t* __restrict__ ids, int slots, int experts, int32_t* __restrict__ chunk_counts) {
+  extern __shared__ int32_t histogram[];  // [experts]
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) histogram[e] = 0;
+  __syncthreads();
+  const int slot = blockIdx.x * kSortChunk + threadIdx.x;
+  if (slot < slots) {
+    const int e = ids[slot];
+    if (static_cast<unsigned>(e) < static_cast<unsigned>(experts)) atomicAdd(&histogram[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    chunk_counts[static_cast<int64_t>(blockIdx.x) * experts + e] = histogram[e];
+  }
+}
+
+// One block of kMaxSortExperts threads, thread e for expert e: offsets[e] = slots of experts
+// before e; chunk_counts[c][e] becomes the first sorted position of chunk c's slots of expert e.
+__global__ void __launch_bounds__(kMaxSortExperts)
+    moe_sort_scan_kernel(int32_t* __restrict__ chunk_counts, int chunks, int experts, int32_t* __restrict__ offsets) {
+  __shared__ int32_t warp_totals[32];
+  const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+  // The loops over chunks are unrolled so that many independent loads are in flight (the counts
+  // sit in L2; a serial walk would pay its latency once per chunk).
+  int total = 0;
+  if (e < experts) {
+#pragma unroll 16
+    for (int c = 0; c < chunks; ++c) total += chunk_counts[static_cast<int64_t>(c) * experts + e];
+  }
+  // Block-wide exclusive scan of the totals over e.
+  int inclusive = total;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_totals[lane];  // blockDim.x == 1024: all 32 warps wrote
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    warp_totals[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int exclusive = inclusive - total + (warp > 0 ? warp_totals[warp - 1] : 0);
+  if (e < experts) {
+    offsets[e] = exclusive;
+    int running = exclusive;
+    constexpr int kBatch = 16;  // loads of a batch issue before its stores (they alias as far as the compiler knows)
+    for (int c0 = 0; c0 < chunks; c0 += kBatch) {
+      int counts[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        counts[i] = c0 + i < chunks ? chunk_counts[static_cast<int64_t>(c0 + i) * experts + e] : 0;
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (c0 + i < chunks) chunk_counts[static_cast<int64_t>(c0 + i) * experts + e] = running;
+        running += counts[i];
+      }
+    }
+    if (e == experts - 1) offsets[experts] = running;
+  }
+}
+
+// Stable scatter: a slot's position is its chunk's base for its expert plus the number of earlier
+// slots of the chunk routed to the same expert.
+__global__ void __launch_bounds__(kSortChunk)
+    moe_sort_place_kernel(const int32_t* __restrict__ ids, int slots, int experts,
+                          const int32_t* __restrict__ chunk_bases, int32_t* __restrict__ sorted_slots) {
+  __shared__ int32_t chunk_ids[kSortChunk];
+  const int slot = blockIdx.x * kSortChunk + threadIdx.x;
+  const int e = slot < slots ? ids[slot] : -1;
+  chunk_ids[threadIdx.x] = e;
+  __syncthreads();
+  if (slot >= slots || static_cast<unsigned>(e) >= static_cast<unsigned>(experts)) return;
+  int rank = 0;
+  for (int j = 0; j < static_cast<int>(threadIdx.x); ++j) rank += chunk_ids[j] == e ? 1 : 0;
+  sorted_slots[chunk_bases[static_cast<int64_t>(blockIdx.x) * experts + e] + rank] = slot;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode path
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeGateUpRows = 2;  // intermediate rows per warp (2 gate + 2 up weight rows)
+constexpr int kDecodeDownRows = 4;    // down rows per warp
+constexpr int kDecodeLoads = 4;       // 16-byte chunks per row in flight per lane
+
+__device__ __forceinline__ int clamp_expert(int e, int experts) { return min(max(e, 0), experts - 1); }
+
+// grid (ceil(I / (kDecodeWarps * kDecodeGateUpRows)), slots). h [slots, I] f32.
+template <typename XT>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    moe_decode_gate_up_kernel(const XT* __restrict__ x, int64_t x_stride, const int32_t* __restrict__ ids, int top_k,
+                              int experts, const __nv_bfloat16* __restrict__ gate_up, int inter, int hidden,
+                              float* __restrict__ h) {
+  constexpr int R = kDecodeGateUpRows;
+  const int slot = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i0 = (blockIdx.x * kDecodeWarps + warp) * R;
+  if (i0 >= inter) return;
+  // Route ids are always in range; clamping only keeps a corrupted id from reading outside the weights.
+  const int e = clamp_expert(ids[slot], experts);
+  const __nv_bfloat16* expert = gate_up + static_cast<int64_t>(e) * 2 * inter * hidden;
+  const __nv_bfloat16* w_rows[2 * R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int i = min(i0 + r, inter - 1);
+    w_rows[r] = expert + static_cast<int64_t>(i) * hidden;              // gate row i
+    w_rows[R + r] = expert + static_cast<int64_t>(inter + i) * hidden;  // up row i
+  }
+  const XT* x_rows[1] = {x + static_cast<int64_t>(slot / top_k) * x_stride};
+  float acc[2 * R][1];
+#pragma unroll
+  for (int r = 0; r < 2 * R; ++r) acc[r][0] = 0.0f;
+  gemv::warp_dot_partial<2 * R, 1, kDecodeLoads>(w_rows, x_rows, 1, hidden / gemv::kChunk, lane, acc);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float gate = warp_sum(acc[r][0]);
+    const float up = warp_sum(acc[R + r][0]);
+    if (lane == r && i0 + r < inter) h[static_cast<int64_t>(slot) * inter + i0 + r] = gemv::silu(gate) * up;
+  }
+}
+
+// grid (ceil(H / (kDecodeWarps * kDecodeDownRows)), slots). h [slots, I] f32; slot_out [slots, H] f32.
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    moe_decode_down_kernel(const float* __restrict__ h, const int32_t* __restrict__ ids, int experts,
+                           const __nv_bfloat16* __restrict__ down, int hidden, int inter,
+                           float* __restrict__ slot_out, int64_t out_stride) {
+  constexpr int R = kDecodeDownRows;
+  const int slot = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kDecodeWarps + warp) * R;
+  if (row0 >= hidden) return;
+  const int e = clamp_expert(ids[slot], experts);
+  const __nv_bfloat16* expert = down + static_cast<int64_t>(e) * hidden * inter;
+  const __nv_bfloat16* w_rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) w_rows[r] = expert + static_cast<int64_t>(min(row0 + r, hidden - 1)) * inter;
+  const float* x_rows[1] = {h + static_cast<int64_t>(slot) * inter};
+  float acc[R][1];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+  gemv::warp_dot_partial<R, 1, kDecodeLoads>(w_rows, x_rows, 1, inter / gemv::kChunk, lane, acc);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float total = warp_sum(acc[r][0]);
+    if (lane == r && row0 + r < hidden) slot_out[static_cast<int64_t>(slot) * out_stride + row0 + r] = total;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine
+
+constexpr int kCombineThreads = 256;
+
+// grid (T, ceil(H / kCombineThreads)); one thread per (token, column).
+template <typename OutT>
+__global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const float* __restrict__ slot_out, int64_t slot_stride, const float* __restrict__ weights,
+                       int top_k, const float* __restrict__ shared_out, int64_t shared_stride,
+                       const float* __restrict__ shared_gate, int64_t gate_stride, OutT* __restrict__ out,
+                       int64_t out_stride, int hidden) {
+  const int t = blockIdx.x, c = blockIdx.y * kCombineThreads + threadIdx.x;
+  if (c >= hidden) return;
+  float acc = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    const int64_t slot = static_cast<int64_t>(t) * top_k + j;
+    // No FMA contraction: the same two roundings per term as the CPU twin.
+    acc = __fadd_rn(acc, __fmul_rn(weights[slot], slot_out[slot * slot_stride + c]));
+  }
+  if (shared_out != nullptr) {
+    const float gate = 1.0f / (1.0f + expf(-shared_gate[static_cast<int64_t>(t) * gate_stride]));
+    acc = __fadd_rn(acc, __fmul_rn(gate, shared_out[static_cast<int64_t>(t) * shared_stride + c]));
+  }
+  out[static_cast<int64_t>(t) * out_stride + c] = from_f32<OutT>(acc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// gather_rows / scatter_add_rows
+
+// grid (n); out[i] = src[index[i]] as `Word`s (16, 4 or 2 bytes). An index outside src gives a zero row.
+template <typename Word>
+__global__ void gather_rows_kernel(const char* __restrict__ src, int64_t src_stride_bytes, int64_t src_rows,
+                                   const int32_t* __restrict__ index, char* __restrict__ out,
+                                   int64_t out_stride_bytes, int64_t words) {
+  const int64_t i = blockIdx.x;
+  const int32_t row = index[i];
+  const bool valid = row >= 0 && row < src_rows;
+  const Word* from = reinterpret_cast<const Word*>(src + (valid ? row : 0) * src_stride_bytes);
+  Word* to = reinterpret_cast<Word*>(out + i * out_stride_bytes);
+  for (int64_t w = threadIdx.x; w < words; w += blockDim.x) to[w] = valid ? from[w] : Word{};
+}
+
+// grid (ceil(W / 256)); thread c adds rows in order of i (deterministic; duplicates in index are fine).
+template <typename SrcT>
+__global__ void scatter_add_rows_kernel(float* __restrict__ dst, int64_t dst_stride, int64_t dst_rows,
+                                        const SrcT* __restrict__ src, int64_t src_stride,
+                                        const int32_t* __restrict__ index, const float* __restrict__ weight, int64_t n,
+                                        int64_t width) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= width) return;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t row = index[i];
+    if (row < 0 || row >= dst_rows) continue;
+    float* at = dst + row * dst_stride + c;
+    *at = __fadd_rn(*at, __fmul_rn(weight[i], to_f32(src[i * src_stride + c])));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared checks of the expert ops.
+
+void check_fused(const MoeExpertWeights& experts, const char* op) {
+  expect(experts.has_fused(), op, "the CUDA path needs the fused expert weights (gate_up, down_fused)");
+  const int64_t e = experts.num_experts, h = experts.hidden_size, i = experts.intermediate_size;
+  const Tensor& gate_up = experts.gate_up;
+  const Tensor& down = experts.down_fused;
+  expect(gate_up.dtype() == DType::kBF16 && down.dtype() == DType::kBF16 && gate_up.is_contiguous() &&
+             down.is_contiguous() && gate_up.ndim() == 3 && down.ndim() == 3 && gate_up.size(0) == e &&
+             gate_up.size(1) == 2 * i && gate_up.size(2) == h && down.size(0) == e && down.size(1) == h &&
+             down.size(2) == i,
+         op, "fused expert weights must be contiguous bf16 gate_up [E, 2I, H] and down [E, H, I]; got " +
+                 shape_of(gate_up) + " and " + shape_of(down));
+  if (h % 8 != 0 || i % 8 != 0) {
+    raise_message(ErrorCode::kUnsupported, std::string(op) + ": the CUDA MoE kernels need hidden (" +
+                                               std::to_string(h) + ") and expert intermediate (" + std::to_string(i) +
+                                               ") sizes that are multiples of 8");
+  }
+  expect(aligned_16(gate_up.data()) && aligned_16(down.data()), op, "fused expert weights must be 16-byte aligned");
+  expect(e >= 1 && e * 2 * i * h < (int64_t{1} << 62) && h < (1 << 30) && i < (1 << 30), op, "expert sizes");
+}
+
+// Raises the kernel's dynamic shared-memory limit on the current device, once per (kernel, device).
+// cudaFuncSetAttribute is not a stream operation, so this is also safe during graph capture.
+template <grouped::Epilogue kEpilogue>
+void allow_grouped_smem() {
+  static std::mutex mutex;
+  static uint64_t done_devices = 0;  // bit d: set on device d
+  int device = 0;
+  METRALE_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lock(mutex);
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (done_devices & bit) != 0) return;
+  METRALE_CUDA_CHECK(cudaFuncSetAttribute(grouped::grouped_gemm_kernel<kEpilogue>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, grouped::kSmemBytes));
+  done_devices |= bit;
+}
+
+template <grouped::Epilogue kEpilogue>
+void launch_grouped(const grouped::Params& params, int64_t slots, int64_t experts, cudaStream_t stream) {
+  const int64_t max_m_tiles = slots / grouped::kBlockM + std::min(experts, slots);
+  const int64_t blocks = max_m_tiles * params.n_tiles;
+  METRALE_EXPECT(blocks < (int64_t{1} << 31), "grouped GEMM grid too large");
+  allow_grouped_smem<kEpilogue>();
+  grouped::grouped_gemm_kernel<kEpilogue><<<static_cast<unsigned>(blocks), grouped::kThreads, grouped::kSmemBytes, stream>>>(params);
+  METRALE_CHECK_LAUNCH("grouped_gemm_kernel");
+}
+
+void check_i32_vector(const Tensor& t, int64_t n, const char* op, const char* what) {
+  expect(t.dtype() == DType::kI32 && t.numel() == n && t.is_contiguous(), op,
+         std::string(what) + " must be contiguous i32 of " + std::to_string(n) + " elements; got " + shape_of(t));
+}
+
+}  // namespace
+
+void moe_route(const Tensor& router_logits, const Tensor& topk_ids, const Tensor& topk_weights,
+               const MoeRouteParams& params) {
+  constexpr const char* op = "moe_route";
+  expect(router_logits.ndim() == 2 && router_logits.stride(1) == 1, op, "router logits must be [T, E] with contiguous rows");
+  const int64_t tokens = router_logits.size(0), experts = router_logits.size(1);
+  const int k = params.top_k;
+  expect(k >= 1 && k <= experts, op, "top_k " + std::to_string(k) + " of " + std::to_string(experts) + " experts");
+  expect(experts <= 512, op, "at most 512 experts on CUDA, got " + std::to_string(experts));
+  expect(topk_ids.numel() == tokens * k && topk_weights.numel() == tokens * k && topk_ids.dtype() == DType::kI32 &&
+             topk_weights.dtype() == DType::kF32 && topk_ids.is_contiguous() && topk_weights.is_contiguous(),
+         op, "outputs must be contiguous i32 / f32 [T, k]");
+  expect(tokens < (int64_t{1} << 31) / kRouteWarps, op, "too many tokens");
+  if (tokens == 0) return;
+  const int t = static_cast<int>(tokens), e = static_cast<int>(experts);
+  switch (router_logits.dtype()) {
+    case DType::kF32: return launch_route<float>(router_logits, t, e, params, topk_ids, topk_weights);
+    case DType::kBF16: return launch_route<__nv_bfloat16>(router_logits, t, e, params, topk_ids, topk_weights);
+    case DType::kF16: return launch_route<__half>(router_logits, t, e, params, topk_ids, topk_weights);
+    default: fail("moe_route: router logits must be f32, bf16 or f16");
+  }
+}
+
+void gather_rows(const Tensor& src, const Tensor& index, const Tensor& out) {
+  constexpr const char* op = "gather_rows";
+  const int64_t n = index.numel();
+  expect(src.ndim() == 2 && out.ndim() == 2 && out.size(0) == n && out.size(1) == src.size(1) &&
+             src.dtype() == out.dtype() && src.stride(1) == 1 && out.stride(1) == 1 && index.dtype() == DType::kI32 &&
+             index.is_contiguous(),
+         op, "src " + shape_of(src) + " index " + shape_of(index) + " out " + shape_of(out));
+  if (n == 0 || src.size(1) == 0) return;
+  const int64_t elem = static_cast<int64_t>(src.element_size());
+  const int64_t row_bytes = src.size(1) * elem, src_stride = src.stride(0) * elem, out_stride = out.stride(0) * elem;
+  const auto* from = static_cast<const char*>(src.data());
+  auto* to = static_cast<char*>(out.data());
+  const cudaStream_t stream = stream_of(out);
+  const int threads = 128;
+  const unsigned blocks = static_cast<unsigned>(n);
+  if (row_bytes % 16 == 0 && src_stride % 16 == 0 && out_stride % 16 == 0 && aligned_16(from) && aligned_16(to)) {
+    gather_rows_kernel<uint4><<<blocks, threads, 0, stream>>>(from, src_stride, src.size(0), index.data_as<const int32_t>(),
+                                                             to, out_stride, row_bytes / 16);
+  } else if (elem == 4) {
+    gather_rows_kernel<uint32_t><<<blocks, threads, 0, stream>>>(from, src_stride, src.size(0),
+                                                                 index.data_as<const int32_t>(), to, out_stride,
+                                                                 row_bytes / 4);
+  } else {
+    expect(elem == 2, op, "element size");
+    gather_rows_kernel<uint16_t><<<blocks, threads, 0, stream>>>(from, src_stride, src.size(0),
+                                                                 index.data_as<const int32_t>(), to, out_stride,
+                                                                 row_bytes / 2);
+  }
+  METRALE_CHECK_LAUNCH("gather_rows_kernel");
+}
+
+void scatter_add_rows(const Tensor& dst, const Tensor& src, const Tensor& index, const Tensor& weight) {
+  constexpr const char* op = "scatter_add_rows";
+  const int64_t n = index.numel();
+  expect(dst.ndim() == 2 && src.ndim() == 2 && dst.dtype() == DType::kF32 && src.size(0) == n &&
+             src.size(1) == dst.size(1) && weight.numel() == n && weight.dtype() == DType::kF32 &&
+             index.dtype() == DType::kI32 && index.is_contiguous() && weight.is_contiguous() && dst.stride(1) == 1 &&
+             src.stride(1) == 1,
+         op, "dst " + shape_of(dst) + " src " + shape_of(src) + " index " + shape_of(index));
+  const int64_t width = dst.size(1);
+  if (n == 0 || width == 0) return;
+  const unsigned blocks = static_cast<unsigned>(ceil_div(width, 256));
+  METRALE_DISPATCH_FLOAT(src.dtype(), "scatter_add_rows", [&] {
+    scatter_add_rows_kernel<scalar_t><<<blocks, 256, 0, stream_of(dst)>>>(
+        dst.data_as<float>(), dst.stride(0), dst.size(0), src.data_as<const scalar_t>(), src.stride(0),
+        index.data_as<const int32_t>(), weight.data_as<const float>(), n, width);
+  });
+  METRALE_CHECK_LAUNCH("scatter_add_rows_kernel");
+}
+
+void moe_sort(const Tensor& topk_ids, const Tensor& expert_offsets, const Tensor& sorted_slots, const Tensor& scratch) {
+  constexpr const char* op = "moe_sort";
+  const int64_t slots = topk_ids.numel(), experts = expert_offsets.numel() - 1;
+  expect(topk_ids.dtype() == DType::kI32 && topk_ids.is_contiguous(), op, "topk_ids must be contiguous i32");
+  expect(experts >= 1 && experts <= kMaxSortExperts, op, "1 to 1024 experts");
+  check_i32_vector(expert_offsets, experts + 1, op, "expert_offsets");
+  check_i32_vector(sorted_slots, slots, op, "sorted_slots");
+  expect(scratch.dtype() == DType::kI32 && scratch.is_contiguous() &&
+             scratch.numel() >= moe_sort_scratch_elements(slots, experts),
+         op, "scratch too small: " + shape_of(scratch));
+  expect(slots < (int64_t{1} << 30), op, "too many slots");
+  const cudaStream_t stream = stream_of(sorted_slots);
+  const int chunks = ceil_div(slots, kSortChunk);
+  const int e = static_cast<int>(experts), s = static_cast<int>(slots);
+  auto* counts = scratch.data_as<int32_t>();
+  if (chunks > 0) {
+    moe_sort_count_kernel<<<chunks, kSortChunk, static_cast<size_t>(experts) * sizeof(int32_t), stream>>>(
+        topk_ids.data_as<const int32_t>(), s, e, counts);
+    METRALE_CHECK_LAUNCH("moe_sort_count_kernel");
+  }
+  moe_sort_scan_kernel<<<1, kMaxSortExperts, 0, stream>>>(counts, chunks, e, expert_offsets.data_as<int32_t>());
+  METRALE_CHECK_LAUNCH("moe_sort_scan_kernel");
+  if (chunks > 0) {
+    moe_sort_place_kernel<<<chunks, kSortChunk, 0, stream>>>(topk_ids.data_as<const int32_t>(), s, e, counts,
+                                                            sorted_slots.data_as<int32_t>());
+    METRALE_CHECK_LAUNCH("moe_sort_place_kernel");
+  }
+}
+
+void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpertWeights& experts, const Tensor& h) {
+  constexpr const char* op = "moe_decode_gate_up";
+  check_fused(experts, op);
+  const int64_t tokens = x.size(0), hidden = experts.hidden_size, inter = experts.intermediate_size;
+  expect(x.ndim() == 2 && x.size(1) == hidden && topk_ids.ndim() == 2 && topk_ids.size(0) == tokens &&
+             topk_ids.dtype() == DType::kI32 && topk_ids.is_contiguous(),
+         op, "x " + shape_of(x) + " topk_ids " + shape_of(topk_ids));
+  const int64_t k = topk_ids.size(1), slots = tokens * k;
+  expect(h.dtype() == DType::kF32 && h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && h.is_contiguous(), op,
+         "h must be contiguous f32 [T * k, I]; got " + shape_of(h));
+  expect((x.dtype() == DType::kBF16 || x.dtype() == DType::kF32) && rows_vectorizable(x), op,
+         "x must be bf16 or f32 with 16-byte aligned rows; got " + shape_of(x));
+  expect(slots <= 65535, op, "too many slots for the decode path");
+  if (slots == 0) return;
+  const dim3 grid(static_cast<unsigned>(ceil_div(inter, kDecodeWarps * kDecodeGateUpRows)), static_cast<unsigned>(slots));
+  const auto* weights = experts.gate_up.data_as<const __nv_bfloat16>();
+  const int e = static_cast<int>(experts.num_experts), i = static_cast<int>(inter), hd = static_cast<int>(hidden);
+  if (x.dtype() == DType::kBF16) {
+    moe_decode_gate_up_kernel<__nv_bfloat16><<<grid, kDecodeWarps * 32, 0, stream_of(h)>>>(
+        x.data_as<const __nv_bfloat16>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e,
+        weights, i, hd, h.data_as<float>());
+  } else {
+    moe_decode_gate_up_kernel<float><<<grid, kDecodeWarps * 32, 0, stream_of(h)>>>(
+        x.data_as<const float>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e, weights, i,
+        hd, h.data_as<float>());
+  }
+  METRALE_CHECK_LAUNCH("moe_decode_gate_up_kernel");
+}
+
+void moe_decode_down(const Tensor& h, const Tensor& topk_ids, const MoeExpertWeights& experts, const Tensor& slot_out) {
+  constexpr const char* op = "moe_decode_down";
+  check_fused(experts, op);
+  const int64_t slots = topk_ids.numel(), hidden = experts.hidden_size, inter = experts.intermediate_size;
+  expect(topk_ids.dtype() == DType::kI32 && topk_ids.is_contiguous(), op, "topk_ids must be contiguous i32");
+  expect(h.dtype() == DType::kF32 && h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && h.is_contiguous() &&
+             aligned_16(h.data()),
+         op, "h must be contiguous f32 [T * k, I]; got " + shape_of(h));
+  expect(slot_out.dtype() == DType::kF32 && slot_out.ndim() == 2 && slot_out.size(0) == slots &&
+             slot_out.size(1) == hidden && slot_out.stride(1) == 1,
+         op, "slot_out must be f32 [T * k, H]; got " + shape_of(slot_out));
+  expect(slots <= 65535, op, "too many slots for the decode path");
+  if (slots == 0) return;
+  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kDecodeWarps * kDecodeDownRows)), static_cast<unsigned>(slots));
+  moe_decode_down_kernel<<<grid, kDecodeWarps * 32, 0, stream_of(slot_out)>>>(
+      h.data_as<const float>(), topk_ids.data_as<const int32_t>(), static_cast<int>(experts.num_experts),
+      experts.down_fused.data_as<const __nv_bfloat16>(), static_cast<int>(hidden), static_cast<int>(inter),
+      slot_out.data_as<float>(), slot_out.stride(0));
+  METRALE_CHECK_LAUNCH("moe_decode_down_kernel");
+}
+
+void moe_grouped_gate_up(const Tensor& x, const Tensor& sorted_slots, const Tensor& expert_offsets, int top_k,
+                         const MoeExpertWeights& experts, const Tensor& h) {
+  constexpr const char* op = "moe_grouped_gate_up";
+  check_fused(experts, op);
+  const int64_t slots = sorted_slots.numel(), hidden = experts.hidden_size, inter = experts.intermediate_size;
+  check_i32_vector(sorted_slots, slots, op, "sorted_slots");
+  check_i32_vector(expert_offsets, experts.num_experts + 1, op, "expert_offsets");
+  expect(top_k >= 1 && x.ndim() == 2 && x.size(0) * top_k == slots && x.size(1) == hidden &&
+             x.dtype() == DType::kBF16 && rows_vectorizable(x),
+         op, "x must be bf16 [T, H] with 16-byte aligned rows and T * top_k = slots; got " + shape_of(x));
+  expect(h.dtype() == DType::kBF16 && h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && h.stride(1) == 1 &&
+             rows_vectorizable(h),
+         op, "h must be bf16 [T * k, I] with 16-byte aligned rows; got " + shape_of(h));
+  if (slots == 0) return;
+  grouped::Params params{};
+  params.a = x.data_as<const __nv_bfloat16>();
+  params.a_stride = x.stride(0);
+  params.sorted_slots = sorted_slots.data_as<const int32_t>();
+  params.expert_offsets = expert_offsets.data_as<const int32_t>();
+  params.num_experts = static_cast<int>(experts.num_experts);
+  params.top_k = top_k;
+  params.b = experts.gate_up.data_as<const __nv_bfloat16>();
+  params.b_expert_stride = 2 * inter * hidden;
+  params.n = static_cast<int>(inter);
+  params.k = static_cast<int>(hidden);
+  params.out = h.data();
+  params.out_stride = h.stride(0);
+  params.n_tiles = ceil_div(inter, grouped::kBlockN / 2);
+  launch_grouped<grouped::Epilogue::kSwiGlu>(params, slots, experts.num_experts, stream_of(h));
+}
+
+void moe_grouped_down(const Tensor& h, const Tensor& sorted_slots, const Tensor& expert_offsets,
+                      const MoeExpertWeights& experts, const Tensor& slot_out) {
+  constexpr const char* op = "moe_grouped_down";
+  check_fused(experts, op);
+  const int64_t slots = sorted_slots.numel(), hidden = experts.hidden_size, inter = experts.intermediate_size;
+  check_i32_vector(sorted_slots, slots, op, "sorted_slots");
+  check_i32_vector(expert_offsets, experts.num_experts + 1, op, "expert_offsets");
+  expect(h.dtype() == DType::kBF16 && h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && rows_vectorizable(h),
+         op, "h must be bf16 [T * k, I] with 16-byte aligned rows; got " + shape_of(h));
+  expect(slot_out.dtype() == DType::kF32 && slot_out.ndim() == 2 && slot_out.size(0) == slots &&
+             slot_out.size(1) == hidden && slot_out.stride(1) == 1 && slot_out.stride(0) % 2 == 0 &&
+             (reinterpret_cast<uintptr_t>(slot_out.data()) & 7u) == 0,
+         op, "slot_out must be f32 [T * k, H] with 8-byte aligned rows; got " + shape_of(slot_out));
+  if (slots == 0) return;
+  grouped::Params params{};
+  params.a = h.data_as<const __nv_bfloat16>();
+  params.a_stride = h.stride(0);
+  params.sorted_slots = sorted_slots.data_as<const int32_t>();
+  params.expert_offsets = expert_offsets.data_as<const int32_t>();
+  params.num_experts = static_cast<int>(experts.num_experts);
+  params.top_k = 1;
+  params.b = experts.down_fused.data_as<const __nv_bfloat16>();
+  params.b_expert_stride = hidden * inter;
+  params.n = static_cast<int>(hidden);
+  params.k = static_cast<int>(inter);
+  params.out = slot_out.data();
+  params.out_stride = slot_out.stride(0);
+  params.n_tiles = ceil_div(hidden, grouped::kBlockN);
+  launch_grouped<grouped::Epilogue::kScatterF32>(params, slots, experts.num_experts, stream_of(slot_out));
+}
+
+void moe_combine(const Tensor& slot_out, const Tensor& topk_weights, const Tensor& shared_out,
+                 const Tensor& shared_gate_logits, const Tensor& out) {
+  constexpr const char* op = "moe_combine";
+  expect(out.ndim() == 2 && out.stride(1) == 1 && topk_weights.ndim() == 2, op, "out must be [T, H] with contiguous rows");
+  const int64_t tokens = out.size(0), hidden = out.size(1), k = topk_weights.size(1);
+  expect(slot_out.dtype() == DType::kF32 && slot_out.ndim() == 2 && slot_out.size(0) == tokens * k &&
+             slot_out.size(1) == hidden && slot_out.stride(1) == 1 && topk_weights.dtype() == DType::kF32 &&
+             topk_weights.size(0) == tokens && topk_weights.is_contiguous(),
+         op, "slot_out " + shape_of(slot_out) + " weights " + shape_of(topk_weights) + " out " + shape_of(out));
+  const bool shared = !shared_out.empty();
+  if (shared) {
+    expect(shared_out.dtype() == DType::kF32 && shared_out.ndim() == 2 && shared_out.size(0) == tokens &&
+               shared_out.size(1) == hidden && shared_out.stride(1) == 1 && shared_gate_logits.dtype() == DType::kF32 &&
+               shared_gate_logits.numel() == tokens,
+           op, "shared " + shape_of(shared_out) + " gate " + shape_of(shared_gate_logits));
+  }
+  if (tokens == 0 || hidden == 0) return;
+  const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(ceil_div(hidden, kCombineThreads)));
+  const float* shared_ptr = shared ? shared_out.data_as<const float>() : nullptr;
+  const float* gate_ptr = shared ? shared_gate_logits.data_as<const float>() : nullptr;
+  const int64_t shared_stride = shared ? shared_out.stride(0) : 0, gate_stride = shared ? shared_gate_logits.stride(0) : 0;
+  METRALE_DISPATCH_FLOAT(out.dtype(), op, [&] {
+    moe_combine_kernel<scalar_t><<<grid, kCombineThreads, 0, stream_of(out)>>>(
+        slot_out.data_as<const float>(), slot_out.stride(0), topk_weights.data_as<const float>(), static_cast<int>(k),
+        shared_ptr, shared_stride, gate_ptr, gate_stride, out.data_as<scalar_t>(), out.stride(0),
+        static_cast<int>(hidden));
+  });
+  METRALE_CHECK_LAUNCH("moe_combine_kernel");
+}
+
+}  // namespace metrale::kernels::cuda

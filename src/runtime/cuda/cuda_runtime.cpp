@@ -1,0 +1,155 @@
+// The CUDA backend of the runtime floor: device hooks (allocation, copies), the per-device current
+// stream, and the error policy of cuda_check.h.
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include "core/error.h"
+#include "core/strings.h"
+#include "runtime/cuda/cuda_check.h"
+#include "runtime/device_hooks.h"
+#include "runtime/stream.h"
+
+namespace metrale {
+namespace {
+
+bool is_sticky(cudaError_t error) {
+  switch (error) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorHardwareStackError:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
+class CudaHooks final : public DeviceHooks {
+ public:
+  int device_count() const override {
+    std::call_once(count_once_, [this] {
+      int count = 0;
+      if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        count = 0;
+        cudaGetLastError();  // no driver or no device: clear the error, report none
+      }
+      count_ = count;
+    });
+    return count_;
+  }
+
+  void* allocate(int device_index, size_t bytes) override {
+    METRALE_CUDA_CHECK(cudaSetDevice(device_index));
+    void* pointer = nullptr;
+    const cudaError_t error = cudaMalloc(&pointer, bytes);
+    if (error != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_bytes = 0, total_bytes = 0;
+      cudaMemGetInfo(&free_bytes, &total_bytes);
+      raise(ErrorCode::kOutOfMemory, "cannot allocate {} on cuda:{} ({} free of {})", format_bytes(bytes), device_index,
+            format_bytes(free_bytes), format_bytes(total_bytes));
+    }
+    return pointer;
+  }
+
+  void release(int /*device_index*/, void* pointer) noexcept override { cudaFree(pointer); }
+
+  void copy(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes) override {
+    const cudaMemcpyKind kind = dst_on_device ? (src_on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                                              : (src_on_device ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
+    auto stream = static_cast<cudaStream_t>(current_stream(Device::cuda(0)));
+    METRALE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream));
+    // Host memory may be pageable and reused right after: complete the copy before returning.
+    if (!dst_on_device || !src_on_device) METRALE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  void memset(void* pointer, int value, size_t bytes) override {
+    METRALE_CUDA_CHECK(cudaMemsetAsync(pointer, value, bytes, static_cast<cudaStream_t>(current_stream(Device::cuda(0)))));
+  }
+
+  void* allocate_pinned(size_t bytes) override {
+    void* pointer = nullptr;
+    if (cudaHostAlloc(&pointer, bytes, cudaHostAllocDefault) != cudaSuccess) {
+      cudaGetLastError();
+      raise(ErrorCode::kOutOfMemory, "cannot allocate {} of pinned host memory", format_bytes(bytes));
+    }
+    return pointer;
+  }
+
+  void release_pinned(void* pointer) noexcept override { cudaFreeHost(pointer); }
+
+  void copy_async(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes) override {
+    const cudaMemcpyKind kind = dst_on_device ? (src_on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                                              : (src_on_device ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
+    METRALE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, static_cast<cudaStream_t>(current_stream(Device::cuda(0)))));
+  }
+
+  void memory_info(int device_index, size_t& free_bytes, size_t& total_bytes) override {
+    METRALE_CUDA_CHECK(cudaSetDevice(device_index));
+    METRALE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  }
+
+  void synchronize(int device_index) override {
+    METRALE_CUDA_CHECK(cudaSetDevice(device_index));
+    METRALE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(current_stream(Device::cuda(device_index)))));
+  }
+
+ private:
+  mutable std::once_flag count_once_;
+  mutable int count_ = 0;
+};
+
+}  // namespace
+
+DeviceHooks* cuda_hooks() {
+  static CudaHooks hooks;
+  return &hooks;
+}
+
+void* current_stream(Device device) {
+  if (device.is_cpu()) return nullptr;
+  // One stream per device, created on first use and kept for the life of the process (streams
+  // must outlive every graph that captured them).
+  static std::mutex mutex;
+  static std::vector<cudaStream_t> streams;
+  std::lock_guard lock(mutex);
+  if (static_cast<int>(streams.size()) <= device.index) streams.resize(static_cast<size_t>(device.index) + 1, nullptr);
+  cudaStream_t& stream = streams[static_cast<size_t>(device.index)];
+  if (stream == nullptr) {
+    METRALE_CUDA_CHECK(cudaSetDevice(device.index));
+    METRALE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  return stream;
+}
+
+void synchronize(Device device) {
+  if (device.is_cuda()) cuda_hooks()->synchronize(device.index);
+}
+
+void cuda_fail(cudaError_t error, const char* what, const char* file, int line) {
+  const std::string message =
+      fmt::format("CUDA error {} ({}) in {} at {}:{}", cudaGetErrorName(error), cudaGetErrorString(error), what, file, line);
+  if (is_sticky(error)) {
+    // The context is poisoned: no later CUDA call can succeed, so serving cannot continue.
+    std::fprintf(stderr, "metrale: fatal: %s\n", message.c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  throw Error(error == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kInternal, message);
+}
+
+void check_launch(const char* kernel, const char* file, int line) {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) cuda_fail(error, kernel, file, line);
+}
+
+}  // namespace metrale
