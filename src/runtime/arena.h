@@ -24,6 +24,25 @@ class Arena {
   // which CUDA graph replays rely on.
   void reserve(size_t bytes, bool growable);
 
+  // Frees, at the end of its lifetime, everything allocated since it was made: the temporaries of
+  // one layer, so that a step needs the workspace of its largest layer rather than of all of them.
+  class Scope {
+   public:
+    explicit Scope(Arena& arena)
+        : arena_(arena), chunk_index_(arena.chunk_index_), offset_(arena.offset_), used_(arena.used_) {}
+    ~Scope() {
+      arena_.chunk_index_ = chunk_index_;
+      arena_.offset_ = offset_;
+      arena_.used_ = used_;
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    Arena& arena_;
+    size_t chunk_index_, offset_, used_;
+  };
+
  private:
   Device device_;
   bool growable_;

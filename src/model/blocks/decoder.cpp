@@ -57,6 +57,7 @@ void DecoderModel::forward(const ForwardBatch& batch, std::span<const LayerCache
   parts_.layers.front().input_norm.apply(residual, normed);
   for (size_t i = 0; i < parts_.layers.size(); ++i) {
     DecoderLayer& layer = parts_.layers[i];
+    const Arena::Scope layer_temporaries(workspace);
     try {
       layer.mixer->forward(step, caches[i], normed, sublayer);
       layer.post_norm.add_and_apply(residual, sublayer, normed);
