@@ -337,6 +337,18 @@ TEST(CudaPagedAttention, MixedStepsAcrossHeadDims) {
   check({6, 2, 64, 8}, mixed, 605);      // G 3
 }
 
+TEST(CudaPagedAttention, GenericHeadDimMatchesCpu) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  // Head sizes without a tensor-core kernel (tiny test models): decode, prefill and windows.
+  const std::vector<SeqSpec> mixed = {{0, 40}, {130, 1}, {17, 9}, {0, 1}};
+  check({4, 2, 16, 16}, mixed, 701);
+  check({4, 1, 32, 16}, mixed, 702);
+  check({6, 3, 96, 8}, mixed, 703);
+  RunOptions windowed;
+  windowed.window = 8;
+  check({4, 2, 16, 16}, mixed, 704, windowed);
+}
+
 TEST(CudaPagedAttention, LongPrefillQwen3Shape) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   check({32, 8, 128, 16}, {{0, 1500}, {600, 400}}, 701);
@@ -386,15 +398,17 @@ TEST(CudaPagedAttention, StridedViewsAndLooseBounds) {
 
 TEST(CudaPagedAttention, RejectsUnsupportedShapes) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
-  HostBatch b = make_batch({4, 2, 96, 16}, {{3, 2}}, 1100);
+  // Head sizes other than 64/128/256 take a generic kernel (see GenericHeadDimMatchesCpu); above 256
+  // none exists.
+  HostBatch b = make_batch({4, 2, 258, 16}, {{3, 2}}, 1100);
   const OwnedTensor k_cache = to_device(b.k_tensor()), v_cache = to_device(b.v_tensor());
   const OwnedTensor cu_q = to_device(b.cu_tensor()), kv_lens = to_device(b.lens_tensor());
   const OwnedTensor tables = to_device(b.tables_tensor());
   const OwnedTensor q = to_device(b.q_tensor());
-  OwnedTensor out(DType::kBF16, {b.tokens, 4, 96}, Device::cuda());
+  OwnedTensor out(DType::kBF16, {b.tokens, 4, 258}, Device::cuda());
   try {
     kernels::paged_attention(*q, *k_cache, *v_cache, *cu_q, *kv_lens, *tables, *out, {});
-    FAIL() << "head_dim 96 accepted";
+    FAIL() << "head_dim 258 accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
   }

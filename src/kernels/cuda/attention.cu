@@ -983,6 +983,81 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
   METRALE_CHECK_LAUNCH("kv_cache_write_scalar_kernel");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Generic path for head sizes the tensor-core kernels are not instantiated for (tiny test models,
+// head_dim 16 or 32, any even size up to 256). One CTA per (query row, head): keys are scored in
+// chunks of kGenericKeys into shared memory, softmaxed online, and each thread owns output channels.
+// Correct and simple, not fast: production head sizes take the kernels above.
+
+constexpr int kGenericThreads = 128;
+constexpr int kGenericKeys = 128;
+
+__device__ __forceinline__ int generic_slot(const PagedKv& kv, int sequence, int key) {
+  const int32_t* table = kv.block_tables + static_cast<int64_t>(sequence) * kv.table_stride;
+  return table[key / kv.block_size] * kv.block_size + key % kv.block_size;
+}
+
+__global__ void __launch_bounds__(kGenericThreads) generic_attention_kernel(AttentionArgs args, int head_dim,
+                                                                             int num_seqs) {
+  __shared__ float q_shared[256];
+  __shared__ float scores[kGenericKeys];
+  const int row = blockIdx.x, head = blockIdx.y;
+  // Which sequence owns this row: the last s with cu_q[s] <= row.
+  int sequence = 0;
+  while (sequence + 1 < num_seqs && args.cu_q[sequence + 1] <= row) ++sequence;
+  const int q_len = args.cu_q[sequence + 1] - args.cu_q[sequence];
+  const int kv_len = args.kv_lens[sequence];
+  const int position = kv_len - q_len + (row - args.cu_q[sequence]);
+  const int first_key = args.window > 0 ? max(0, position - args.window + 1) : 0;
+  const int kv_head = head / args.group;
+  const bf16* q = args.q + static_cast<int64_t>(row) * args.q_token_stride + static_cast<int64_t>(head) * args.q_head_stride;
+  for (int d = threadIdx.x; d < head_dim; d += kGenericThreads) q_shared[d] = __bfloat162float(q[d]);
+  __syncthreads();
+  // Each thread accumulates channels threadIdx.x and threadIdx.x + 128 (head_dim <= 256).
+  float acc0 = 0.0f, acc1 = 0.0f, running_max = -INFINITY, running_sum = 0.0f;
+  const float scale = args.score_scale;  // includes log2(e): scores are in the exp2 domain
+  for (int chunk = first_key; chunk <= position; chunk += kGenericKeys) {
+    const int count = min(kGenericKeys, position + 1 - chunk);
+    if (threadIdx.x < count) {
+      const int slot = generic_slot(args.kv, sequence, chunk + threadIdx.x);
+      const bf16* k = args.kv.k_cache + (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
+      float dot = 0.0f;
+      for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * __bfloat162float(k[d]);
+      scores[threadIdx.x] = dot * scale;
+    }
+    __syncthreads();
+    float chunk_max = -INFINITY;
+    for (int j = 0; j < count; ++j) chunk_max = fmaxf(chunk_max, scores[j]);
+    const float new_max = fmaxf(running_max, chunk_max);
+    const float rescale = exp2f(running_max - new_max);
+    acc0 *= rescale;
+    acc1 *= rescale;
+    running_sum *= rescale;
+    for (int j = 0; j < count; ++j) {
+      const float p = exp2f(scores[j] - new_max);
+      running_sum += p;
+      const int slot = generic_slot(args.kv, sequence, chunk + j);
+      const bf16* v = args.kv.v_cache + (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
+      if (threadIdx.x < head_dim) acc0 += p * __bfloat162float(v[threadIdx.x]);
+      if (threadIdx.x + kGenericThreads < head_dim) acc1 += p * __bfloat162float(v[threadIdx.x + kGenericThreads]);
+    }
+    running_max = new_max;
+    __syncthreads();
+  }
+  const float inverse = running_sum > 0.0f ? 1.0f / running_sum : 0.0f;
+  bf16* out = args.out + static_cast<int64_t>(row) * args.out_token_stride + static_cast<int64_t>(head) * args.out_head_stride;
+  if (threadIdx.x < head_dim) out[threadIdx.x] = __float2bfloat16_rn(acc0 * inverse);
+  if (threadIdx.x + kGenericThreads < head_dim) out[threadIdx.x + kGenericThreads] = __float2bfloat16_rn(acc1 * inverse);
+}
+
+void launch_generic_attention(const AttentionArgs& args, int64_t tokens, int64_t heads, int64_t head_dim,
+                              int64_t num_seqs, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(heads));
+  generic_attention_kernel<<<grid, kGenericThreads, 0, stream>>>(args, static_cast<int>(head_dim),
+                                                                 static_cast<int>(num_seqs));
+  METRALE_CHECK_LAUNCH("generic_attention_kernel");
+}
+
 void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& cu_q,
                      const Tensor& kv_lens, const Tensor& block_tables, const Tensor& out,
                      const AttentionParams& params) {
@@ -1015,8 +1090,9 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
     unsupported("q, out and the caches must be bf16, got q " + q.describe() + ", cache " + k_cache.describe() +
                 ", out " + out.describe());
   }
-  if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
-    unsupported("head_dim " + std::to_string(head_dim) + " (supported: 64, 128, 256)");
+  const bool generic_head_dim = head_dim != 64 && head_dim != 128 && head_dim != 256;
+  if (generic_head_dim && (head_dim > 256 || head_dim % 2 != 0)) {
+    unsupported("head_dim " + std::to_string(head_dim) + " (supported: even sizes up to 256)");
   }
   if (!aligned16(k_cache.data()) || !aligned16(v_cache.data())) unsupported("the caches must be 16-byte aligned");
   if (tokens == 0 || num_seqs == 0) return;
@@ -1065,6 +1141,10 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
   const int device_index = device.index;
   const DeviceProps& props = device_props(device_index);
   const cudaStream_t stream = stream_of(out);
+  if (generic_head_dim) {
+    launch_generic_attention(args, tokens, heads, head_dim, num_seqs, stream);
+    return;
+  }
 
   // Kernel choice: split-KV for decode and for short query blocks whose prefill tiles would leave
   // SMs idle; the tensor-core prefill kernel otherwise.
