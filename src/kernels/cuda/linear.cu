@@ -1,7 +1,7 @@
 // CUDA linear: out[M, N] = x[M, K] . weight[N, K]^T (+ out with `accumulate`).
 //
 // Paths, by shape (all accumulate in fp32):
-//   - GEMV (M <= gemv_max_rows(), default 8): each warp streams 2 or 4 weight rows once with 16-byte
+//   - GEMV (M <= gemv_max_rows(), default 2): each warp streams 2 or 4 weight rows once with 16-byte
 //     loads, all M input rows go through L1, fp32 partial sums, warp-shuffle reduction. Bandwidth
 //     bound: the weight bytes are the cost (see gemm_gemv.cuh).
 //   - cuBLASLt (larger M): row-major y = x . W^T is the column-major product y^T = W . x^T, i.e. a
@@ -11,9 +11,10 @@
 //   - a simple warp-per-output kernel for everything else (non-bf16 operands, K % 8 != 0,
 //     misaligned rows): correct, not fast.
 //
-// Crossover: at M <= 8 the GEMV's fp32 FMAs (8 * M per weight element pair of bytes) stay under the
-// SM's FMA rate while streaming at HBM speed; from M ~ 16 it becomes FMA-bound, and cuBLASLt's
-// tensor-core kernels are the better choice. METRALE_GEMV_MAX_ROWS lets the lead measure (<= 16).
+// Crossover, measured on the H200 (CudaLinearBench, Qwen3-8B shapes): the GEMV streams 3.0-4.4 TB/s
+// at M = 1 and 2.8-4.4 TB/s at M = 2, but only 2.0-3.5 TB/s at M = 4 and 1.3-2.0 TB/s at M = 8,
+// where cuBLASLt already reaches 2.3-4.2 TB/s (M = 16 timings). So M <= 2 takes the GEMV.
+// METRALE_GEMV_MAX_ROWS (<= 16) overrides it.
 #include <cublasLt.h>
 
 #include <atomic>
@@ -36,7 +37,7 @@ constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 
 std::atomic<int>& gemv_rows_setting() {
   static std::atomic<int> rows = [] {
-    int value = 8;
+    int value = 2;
     if (const char* text = std::getenv("METRALE_GEMV_MAX_ROWS")) {
       char* end = nullptr;
       const long parsed = std::strtol(text, &end, 10);

@@ -83,7 +83,9 @@ __global__ void __launch_bounds__(32 * kMaxWarps) qk_norm_rope_kv_write_kernel(Q
   const int rotary_dim = 2 * a.half;
   const int head_dim = a.head_dim;
 
-  for (int h = warp; h < a.n_heads + 2 * a.n_kv; h += warps) {
+  // Heads are spread over blockIdx.y groups of `warps` (several CTAs per token when tokens are
+  // few, so that a decode step is one round of loads instead of one per head).
+  for (int h = blockIdx.y * warps + warp; h < a.n_heads + 2 * a.n_kv; h += warps * gridDim.y) {
     if (h >= a.n_heads + a.n_kv) {  // v: a copy into the cache
       if (!cached) continue;
       const int kv_head = h - a.n_heads - a.n_kv;
@@ -165,8 +167,15 @@ bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer
 
 template <typename T, int N>
 void launch(const QkArgs<T>& a, int64_t tokens, int warps, cudaStream_t stream) {
+  const int total_heads = a.n_heads + 2 * a.n_kv;
+  int head_groups = 1;
+  if (tokens < 264) {  // fewer tokens than two waves of CTAs: one warp per head, 4 heads per CTA
+    warps = std::min(warps, 4);
+    head_groups = (total_heads + warps - 1) / warps;
+  }
   const size_t shared_bytes = (2 * static_cast<size_t>(a.half) + static_cast<size_t>(warps) * a.head_dim) * sizeof(float);
-  qk_norm_rope_kv_write_kernel<T, N><<<static_cast<unsigned int>(tokens), 32 * warps, shared_bytes, stream>>>(a);
+  const dim3 grid(static_cast<unsigned int>(tokens), static_cast<unsigned int>(head_groups));
+  qk_norm_rope_kv_write_kernel<T, N><<<grid, 32 * warps, shared_bytes, stream>>>(a);
 }
 
 template <typename T>
