@@ -15,6 +15,7 @@ namespace {
 DeviceHooks& require_cuda() {
   DeviceHooks* hooks = cuda_hooks();
   if (hooks == nullptr) raise(ErrorCode::kUnsupported, "this build of metrale has no CUDA support");
+  if (hooks->device_count() == 0) raise(ErrorCode::kUnsupported, "no CUDA device is available on this machine");
   return *hooks;
 }
 

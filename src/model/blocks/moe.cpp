@@ -1,45 +1,11 @@
 #include "model/blocks/moe.h"
 
 #include "core/error.h"
-#include "kernels/elementwise.h"
 #include "kernels/linear.h"
 #include "runtime/stream.h"
 
 namespace metrale {
 namespace {
-
-bool is_weight_dtype(DType dtype) { return dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32; }
-
-// The checkpoint's CPU view of `weights.prefix() + key`, checked like Weights::get checks it.
-Tensor checked_host_view(const Weights& weights, const std::string& key, const Shape& shape) {
-  const std::string name = weights.prefix() + key;
-  const Tensor view = weights.store().get(name);
-  if (!(view.shape() == shape)) {
-    raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}",
-          weights.store().file_of(name).path().string(), name, view.shape().to_string(), shape.to_string());
-  }
-  if (!is_weight_dtype(view.dtype())) {
-    raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
-          weights.store().file_of(name).path().string(), name, dtype_name(view.dtype()));
-  }
-  return view;
-}
-
-// Copies a CPU tensor into a contiguous bf16 device tensor of the same numel: bf16 goes straight
-// to its place; f16 / f32 go through a temporary device copy and kernels::convert.
-void place_bf16(const Tensor& host, const Tensor& dst) {
-  METRALE_CHECK(host.is_contiguous() && dst.is_contiguous() && host.numel() == dst.numel() &&
-                    dst.dtype() == DType::kBF16,
-                "place_bf16 {} -> {}", host.describe(), dst.describe());
-  if (host.dtype() == DType::kBF16) {
-    copy_bytes(dst.data(), dst.device(), host.data(), Device::cpu(), host.nbytes());
-    return;
-  }
-  const OwnedTensor staging(host.dtype(), dst.shape(), dst.device());
-  copy_bytes(staging->data(), dst.device(), host.data(), Device::cpu(), host.nbytes());
-  kernels::convert(*staging, dst);
-  synchronize(dst.device());  // the staging buffer is freed next
-}
 
 }  // namespace
 
@@ -47,7 +13,7 @@ Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) :
   const int64_t e_count = config.num_experts, h = config.hidden_size;
   if (!weights.has(prefix + "experts.gate_up_proj") && !weights.has(prefix + "experts.0.gate_proj.weight")) {
     raise(ErrorCode::kNotFound, "{}: no experts under '{}{}experts.' (neither fused gate_up_proj nor per-expert keys)",
-          weights.store().dir().string(), weights.prefix(), prefix);
+          weights.source_name(), weights.prefix(), prefix);
   }
   const bool on_cpu = weights.device().is_cpu();
   if (on_cpu) {
@@ -90,20 +56,21 @@ void Moe::load_experts_cpu(Weights& weights, const std::string& prefix) {
 void Moe::load_experts_device(Weights& weights, const std::string& prefix) {
   // The checkpoint's expert tensors are read from the mapping and placed straight into the fused
   // buffers (Weights::get would keep a second device copy of every expert alive).
+  const auto place = [&](const std::string& key, const Tensor& destination) { weights.load_into(key, destination); };
   const int64_t e_count = config_.num_experts, h = config_.hidden_size, i = config_.expert_intermediate_size;
   const Device device = weights.device();
   OwnedTensor gate_up(DType::kBF16, {e_count, 2 * i, h}, device);
   OwnedTensor down(DType::kBF16, {e_count, h, i}, device);
   if (weights.has(prefix + "experts.gate_up_proj")) {
-    place_bf16(checked_host_view(weights, prefix + "experts.gate_up_proj", {e_count, 2 * i, h}), *gate_up);
-    place_bf16(checked_host_view(weights, prefix + "experts.down_proj", {e_count, h, i}), *down);
+    place(prefix + "experts.gate_up_proj", *gate_up);
+    place(prefix + "experts.down_proj", *down);
   } else {
     for (int64_t e = 0; e < e_count; ++e) {
       const std::string key = prefix + "experts." + std::to_string(e) + ".";
       const Tensor expert = gate_up->select(0, e);  // [2I, H]: gate rows, then up rows
-      place_bf16(checked_host_view(weights, key + "gate_proj.weight", {i, h}), expert.slice(0, 0, i));
-      place_bf16(checked_host_view(weights, key + "up_proj.weight", {i, h}), expert.slice(0, i, 2 * i));
-      place_bf16(checked_host_view(weights, key + "down_proj.weight", {h, i}), down->select(0, e));
+      place(key + "gate_proj.weight", expert.slice(0, 0, i));
+      place(key + "up_proj.weight", expert.slice(0, i, 2 * i));
+      place(key + "down_proj.weight", down->select(0, e));
     }
   }
   experts_ = kernels::MoeExpertWeights::from_fused(*gate_up, *down);
@@ -113,7 +80,7 @@ void Moe::load_experts_device(Weights& weights, const std::string& prefix) {
 
 Tensor Moe::load_bf16(Weights& weights, const std::string& key, const Shape& shape) {
   OwnedTensor placed(DType::kBF16, shape, weights.device());
-  place_bf16(checked_host_view(weights, key, shape), *placed);
+  weights.load_into(key, *placed);
   const Tensor view = *placed;
   owned_.push_back(std::move(placed));
   return view;
