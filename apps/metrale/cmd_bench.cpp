@@ -6,6 +6,7 @@
 // requested length whose contents are arbitrary: the speed does not depend on them.
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <iostream>
 
@@ -23,6 +24,8 @@
 #include "runtime/stream.h"
 #include "runtime/thread_pool.h"
 #if METRALE_WITH_CUDA
+#include <cuda_profiler_api.h>
+
 #include "runtime/cuda/cuda_graph.h"
 #endif
 
@@ -180,10 +183,21 @@ int run_bench(const BenchOptions& options) {
     }
     std::vector<double> times;
     bool graph = false;
+    // METRALE_PROFILE_DECODE=1: the first timed step of the first batch size is bracketed by
+    // cudaProfilerStart/Stop, for `ncu --profile-from-start off` per-kernel timings.
+    const bool profile = std::getenv("METRALE_PROFILE_DECODE") != nullptr && batch == batches.front();
     for (int i = 0; i < options.warmup + options.iters; ++i) {
+#if METRALE_WITH_CUDA
+      if (profile && i == options.warmup) cudaProfilerStart();
+#endif
       timer.start();
       graph = runner.execute(plan).used_graph;
       const double ms = timer.stop_ms();
+#if METRALE_WITH_CUDA
+      if (profile && i == options.warmup) cudaProfilerStop();
+#else
+      (void)profile;
+#endif
       if (i >= options.warmup) times.push_back(ms);
     }
     for (const auto& sequence : sequences) cache.free_sequence(sequence->id);

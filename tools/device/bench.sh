@@ -7,6 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 build_dir=${BUILD_DIR:-build-cuda}
+export LD_LIBRARY_PATH="$PWD/$build_dir/bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 out=${OUT:-/tmp/metrale-bench-out}
 mkdir -p "$out"
 presets=("$@")

@@ -11,9 +11,15 @@ build_dir=${BUILD_DIR:-build-cuda}
 
 if [[ $mode == build ]]; then
   cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DMETRALE_CUDA=ON >/dev/null
-  cmake --build "$build_dir" -j "$(nproc)" --target metrale metrale_cuda_tests
-  exit $?
+  cmake --build "$build_dir" -j "$(nproc)" --target metrale metrale_cuda_tests || exit 1
+  # The GPU machine's image lacks some Debian libraries the binaries use: they travel with bin/.
+  mkdir -p "$build_dir/bin/lib"
+  for binary in "$build_dir/bin/metrale" "$build_dir/bin/metrale_cuda_tests"; do
+    ldd "$binary" | awk '/=> \/(usr\/)?lib\/x86_64-linux-gnu\/lib(fmt|onig|utf8proc)/ {print $3}'
+  done | sort -u | xargs -r cp -L -t "$build_dir/bin/lib"
+  exit 0
 fi
+export LD_LIBRARY_PATH="$PWD/$build_dir/bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 out=${OUT:-/tmp/metrale-test-out}
 mkdir -p "$out"
