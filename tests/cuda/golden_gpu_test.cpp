@@ -1,8 +1,14 @@
 // Golden tests through the CUDA path: the same cases as tests/engine/golden_test.cpp, with bf16
 // activations on the GPU against transformers' fp32 logits: relative L2 of the logits at most
 // 2e-2 for whole, chunked and token-by-token feeding; greedy tokens equal up to a near-tie.
+// Where transformers' own bf16 inference of a case is further than that from its fp32 reference
+// (MoE cases can flip a routing decision in bf16; case.json records it as
+// transformers_bf16_rel_l2), the bound is 1.5 times that: the GPU must be as close as transformers
+// in bf16, not closer.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
 
 #include "engine/golden_cases.h"
 
@@ -20,9 +26,10 @@ class GoldenGpu : public ::testing::TestWithParam<std::string> {
 
 TEST_P(GoldenGpu, LogitsMatchTransformers) {
   const GoldenCase golden(GetParam());
+  const double bound = std::max(2e-2, 1.5 * golden.info.value("transformers_bf16_rel_l2", 0.0));
   for (const int32_t chunk : {0, 7, 1}) {
     const double relative = testing::score_relative_l2(golden, Device::cuda(0), chunk);
-    EXPECT_LE(relative, 2e-2) << "chunk " << chunk;
+    EXPECT_LE(relative, bound) << "chunk " << chunk;
     RecordProperty("rel_l2_chunk_" + std::to_string(chunk), fmt::format("{:.3e}", relative));
     std::printf("[golden-gpu] %s chunk %d: rel L2 %.3e\n", GetParam().c_str(), chunk, relative);
   }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -76,13 +77,29 @@ inline double score_relative_l2(const GoldenCase& golden, Device device, int32_t
   const auto& logits = engine->sequence(id).prompt_logits;
   EXPECT_EQ(logits.size(), golden.logits.data.size());
   if (logits.size() != golden.logits.data.size()) return 1.0;
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < logits.size(); ++i) {
-    const double a = logits[i], b = golden.logits.data[i];
-    diff += (a - b) * (a - b);
-    norm += b * b;
+  const size_t vocab = static_cast<size_t>(golden.logits.shape.at(1));
+  double diff = 0, norm = 0, worst = 0;
+  size_t worst_row = 0;
+  for (size_t row = 0; row * vocab < logits.size(); ++row) {
+    double row_diff = 0, row_norm = 0;
+    for (size_t i = row * vocab; i < (row + 1) * vocab; ++i) {
+      const double a = logits[i], b = golden.logits.data[i];
+      row_diff += (a - b) * (a - b);
+      row_norm += b * b;
+    }
+    diff += row_diff;
+    norm += row_norm;
+    if (std::sqrt(row_diff / row_norm) > worst) {
+      worst = std::sqrt(row_diff / row_norm);
+      worst_row = row;
+    }
   }
-  return std::sqrt(diff / norm);
+  const double relative = std::sqrt(diff / norm);
+  if (relative > 1e-3) {
+    std::printf("[golden] %s on %s chunk %d: rel L2 %.3e, worst row %zu at %.3e\n", golden.dir.filename().c_str(),
+                device.to_string().c_str(), chunk, relative, worst_row, worst);
+  }
+  return relative;
 }
 
 // Greedy generation against transformers' cached generation. A mismatch is accepted only at a

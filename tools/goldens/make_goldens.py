@@ -55,7 +55,8 @@ For every case in CASES:
 
 case.json: {name, model_type, description, seed, num_tokens, transformers_version, torch_version,
 incremental_rel_l2, chunked_rel_l2, reload_rel_l2, greedy {prompt_ids, output_ids, max_new_tokens,
-full_forward_agrees}, greedy_margins, logits_min_margin (smallest top-2 margin over the rows of logits.npy),
+full_forward_agrees}, greedy_margins, transformers_bf16_rel_l2 (transformers' own bf16 inference of the saved model
+against the fp32 logits: the yardstick for bf16 engines), logits_min_margin (smallest top-2 margin over the rows of logits.npy),
 layout, layer_types, mlp_kinds, attn_implementation, experts_implementation, ignore_eos, init}.
 
 The default model (`--default-model DIR`): a random-weight Qwen3ForCausalLM over the real Qwen3 vocabulary
@@ -383,6 +384,16 @@ def reload_check(model_dir, ids, ref_logits):
     return rel_l2(full_logits(m, ids), ref_logits)
 
 
+def bf16_check(model_dir, ids, ref_logits):
+    """How far transformers' own bf16 inference (from_pretrained in bf16, which keeps inv_freq fp32)
+    lands from the fp32 reference: the yardstick for engines that compute in bf16 (the GPU tests)."""
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
+    m.eval()
+    with torch.no_grad():
+        out = m(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+    return rel_l2(out, ref_logits)
+
+
 def experts_impl(model):
     return getattr(model.config, "_experts_implementation", None)
 
@@ -455,6 +466,8 @@ def make_case(case, out_root, max_rel):
         f"{k} {list(v[1])}" for k, v in sorted(keys_now.items()) if ".layers.0." in k or ".layers." not in k))
     r_reload = reload_check(model_dir, ids, ref)
     log(f"[{name}] reload_rel_l2 {r_reload:.3e}")
+    r_bf16 = bf16_check(model_dir, ids, ref)
+    log(f"[{name}] transformers bf16 vs fp32: rel_l2 {r_bf16:.3e}")
     if r_reload > MAX_RELOAD_REL_L2:
         raise CaseFailure(f"{name}: reloaded model differs: reload_rel_l2 {r_reload:.3e}")
 
@@ -490,6 +503,7 @@ def make_case(case, out_root, max_rel):
         "chunked_rel_l2": r_chunk,
         "chunked_split": {"first": 16, "step": 5},
         "reload_rel_l2": r_reload,
+        "transformers_bf16_rel_l2": r_bf16,
         "greedy": {"prompt_ids": prompt, "output_ids": new, "max_new_tokens": case["max_new_tokens"],
                    "full_forward_agrees": agrees},
         "greedy_margins": margins,
