@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
@@ -31,6 +32,8 @@
 
 namespace metrale {
 namespace {
+
+using testing::to_device;
 
 constexpr uint16_t kBf16NaN = 0x7fc0;
 constexpr double kAttentionTolerance = 1e-2;  // bf16 q/K/V/P/out, fp32 softmax and accumulation
@@ -61,12 +64,6 @@ class Bf16Source {
 };
 
 // A device copy of host bytes, with a contiguous view.
-OwnedTensor to_device(const Tensor& host) {
-  OwnedTensor device(host.dtype(), host.shape(), Device::cuda());
-  copy_tensor(*device, host);
-  return device;
-}
-
 std::vector<uint16_t> download_bf16(const Tensor& device_contiguous) {
   std::vector<uint16_t> host(static_cast<size_t>(device_contiguous.numel()));
   copy_tensor(Tensor(host.data(), DType::kBF16, device_contiguous.shape()), device_contiguous);

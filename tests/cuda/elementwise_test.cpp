@@ -20,6 +20,7 @@
 #include "kernels/activation.h"
 #include "kernels/elementwise.h"
 #include "kernels/embedding.h"
+#include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
@@ -29,6 +30,10 @@
 namespace metrale {
 namespace {
 
+using testing::to_device;
+using testing::to_host;
+using testing::f32_copy;
+
 using kernels::RmsNormKind;
 using kernels::RmsNormParams;
 using testing::Random;
@@ -36,27 +41,7 @@ using testing::Random;
 constexpr double kBf16VsF32Tolerance = 1e-2;
 constexpr double kMinExactFraction = 0.99;
 
-OwnedTensor to_device(const Tensor& host) {
-  OwnedTensor device(host.dtype(), host.shape(), Device::cuda());
-  copy_tensor(*device, host);
-  return device;
-}
-
-OwnedTensor to_host(const Tensor& device) {
-  OwnedTensor host(device.dtype(), device.shape());
-  copy_tensor(*host, device);
-  return host;
-}
-
 // A contiguous f32 host copy of any host tensor (the input of the fp32 CPU references).
-OwnedTensor f32_copy(const Tensor& host) {
-  OwnedTensor copy(DType::kF32, host.shape());
-  const std::vector<double> values = testing::to_doubles(host);
-  std::vector<float> floats(values.begin(), values.end());
-  testing::fill(*copy, floats);
-  return copy;
-}
-
 float bf16(float value) { return round_to_bf16(value); }
 
 // Fraction of elements of `actual` equal to `expected` (both in logical order).

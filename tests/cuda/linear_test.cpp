@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
 #include "kernels/linear.h"
 #include "runtime/cuda/cuda_graph.h"
@@ -20,19 +21,10 @@
 namespace metrale {
 namespace {
 
+using testing::to_device;
+using testing::to_host;
+
 using testing::Random;
-
-OwnedTensor to_device(const Tensor& host) {
-  OwnedTensor device(host.dtype(), host.shape(), Device::cuda());
-  copy_tensor(*device, host);
-  return device;
-}
-
-OwnedTensor to_host(const Tensor& device) {
-  OwnedTensor host(device.dtype(), device.shape());
-  copy_tensor(*host, device);
-  return host;
-}
 
 double tolerance_for(DType out) { return out == DType::kF32 ? 2e-5 : testing::kBf16OutputTolerance; }
 

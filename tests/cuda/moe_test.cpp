@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/test_support.h"
+#include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
 #include "kernels/moe.h"
 #include "model/blocks/moe.h"
@@ -30,19 +31,10 @@
 namespace metrale {
 namespace {
 
+using testing::to_device;
+using testing::to_host;
+
 using testing::Random;
-
-OwnedTensor to_device(const Tensor& host) {
-  OwnedTensor device(host.dtype(), host.shape(), Device::cuda());
-  copy_tensor(*device, host);
-  return device;
-}
-
-OwnedTensor to_host(const Tensor& device) {
-  OwnedTensor host(device.dtype(), device.shape());
-  copy_tensor(*host, device);
-  return host;
-}
 
 OwnedTensor poisoned_device(DType dtype, Shape shape) {
   OwnedTensor host(dtype, shape);

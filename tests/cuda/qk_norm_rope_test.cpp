@@ -14,6 +14,7 @@
 
 #include "core/dtype.h"
 #include "kernels/attention.h"
+#include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
 #include "kernels/qk_norm_rope.h"
 #include "runtime/device.h"
@@ -21,28 +22,12 @@
 namespace metrale {
 namespace {
 
+using testing::to_device;
+using testing::to_host;
+using testing::f32_copy;
+
 using kernels::RmsNormKind;
 using testing::Random;
-
-OwnedTensor to_device(const Tensor& host) {
-  OwnedTensor device(host.dtype(), host.shape(), Device::cuda());
-  copy_tensor(*device, host);
-  return device;
-}
-
-OwnedTensor to_host(const Tensor& device) {
-  OwnedTensor host(device.dtype(), device.shape());
-  copy_tensor(*host, device);
-  return host;
-}
-
-OwnedTensor f32_copy(const Tensor& host) {
-  OwnedTensor copy(DType::kF32, host.shape());
-  const std::vector<double> values = testing::to_doubles(host);
-  std::vector<float> floats(values.begin(), values.end());
-  testing::fill(*copy, floats);
-  return copy;
-}
 
 float bf16(float value) { return round_to_bf16(value); }
 

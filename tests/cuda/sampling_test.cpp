@@ -19,6 +19,7 @@
 #include "core/dtype.h"
 #include "core/random.h"
 #include "engine/sampler.h"
+#include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
 #include "kernels/sampling.h"
 #include "runtime/cuda/cuda_graph.h"
@@ -27,6 +28,8 @@
 
 namespace metrale {
 namespace {
+
+using testing::to_device;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -85,12 +88,6 @@ Sampled run_cpu(Batch& batch) {
   kernels::sample_tokens(Tensor(batch.logits.data(), DType::kF32, {r, batch.vocab}), params.tensors(),
                          Tensor(out.tokens.data(), DType::kI32, {r}), Tensor(out.logprobs.data(), DType::kF32, {r}));
   return out;
-}
-
-OwnedTensor to_device(const Tensor& host) {
-  OwnedTensor device(host.dtype(), host.shape(), Device::cuda());
-  copy_tensor(*device, host);
-  return device;
 }
 
 // The batch's tensors on the GPU, outputs poisoned.
