@@ -17,6 +17,8 @@
 #include "core/error.h"
 #include "core/strings.h"
 #include "options.h"
+#include "runtime/device.h"
+#include "runtime/thread_pool.h"
 #include "text/tokenizer.h"
 
 namespace metrale::cli {
@@ -103,6 +105,8 @@ int run_tokenize(const TokenizeOptions& options) {
   if (inputs != 1) {
     raise(ErrorCode::kInvalidArgument, "give exactly one of --text, --file, --jsonl, --decode, --decode-jsonl");
   }
+  if (!options.engine.device.empty()) parse_device(options.engine.device);  // rejects unknown devices
+  if (options.engine.threads > 0) set_cpu_threads(options.engine.threads);
   const Tokenizer tokenizer = Tokenizer::from_dir(resolve_model_dir(options.engine));
   Output out;
 
@@ -146,6 +150,8 @@ void register_tokenize(CLI::App& root, Action& action) {
   command->add_flag("--add-special-tokens", options->add_special_tokens,
                     "add the tokens of the tokenizer's post-processor (as HF add_special_tokens=True)");
   command->add_flag("--skip-special-tokens", options->skip_special_tokens, "leave special tokens out when decoding");
+  // Tokenization runs on the CPU; the flags are accepted (and checked) like everywhere else.
+  add_device_options(*command, options->engine);
   command->callback([options, &action] { action = [options] { return run_tokenize(*options); }; });
 }
 

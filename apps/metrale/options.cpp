@@ -23,9 +23,13 @@ void add_model_option(CLI::App& command, EngineOptions& options) {
                      "Hugging Face model directory (default: the bundled models/default)");
 }
 
-void add_engine_options(CLI::App& command, EngineOptions& options) {
+void add_device_options(CLI::App& command, EngineOptions& options) {
   command.add_option("--device", options.device, "cpu, cuda or cuda:N (default: the GPU when present, else cpu)");
   command.add_option("--threads", options.threads, "CPU threads (default: all cores)")->check(CLI::NonNegativeNumber);
+}
+
+void add_engine_options(CLI::App& command, EngineOptions& options) {
+  add_device_options(command, options);
   command.add_option("--block-size", options.block_size, "tokens per KV-cache block")
       ->capture_default_str()->check(CLI::Range(1, 1024));
   command.add_option("--max-num-seqs", options.max_num_seqs, "sequences per step at most")

@@ -35,6 +35,8 @@ std::filesystem::path default_model_dir();
 // `--model` and the engine flags. `model_required`: whether --model may be omitted.
 void add_model_option(CLI::App& command, EngineOptions& options);
 void add_engine_options(CLI::App& command, EngineOptions& options);
+// Only --device and --threads (commands that load no model accept them too).
+void add_device_options(CLI::App& command, EngineOptions& options);
 
 std::filesystem::path resolve_model_dir(const EngineOptions& options);
 // Loads the model and builds the engine; `scheduler` overrides are applied on top of the flags.

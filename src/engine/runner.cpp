@@ -159,6 +159,8 @@ ForwardBatch Runner::upload(bool fixed_block_stride) {
   const Device device = model_.device();
   const int64_t stride = fixed_block_stride ? max_blocks_per_seq(limits_) : h.block_stride;
   const auto place = [&](const PinnedBuffer& host, OwnedTensor& target, int64_t count, Shape shape) -> Tensor {
+    METRALE_CHECK(static_cast<size_t>(count) * sizeof(int32_t) <= host.size(), "step input of {} ints exceeds its buffer",
+                  count);
     if (device.is_cpu()) return Tensor(host.data(), DType::kI32, shape, Device::cpu());
     copy_bytes_async(target.tensor.data(), device, host.data(), Device::cpu(), static_cast<size_t>(count) * sizeof(int32_t));
     return Tensor(target.tensor.data(), DType::kI32, shape, device);
@@ -228,8 +230,9 @@ size_t Runner::plan_workspace() {
   const Device device = model_.device();
   if (device.is_cpu()) return 0;
   // A scratch cache big enough for the profile batch: the largest step the scheduler can build.
-  const int64_t tokens = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
-  const int64_t seqs = std::min(limits_.max_num_seqs, tokens);
+  // No sequence is longer than max_model_len, so neither is a profile sequence.
+  const int64_t seqs = std::min(limits_.max_num_seqs, std::max(limits_.max_num_tokens, limits_.max_num_seqs));
+  const int64_t tokens = std::min(std::max(limits_.max_num_tokens, limits_.max_num_seqs), seqs * limits_.max_model_len);
   const int64_t per_seq = (tokens + seqs - 1) / seqs;
   CacheConfig scratch_config{static_cast<int32_t>(limits_.block_size),
                              static_cast<int32_t>(seqs * ((per_seq + limits_.block_size - 1) / limits_.block_size)),
