@@ -15,8 +15,7 @@
 #endif
 #endif
 
-// In namespace rng (not metrale itself) so that this header can be included next to
-// engine/sampler.h, which declares functions of the same names until it is switched over to these.
+// In namespace rng; engine/sampler.h brings the two names into namespace metrale.
 namespace metrale::rng {
 
 // The stateless SplitMix64 step: output number `index` (0-based) of the SplitMix64 generator whose
@@ -34,7 +33,6 @@ METRALE_HOST_DEVICE inline uint64_t splitmix64_at(uint64_t state, uint64_t index
 //   key  = splitmix64_at(seed, 0)     // decorrelates neighbouring seeds
 //   bits = splitmix64_at(key, step)   // output `step` of the stream started at key
 //   u    = float(bits >> 40) * 2^-24  // 24 bits: the conversion and the scaling are exact
-// Same formula as engine/sampler.cpp's uniform_for (tests/cuda/sampling_test.cpp checks it).
 METRALE_HOST_DEVICE inline float uniform_for(uint64_t seed, uint64_t step) {
   const uint64_t key = splitmix64_at(seed, 0);
   const uint64_t bits = splitmix64_at(key, step);

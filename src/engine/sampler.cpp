@@ -485,19 +485,6 @@ void SamplingParams::validate() const {
   }
 }
 
-uint64_t splitmix64_at(uint64_t state, uint64_t index) {
-  uint64_t z = state + (index + 1) * 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-float uniform_for(uint64_t seed, uint64_t step) {
-  const uint64_t key = splitmix64_at(seed, 0);
-  const uint64_t bits = splitmix64_at(key, step);
-  // 24 bits fit a float's significand exactly, so the conversion and the scaling do not round.
-  return static_cast<float>(bits >> 40) * 0x1p-24f;
-}
 
 void Sampler::apply_penalties(std::span<float> logits, const SamplingParams& params, std::span<const int32_t> prompt,
                               std::span<const int32_t> output) {

@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/random.h"
+
 namespace metrale {
 
 struct SamplingParams {
@@ -47,21 +49,11 @@ struct SampledToken {
   std::vector<std::pair<int32_t, float>> top_logprobs;
 };
 
-// The stateless SplitMix64 step: the output number `index` (0-based) of the SplitMix64 generator
-// whose state starts at `state` (Steele, Lea and Flood 2014; Vigna's splitmix64.c). With state 0 the
-// outputs are 0xe220a8397b1dcdaf, 0x6e789e6aa1b965f4, ... All arithmetic is modulo 2^64.
-//   z = state + (index + 1) * 0x9e3779b97f4a7c15
-//   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
-//   z = (z ^ (z >> 27)) * 0x94d049bb133111eb
-//   return z ^ (z >> 31)
-uint64_t splitmix64_at(uint64_t state, uint64_t index);
-
-// Counter-based random stream: the uniform for (seed, step) depends on nothing else, so a request's
-// tokens do not depend on what else is in the batch. The CUDA sampler replicates it bit for bit:
-//   key  = splitmix64_at(seed, 0)        // decorrelates neighbouring seeds (seed 1 vs seed 2)
-//   bits = splitmix64_at(key, step)      // output `step` of the SplitMix64 stream started at key
-//   u    = float(bits >> 40) / 2^24      // top 24 bits: exact in a float, u in [0, 1 - 2^-24]
-float uniform_for(uint64_t seed, uint64_t step);
+// The counter-based random stream of core/random.h (shared with the CUDA sampler): the uniform for
+// (seed, step) depends on nothing else, so a request's tokens do not depend on what else is in the
+// batch.
+using rng::splitmix64_at;
+using rng::uniform_for;
 
 // Not thread-safe: a Sampler owns scratch buffers reused across calls (one Sampler per thread). The
 // scratch never carries information from one call to the next, so results do not depend on call order.

@@ -2,7 +2,7 @@
 // Sampler, over thousands of random rows and parameter settings (greedy, temperature only, top-k,
 // top-p, min-p and their combinations; rows with ties, signed zeros, masked tokens, a dominant token,
 // one value everywhere, huge spreads; vocabularies from 1 to 151936). Tokens must agree exactly,
-// logprobs to 1e-5. Also: core/random.h's uniform_for against the engine's, bad rows, CUDA graph
+// logprobs to 1e-5. Also: bad rows, CUDA graph
 // replay, and a disabled benchmark. The CPU parts run without a GPU.
 #include <cuda_runtime_api.h>
 
@@ -203,17 +203,7 @@ std::string describe(const RowSettings& s) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// CPU: core/random.h and the twin against the engine (no GPU needed).
-
-TEST(CudaSamplingCpu, UniformMatchesTheEngine) {
-  std::mt19937_64 rng(7001);
-  for (int i = 0; i < 200000; ++i) {
-    const uint64_t seed = i < 3 ? (i == 0 ? 0 : (i == 1 ? ~0ULL : 1ULL << 63)) : rng();
-    const uint64_t step = i % 7 == 0 ? static_cast<uint64_t>(i) : rng() % 1000000;
-    ASSERT_EQ(rng::splitmix64_at(seed, step), splitmix64_at(seed, step)) << seed << " " << step;
-    ASSERT_EQ(rng::uniform_for(seed, step), uniform_for(seed, step)) << seed << " " << step;
-  }
-}
+// CPU: the twin against the engine (no GPU needed; both draw from core/random.h).
 
 TEST(CudaSamplingCpu, TwinPicksTheEnginesTokens) {
   RowFactory factory(7002);
