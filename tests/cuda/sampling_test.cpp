@@ -16,6 +16,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/sampling_rows.h"
 #include "core/dtype.h"
 #include "core/random.h"
 #include "engine/sampler.h"
@@ -33,14 +34,7 @@ using testing::to_device;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-struct RowSettings {
-  float temperature = 1.0f;
-  int32_t top_k = 0;
-  float top_p = 1.0f;
-  float min_p = 0.0f;
-  uint64_t seed = 0;
-  uint64_t step = 0;
-};
+using testing::RowSettings;
 
 // A batch of rows [R, V] with their settings, on the host.
 struct Batch {

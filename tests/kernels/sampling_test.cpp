@@ -3,6 +3,7 @@
 // exp((x - max) / T); top-k; top-p measured on the top-k mass; min-p against the maximum; then the
 // first kept token, in (logit desc, id asc) order, whose running mass exceeds u x the kept mass, with
 // u = rng::uniform_for(seed, step). The logprob is the log-softmax of the raw logits.
+#include "kernels/sampling_rows.h"
 #include "kernels/sampling.h"
 
 #include <gtest/gtest.h>
@@ -21,14 +22,7 @@ namespace {
 
 using testing::Random;
 
-struct RowSettings {
-  float temperature = 1.0f;
-  int32_t top_k = 0;
-  float top_p = 1.0f;
-  float min_p = 0.0f;
-  uint64_t seed = 0;
-  uint64_t step = 0;
-};
+using testing::RowSettings;
 
 int32_t reference_token(const std::vector<float>& logits, const RowSettings& s) {
   std::vector<int32_t> order(logits.size());
