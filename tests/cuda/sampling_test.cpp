@@ -16,7 +16,6 @@
 #include <random>
 #include <vector>
 
-#include "kernels/sampling_rows.h"
 #include "core/dtype.h"
 #include "core/random.h"
 #include "engine/sampler.h"
@@ -26,6 +25,7 @@
 #include "runtime/cuda/cuda_graph.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
+#include "kernels/sampling_rows.h"
 
 namespace metrale {
 namespace {

@@ -3,7 +3,6 @@
 // exp((x - max) / T); top-k; top-p measured on the top-k mass; min-p against the maximum; then the
 // first kept token, in (logit desc, id asc) order, whose running mass exceeds u x the kept mass, with
 // u = rng::uniform_for(seed, step). The logprob is the log-softmax of the raw logits.
-#include "kernels/sampling_rows.h"
 #include "kernels/sampling.h"
 
 #include <gtest/gtest.h>
@@ -16,6 +15,7 @@
 #include "core/random.h"
 #include "core/test_support.h"
 #include "kernels/kernel_helpers.h"
+#include "kernels/sampling_rows.h"
 
 namespace metrale {
 namespace {
