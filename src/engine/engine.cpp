@@ -35,6 +35,13 @@ std::string EnginePlan::describe() const {
   return text;
 }
 
+EngineStats Engine::stats() const {
+  EngineStats stats = stats_;
+  stats.kv_blocks_total = cache_->pool().num_blocks();
+  stats.kv_blocks_used = cache_->pool().num_used();
+  return stats;
+}
+
 Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     : model_(std::move(model)), config_(config), scheduler_(config.scheduler), seed_source_(std::random_device{}()) {
   const ModelConfig& model_config = model_->config();

@@ -53,6 +53,26 @@ struct EnginePlan {
   std::string describe() const;      // one line for logs and `bench`
 };
 
+// Counters since start-up, for /metrics and logs. Read on the engine thread (the async wrapper
+// copies them out after each step).
+struct EngineStats {
+  int64_t num_steps = 0;
+  int64_t num_preemptions = 0;
+  int64_t prompt_tokens = 0;           // prompt tokens of admitted requests
+  int64_t computed_prompt_tokens = 0;  // prompt tokens actually run through the model
+  int64_t generated_tokens = 0;
+  // Prefix cache: tokens looked up at admission and tokens found cached (hits / queries is the
+  // token hit rate); hybrid models count a hit only when the recurrent state was restored as well.
+  int64_t prefix_cache_queries = 0;
+  int64_t prefix_cache_hits = 0;
+  int64_t hybrid_state_restores = 0;   // prefix hits that restored a recurrent-state checkpoint
+  int32_t kv_blocks_total = 0;
+  int32_t kv_blocks_used = 0;          // held by running sequences
+  int32_t kv_blocks_cached = 0;        // free but holding reusable prefix blocks
+  int32_t state_slots_total = 0;
+  int32_t state_slots_used = 0;
+};
+
 class Engine {
  public:
   Engine(std::unique_ptr<Model> model, const EngineConfig& config);
@@ -60,6 +80,7 @@ class Engine {
 
   const Model& model() const { return *model_; }
   const EnginePlan& plan() const { return plan_; }
+  EngineStats stats() const;
   const CacheManager& cache() const { return *cache_; }
   CacheManager& mutable_cache() { return *cache_; }
   Runner& runner() { return *runner_; }
@@ -90,6 +111,7 @@ class Engine {
   std::unique_ptr<Model> model_;
   EngineConfig config_;
   EnginePlan plan_;
+  EngineStats stats_;  // counters kept by step(); stats() adds the cache's gauges
   std::unique_ptr<CacheManager> cache_;
   std::unique_ptr<Runner> runner_;
   Scheduler scheduler_;

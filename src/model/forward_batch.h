@@ -27,11 +27,17 @@ struct ForwardBatch {
   Tensor block_tables;  // [S, max_blocks] i32
   Tensor slot_mapping;  // [T] i32, cache slot of each new token (block * block_size + offset)
   Tensor logit_rows;    // [R] i32, rows of the batch whose logits the step returns
+  // Recurrent layers: the state slot of each sequence ([S] i32; empty when the model has no
+  // recurrent layer). A sequence whose cached length is 0 (kv_lens[s] == q_len_s) starts from zero
+  // state whatever its slot holds; every forward leaves the state after the sequence's last row of
+  // this step in its slot.
+  Tensor state_slots;
 
   // Host copies of the same metadata, for planning and CPU kernels.
   std::span<const int32_t> host_cu_q;
   std::span<const int32_t> host_kv_lens;
   std::span<const int32_t> host_logit_rows;
+  std::span<const int32_t> host_state_slots;
 
   bool all_decode() const { return num_tokens == num_seqs; }  // every sequence adds exactly one token
 };

@@ -19,9 +19,9 @@ namespace {
 using testing::throws_error;
 
 const std::vector<LayerCacheSpec> kSpecs = {
-    {LayerCacheKind::kPagedKv, 2, 8},
-    {LayerCacheKind::kNone, 0, 0},
-    {LayerCacheKind::kPagedKv, 1, 16},
+    {LayerCacheKind::kPagedKv, 2, 8, {}},
+    {LayerCacheKind::kNone, 0, 0, {}},
+    {LayerCacheKind::kPagedKv, 1, 16, {}},
 };
 
 TEST(CacheManager, StorageFollowsTheLayerSpecs) {
@@ -54,7 +54,7 @@ TEST(CacheManager, StorageFollowsTheLayerSpecs) {
 TEST(CacheManager, KvBytesPerBlock) {
   EXPECT_EQ(kv_bytes_per_block(kSpecs, 16, DType::kBF16), 2u * 16 * (16 + 16) * 2);
   EXPECT_EQ(kv_bytes_per_block({}, 16, DType::kBF16), 0u);
-  const std::vector<LayerCacheSpec> big = {{LayerCacheKind::kPagedKv, 8, 128}};
+  const std::vector<LayerCacheSpec> big = {{LayerCacheKind::kPagedKv, 8, 128, {}}};
   EXPECT_EQ(kv_bytes_per_block(big, 256, DType::kF32), 2ull * 256 * 8 * 128 * 4);
 }
 
@@ -177,7 +177,7 @@ TEST(CacheManager, RandomizedSequencesNeverShareBlocks) {
 // layer does; the result must equal single-head attention computed directly from the keys/values.
 TEST(CacheManager, StorageAndTablesServeTheAttentionKernels) {
   const int64_t head_dim = 8;
-  const std::vector<LayerCacheSpec> specs = {{LayerCacheKind::kPagedKv, 1, head_dim}};
+  const std::vector<LayerCacheSpec> specs = {{LayerCacheKind::kPagedKv, 1, head_dim, {}}};
   CacheManager cache(specs, {2, 16, DType::kF32}, Device::cpu());
   std::mt19937_64 rng(1401);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);

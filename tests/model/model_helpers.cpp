@@ -352,7 +352,7 @@ ForwardRunner::ForwardRunner(Model& model, int32_t block_size, int32_t num_block
       // NaN everywhere: a read of a slot that was never written poisons the logits.
       std::fill_n(storage_.back()->data_as<float>(), shape.numel(), std::nanf(""));
     }
-    layers_[i] = {storage_[storage_.size() - 2].tensor, storage_.back().tensor};
+    layers_[i] = {storage_[storage_.size() - 2].tensor, storage_.back().tensor, {}};
   }
   free_blocks_.resize(static_cast<size_t>(num_blocks));
   std::iota(free_blocks_.begin(), free_blocks_.end(), 0);

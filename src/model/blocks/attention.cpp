@@ -37,7 +37,7 @@ size_t Attention::scratch_bytes(const ForwardBatch& batch, Device device) const 
 }
 
 LayerCacheSpec Attention::cache_spec() const {
-  return {LayerCacheKind::kPagedKv, config_.num_kv_heads, config_.head_dim};
+  return {LayerCacheKind::kPagedKv, config_.num_kv_heads, config_.head_dim, {}};
 }
 
 void Attention::forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) {

@@ -1,0 +1,40 @@
+// Causal depthwise 1-D convolution over a ragged batch, with a per-sequence window of past inputs
+// kept in a state slot (the short convolution in front of Gated DeltaNet, qwen.md §6.2 and §8).
+//
+// Batch layout as in attention.h: S sequences; sequence s owns rows [cu_q[s], cu_q[s+1]) and has
+// ctx_s = kv_lens[s] - q_len_s tokens before this step. Its window of inputs is
+//   W_s = (ctx_s == 0 ? K-1 zero rows : conv_state[state_slots[s]]) ++ x[cu_q[s] : cu_q[s+1]]
+// and output row i (of the sequence) is
+//   out[c] = act( sum_{j<K} weight[c, j] * W_s[i + j][c] )
+// After the call conv_state[state_slots[s]] holds the last K-1 rows of W_s (oldest first), also
+// when q_len_s < K-1.
+#pragma once
+
+#include "kernels/dispatch.h"
+
+namespace metrale::kernels {
+
+struct CausalConv1dParams {
+  bool silu = true;       // act = silu (true) or identity
+  int64_t max_q_len = 0;  // host upper bound of q_len over the batch (0: not given), for planning
+};
+
+// x [T, C] activations (rows may be strided, channels contiguous); weight [C, K] (conv1d.weight
+// [C, 1, K] viewed as [C, K]), any float dtype; conv_state [num_slots, K-1, C] activation dtype,
+// contiguous; cu_q [S+1], kv_lens [S], state_slots [S] i32 on x's device; out [T, C] activation dtype,
+// must not alias x.
+// Rounding (qwen.md §6.2): the convolution accumulates in fp32 and is rounded to the activation dtype
+// once, then the activation is applied and rounded again. The CPU (f32 activations) is the reference.
+// CUDA: bf16 x/out/conv_state; metadata read on the device only (graph-capturable).
+METRALE_DECLARE_OP_IMPLS(causal_conv1d, (const Tensor& x, const Tensor& weight, const Tensor& conv_state,
+                                         const Tensor& cu_q, const Tensor& kv_lens, const Tensor& state_slots,
+                                         const Tensor& out, const CausalConv1dParams& params))
+
+inline void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_state, const Tensor& cu_q,
+                          const Tensor& kv_lens, const Tensor& state_slots, const Tensor& out,
+                          const CausalConv1dParams& params) {
+  METRALE_KERNEL_DISPATCH(causal_conv1d, out.device(), x, weight, conv_state, cu_q, kv_lens, state_slots, out,
+                          params);
+}
+
+}  // namespace metrale::kernels
