@@ -3,7 +3,9 @@
 // byte for byte equal to @huggingface/jinja for the templates of Qwen3, Qwen3.5, GLM and DeepSeek.
 #pragma once
 
+#include <ctime>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -13,13 +15,19 @@ namespace metrale {
 
 class Tokenizer;
 
+// The JSON is ordered_json so that objects keep the key order of the request: `tojson` in a template
+// (tool definitions, tool-call arguments) must print keys in the order the client sent them, as
+// transformers does. Parse request bodies with nlohmann::ordered_json to keep it; a plain
+// nlohmann::json converts implicitly but has already sorted its keys.
 struct ChatTemplateInputs {
-  nlohmann::json messages = nlohmann::json::array();  // [{role, content, tool_calls?, reasoning_content?, ...}]
-  nlohmann::json tools;                               // null or an array of tool definitions
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();  // [{role, content, tool_calls?, reasoning_content?, ...}]
+  nlohmann::ordered_json tools;                                       // null or an array of tool definitions
   bool add_generation_prompt = true;
   // Extra template variables (request `chat_template_kwargs`, e.g. {"enable_thinking": false});
-  // they override the defaults below.
-  nlohmann::json extra = nlohmann::json::object();
+  // they override the variables above (messages, tools, add_generation_prompt, bos_token, ...).
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();
+  // The time strftime_now() formats, in local time; the current time when absent (tests pin it).
+  std::optional<std::time_t> now;
 };
 
 class ChatTemplate {
@@ -35,8 +43,14 @@ class ChatTemplate {
   static ChatTemplate from_tokenizer(const Tokenizer& tokenizer);
 
   // Renders the conversation. Throws kInvalidArgument for a runtime error in the template
-  // (including the template's own raise_exception) with its message.
+  // (including the template's own raise_exception) with its message. The template sees the
+  // variables transformers.js's apply_chat_template passes: messages, add_generation_prompt, tools
+  // (null when absent), documents (null), bos_token, eos_token, then `extra`.
+  // Thread-safe: a ChatTemplate may render from many threads at once.
   std::string render(const ChatTemplateInputs& inputs) const;
+
+  const std::string& bos_token() const { return bos_token_; }
+  const std::string& eos_token() const { return eos_token_; }
 
  private:
   struct Program;

@@ -1,8 +1,16 @@
 // Splits generated text into reasoning (between <think> and </think>) and the answer, incrementally,
-// as the server streams it. Models whose template opens the think block in the prompt (Qwen3 with
-// thinking on, Qwen3.5, GLM) generate only the closing tag: construct with starts_in_reasoning.
+// as the server streams it. Models whose template opens the think block in the prompt (Qwen3.5 and
+// GLM-4.7+ with thinking on, DeepSeek V3.1+ in thinking mode) generate only the closing tag:
+// construct with starts_in_reasoning. When thinking is off (the prompt already holds
+// "<think></think>"), construct without it.
+//
+// Rules: an opening tag counts only at the start of the output (after whitespace, which is dropped);
+// there is one reasoning block, and everything after its closing tag is content, tags included.
+// Output without any tag is all content; reasoning never closed stays reasoning (a truncated
+// thought). The text between the tags is passed on as generated (no trimming).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -25,11 +33,16 @@ class ReasoningParser {
   ReasoningDelta finish();
 
  private:
+  enum class State : uint8_t {
+    kStart,      // nothing but whitespace seen; an opening tag may still come
+    kReasoning,  // inside the think block
+    kContent,    // after the think block, or output without one
+  };
+
   std::string open_tag_;
   std::string close_tag_;
-  bool in_reasoning_;
-  bool seen_close_ = false;
-  std::string pending_;
+  State state_;
+  std::string pending_;  // text held back: leading whitespace / a possible partial tag
 };
 
 }  // namespace metrale

@@ -12,3 +12,17 @@ else()
            COMMAND sh -c "echo 'tokenizer oracle: node not found: run scripts/install-deps.sh' >&2; exit 1")
 endif()
 set_tests_properties(text.tokenizer_oracle PROPERTIES LABELS "text;oracle" TIMEOUT 900)
+
+# The chat-template differential test: every fixture template (tests/text/chat_templates/) x every
+# conversation (tests/text/chat_conversations.json) rendered by @huggingface/jinja (npm) and by
+# metrale (the ChatTemplateOracle test of metrale_text_tests), compared byte for byte. Like the
+# tokenizer oracle it fails, saying so, when node or the npm oracles are missing.
+if(METRALE_NODE_EXECUTABLE)
+  add_test(NAME text.chat_template_oracle
+           COMMAND ${METRALE_NODE_EXECUTABLE} ${PROJECT_SOURCE_DIR}/tools/oracles/render_chat.mjs
+                   --test-binary $<TARGET_FILE:metrale_text_tests>)
+else()
+  add_test(NAME text.chat_template_oracle
+           COMMAND sh -c "echo 'chat template oracle: node not found: run scripts/install-deps.sh' >&2; exit 1")
+endif()
+set_tests_properties(text.chat_template_oracle PROPERTIES LABELS "text;oracle" TIMEOUT 300)
