@@ -12,6 +12,11 @@ namespace {
 constexpr ArchEntry kArchitectures[] = {
     {"qwen3", "Qwen3 dense (GQA, q/k norm, SwiGLU)", &arch::build_qwen3},
     {"qwen3_moe", "Qwen3 mixture of experts", &arch::build_qwen3_moe},
+    {"qwen3_next", "Qwen3-Next hybrid (Gated DeltaNet + gated attention, MoE with shared expert)",
+     &arch::build_qwen3_next},
+    {"qwen3_5", "Qwen3.5 text hybrid (Gated DeltaNet + gated attention, dense MLP)", &arch::build_qwen3_5},
+    {"qwen3_5_moe", "Qwen3.5-MoE text hybrid (Gated DeltaNet + gated attention, MoE with shared expert)",
+     &arch::build_qwen3_5_moe},
 };
 
 }  // namespace
@@ -21,6 +26,11 @@ std::span<const ArchEntry> registered_architectures() { return kArchitectures; }
 const ArchEntry* find_architecture(std::string_view model_type) {
   for (const auto& entry : kArchitectures)
     if (entry.model_type == model_type) return &entry;
+  // The text config of a composite model ("qwen3_5_text" inside "qwen3_5") names the same architecture.
+  constexpr std::string_view kTextSuffix = "_text";
+  if (model_type.size() > kTextSuffix.size() && model_type.ends_with(kTextSuffix)) {
+    return find_architecture(model_type.substr(0, model_type.size() - kTextSuffix.size()));
+  }
   return nullptr;
 }
 

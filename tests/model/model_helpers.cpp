@@ -13,8 +13,24 @@
 namespace metrale::testing {
 
 bool TinySpec::layer_is_moe(int64_t layer) const {
+  if (model_type == "qwen3_5_moe") return true;  // every layer, mlp_only_layers does not exist there
   return is_moe_model() && num_experts > 0 &&
          std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end();
+}
+
+bool TinySpec::layer_is_linear(int64_t layer) const {
+  if (!is_hybrid()) return false;
+  if (!layer_types.empty()) {
+    const std::string& type = layer_types[static_cast<size_t>(layer)];
+    return type == "linear_attention" || type == "mamba" || type == "conv";  // with transformers' legacy names
+  }
+  return (layer + 1) % full_attention_interval != 0;
+}
+
+int64_t TinySpec::rotary_dim() const {
+  if (!is_hybrid()) return head_dim;
+  const double factor = partial_rotary_factor > 0 ? partial_rotary_factor : 0.25;
+  return static_cast<int64_t>(static_cast<double>(head_dim) * factor);
 }
 
 int TinySpec::layer_window(int64_t layer) const {
@@ -25,6 +41,7 @@ int TinySpec::layer_window(int64_t layer) const {
 // Weights
 
 TinyWeights make_tiny_weights(const TinySpec& spec, uint64_t seed) {
+  if (spec.is_hybrid()) return make_hybrid_weights(spec, seed);
   std::mt19937_64 rng(seed);
   TinyWeights weights;
   // Uniform values rounded to bf16, never zero. Scales keep activations of order one.
@@ -72,6 +89,7 @@ TinyWeights make_tiny_weights(const TinySpec& spec, uint64_t seed) {
 }
 
 nlohmann::json tiny_config_json(const TinySpec& spec) {
+  if (spec.is_hybrid()) return hybrid_config_json(spec);
   nlohmann::json config = {{"model_type", spec.model_type},
                            {"architectures", {spec.is_moe_model() ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"}},
                            {"vocab_size", spec.vocab_size},
@@ -107,13 +125,6 @@ nlohmann::json tiny_config_json(const TinySpec& spec) {
 
 namespace {
 
-// A tensor to write: its full name, shape and values (converted to the storage dtype when written).
-struct NamedValues {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::vector<float> values;
-};
-
 std::vector<NamedValues> checkpoint_tensors(const TinySpec& spec, const TinyWeights& weights,
                                             const CheckpointLayout& layout) {
   std::vector<NamedValues> tensors;
@@ -143,6 +154,13 @@ std::vector<NamedValues> checkpoint_tensors(const TinySpec& spec, const TinyWeig
       tensors.push_back(std::move(gate_up));
       tensors.push_back(std::move(down));
     }
+  }
+  if (spec.model_type == "qwen3_next") group_gdn_projections(spec, layout.prefix, tensors);
+  if (spec.composite_config) {
+    // Hub files of the composite models also hold the MTP head and the vision tower; the text model
+    // must not read them.
+    tensors.push_back({"mtp.fc.weight", {2, 3}, {1, 2, 3, 4, 5, 6}});
+    tensors.push_back({"model.visual.patch_embed.proj.weight", {3}, {1, 2, 3}});
   }
   return tensors;
 }
@@ -261,6 +279,7 @@ std::vector<double> moe(const TinySpec& spec, const TinyWeights& weights, const 
 
 std::vector<std::vector<double>> reference_logits(const TinySpec& spec, const TinyWeights& weights,
                                                   const std::vector<int32_t>& tokens) {
+  if (spec.is_hybrid()) return hybrid_reference_logits(spec, weights, tokens);
   const size_t t_count = tokens.size(), h = static_cast<size_t>(spec.hidden_size),
                d = static_cast<size_t>(spec.head_dim);
   const size_t heads = static_cast<size_t>(spec.num_heads), kv_heads = static_cast<size_t>(spec.num_kv_heads);
@@ -339,12 +358,25 @@ std::vector<std::vector<double>> reference_logits(const TinySpec& spec, const Ti
 // ---------------------------------------------------------------------------------------------
 // Runner
 
-ForwardRunner::ForwardRunner(Model& model, int32_t block_size, int32_t num_blocks, uint64_t seed)
+ForwardRunner::ForwardRunner(Model& model, int32_t block_size, int32_t num_blocks, uint64_t seed,
+                             int32_t num_state_slots)
     : model_(model), block_size_(block_size), arena_(model.device(), 1 << 20) {
   const std::vector<LayerCacheSpec> specs = model.cache_specs();
   layers_.resize(specs.size());
-  storage_.reserve(2 * specs.size());
+  storage_.reserve(4 * specs.size());
   for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].kind == LayerCacheKind::kRecurrent) {
+      // [slots, ...per_slot] per state, NaN everywhere: a fresh sequence must not read its slot.
+      for (const StateTensorSpec& state : specs[i].states) {
+        std::vector<int64_t> dims{num_state_slots};
+        dims.insert(dims.end(), state.per_slot_shape.begin(), state.per_slot_shape.end());
+        const Shape shape{std::span<const int64_t>(dims)};
+        storage_.emplace_back(DType::kF32, shape, model.device());
+        std::fill_n(storage_.back()->data_as<float>(), shape.numel(), std::nanf(""));
+        layers_[i].states.push_back(storage_.back().tensor);
+      }
+      continue;
+    }
     if (specs[i].kind != LayerCacheKind::kPagedKv) continue;
     const Shape shape{num_blocks, block_size, specs[i].num_kv_heads, specs[i].head_dim};
     for (int kv = 0; kv < 2; ++kv) {
@@ -358,12 +390,47 @@ ForwardRunner::ForwardRunner(Model& model, int32_t block_size, int32_t num_block
   std::iota(free_blocks_.begin(), free_blocks_.end(), 0);
   std::mt19937_64 rng(seed);
   std::shuffle(free_blocks_.begin(), free_blocks_.end(), rng);
+  free_slots_.resize(static_cast<size_t>(num_state_slots));
+  std::iota(free_slots_.begin(), free_slots_.end(), 0);
+  std::shuffle(free_slots_.begin(), free_slots_.end(), rng);
+}
+
+int32_t ForwardRunner::state_slot(int64_t seq_id) {
+  const auto it = slots_.find(seq_id);
+  if (it != slots_.end()) return it->second;
+  if (free_slots_.empty()) raise(ErrorCode::kOutOfMemory, "test runner has no free state slot");
+  const int32_t slot = free_slots_.back();
+  free_slots_.pop_back();
+  slots_[seq_id] = slot;
+  return slot;
+}
+
+void ForwardRunner::fork(int64_t from, int64_t to) {
+  METRALE_CHECK(cached_.count(to) == 0 || cached_[to] == 0, "fork: sequence {} already has tokens", to);
+  const std::vector<int32_t> source = tables_[from];
+  auto& table = tables_[to];
+  table.clear();
+  for (const int32_t block : source) {
+    if (free_blocks_.empty()) raise(ErrorCode::kOutOfMemory, "test cache too small");
+    table.push_back(free_blocks_.back());
+    free_blocks_.pop_back();
+    for (const LayerCache& layer : layers_) {
+      for (const Tensor* cache : {&layer.k_cache, &layer.v_cache}) {
+        if (cache->empty()) continue;
+        copy_tensor(cache->select(0, table.back()), cache->select(0, block));
+      }
+    }
+  }
+  const int32_t from_slot = state_slot(from), to_slot = state_slot(to);
+  for (const LayerCache& layer : layers_)
+    for (const Tensor& state : layer.states) copy_tensor(state.select(0, to_slot), state.select(0, from_slot));
+  cached_[to] = cached_[from];
 }
 
 std::vector<std::vector<float>> ForwardRunner::step(const std::vector<Chunk>& chunks, bool last_rows_only) {
   const int64_t block_size = block_size_;
   const auto num_seqs = static_cast<int64_t>(chunks.size());
-  std::vector<int32_t> token_ids, positions, slot_mapping, cu_q = {0}, kv_lens, logit_rows;
+  std::vector<int32_t> token_ids, positions, slot_mapping, cu_q = {0}, kv_lens, logit_rows, state_slots;
   int64_t max_blocks = 1;
   for (const auto& chunk : chunks) {
     const int64_t total = cached_[chunk.seq_id] + static_cast<int64_t>(chunk.tokens.size());
@@ -393,6 +460,7 @@ std::vector<std::vector<float>> ForwardRunner::step(const std::vector<Chunk>& ch
     cached_[chunk.seq_id] = begin + static_cast<int64_t>(chunk.tokens.size());
     cu_q.push_back(static_cast<int32_t>(token_ids.size()));
     kv_lens.push_back(static_cast<int32_t>(cached_[chunk.seq_id]));
+    state_slots.push_back(state_slot(chunk.seq_id));
   }
   const auto tokens = static_cast<int64_t>(token_ids.size());
   ForwardBatch batch;
@@ -415,6 +483,8 @@ std::vector<std::vector<float>> ForwardRunner::step(const std::vector<Chunk>& ch
   batch.host_cu_q = cu_q;
   batch.host_kv_lens = kv_lens;
   batch.host_logit_rows = logit_rows;
+  batch.state_slots = Tensor(state_slots.data(), DType::kI32, {num_seqs});
+  batch.host_state_slots = state_slots;
 
   const int64_t vocab = model_.config().vocab_size;
   std::vector<float> logits(static_cast<size_t>(rows * vocab), std::nanf(""));  // unwritten rows stay NaN

@@ -5,6 +5,7 @@
 #include "kernels/attention.h"
 #include "kernels/linear.h"
 #include "kernels/qk_norm_rope.h"
+#include "kernels/sigmoid_gate.h"
 
 namespace metrale {
 
@@ -12,7 +13,7 @@ Attention::Attention(const AttentionConfig& config, Weights& weights, const std:
                      std::shared_ptr<const RotaryEmbedding> rope)
     : config_(config), rope_(std::move(rope)), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
   const int64_t h = config.hidden_size, d = config.head_dim;
-  const int64_t q_rows = config.num_heads * d, kv_rows = config.num_kv_heads * d;
+  const int64_t q_rows = config.num_heads * d * (config.output_gate ? 2 : 1), kv_rows = config.num_kv_heads * d;
   if (weights.device().is_cuda()) {
     qkv_proj_ = OwnedTensor(DType::kBF16, {q_rows + 2 * kv_rows, h}, weights.device());
     weights.load_into(prefix + "q_proj.weight", qkv_proj_.tensor.slice(0, 0, q_rows));
@@ -43,9 +44,11 @@ LayerCacheSpec Attention::cache_spec() const {
 void Attention::forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) {
   const ForwardBatch& batch = step.batch;
   const int64_t tokens = batch.num_tokens, d = config_.head_dim;
-  const int64_t q_rows = config_.num_heads * d, kv_rows = config_.num_kv_heads * d;
+  // With the output gate, q_proj's output holds per head the query then the gate (2 D columns).
+  const int64_t q_head_stride = config_.output_gate ? 2 * d : d;
+  const int64_t q_rows = config_.num_heads * q_head_stride, kv_rows = config_.num_kv_heads * d;
   const DType act = step.activation_dtype;
-  // [T, (nH + 2 nKV) * D]: q, k and v side by side; the per-head views below are strided into it.
+  // [T, Q + 2 nKV * D]: q, k and v side by side; the per-head views below are strided into it.
   const Tensor qkv = step.workspace.alloc(act, {tokens, q_rows + 2 * kv_rows});
   if (!qkv_proj_.tensor.empty()) {
     kernels::linear(x, qkv_proj_.tensor, qkv);
@@ -55,7 +58,7 @@ void Attention::forward(const StepContext& step, const LayerCache& cache, const 
     kernels::linear(x, v_proj_, qkv.slice(1, q_rows + kv_rows, q_rows + 2 * kv_rows));
   }
   const int64_t row = qkv.stride(0);
-  const Tensor q(qkv.data(), act, {tokens, config_.num_heads, d}, {row, d, 1}, qkv.device());
+  const Tensor q(qkv.data(), act, {tokens, config_.num_heads, d}, {row, q_head_stride, 1}, qkv.device());
   const Tensor k(qkv.slice(1, q_rows, q_rows + kv_rows).data(), act, {tokens, config_.num_kv_heads, d}, {row, d, 1},
                  qkv.device());
   const Tensor v(qkv.slice(1, q_rows + kv_rows, q_rows + 2 * kv_rows).data(), act, {tokens, config_.num_kv_heads, d},
@@ -78,7 +81,12 @@ void Attention::forward(const StepContext& step, const LayerCache& cache, const 
   if (!step.layer_scratch.empty()) params.workspace = step.layer_scratch;
   kernels::paged_attention(q, cache.k_cache, cache.v_cache, batch.cu_q, batch.kv_lens, batch.block_tables, attn,
                            params);
-  kernels::linear(attn.reshape({tokens, q_rows}), o_proj_, out);
+  if (config_.output_gate) {
+    const Tensor gate(qkv.slice(1, d, q_rows).data(), act, {tokens, config_.num_heads, d}, {row, q_head_stride, 1},
+                      qkv.device());
+    kernels::sigmoid_gate(attn, gate, attn);
+  }
+  kernels::linear(attn.reshape({tokens, config_.num_heads * d}), o_proj_, out);
 }
 
 }  // namespace metrale

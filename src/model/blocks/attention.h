@@ -1,5 +1,6 @@
 // Grouped-query attention over the paged KV cache, with optional per-head q/k RMSNorm (Qwen3),
-// partial or full RoPE, and optional sliding window.
+// partial or full RoPE, optional sliding window, and optionally the sigmoid output gate of gated
+// attention (Qwen3-Next, Qwen3.5, qwen.md §3.5).
 #pragma once
 
 #include <memory>
@@ -21,6 +22,9 @@ struct AttentionConfig {
   bool qk_norm = true;                                    // q_norm / k_norm over head_dim
   kernels::RmsNormKind norm_kind = kernels::RmsNormKind::kPlain;
   int window = 0;                                         // sliding window (0 = full causal)
+  // Gated attention: q_proj has 2 * num_heads * head_dim outputs, per head [query (D) | gate (D)];
+  // the attention output is multiplied by sigmoid(gate) before o_proj.
+  bool output_gate = false;
 };
 
 class Attention : public Mixer {
@@ -35,10 +39,11 @@ class Attention : public Mixer {
 
  private:
   AttentionConfig config_;
-  // On the GPU q, k and v are one fused projection [(nH + 2 nKV) * D, H] (one weight read per
-  // step); on the CPU they stay three views into the mapped checkpoint.
+  // On the GPU q, k and v are one fused projection [(Q + 2 nKV * D), H] (one weight read per step);
+  // on the CPU they stay three views into the mapped checkpoint. Q = nH * D, or 2 nH * D with the
+  // output gate (query and gate interleaved per head).
   OwnedTensor qkv_proj_;
-  Tensor q_proj_, k_proj_, v_proj_, o_proj_;  // [nH*D, H], [nKV*D, H], [nKV*D, H], [H, nH*D]
+  Tensor q_proj_, k_proj_, v_proj_, o_proj_;  // [Q, H], [nKV*D, H], [nKV*D, H], [H, nH*D]
   std::optional<RmsNorm> q_norm_, k_norm_;    // [D]
   std::shared_ptr<const RotaryEmbedding> rope_;
   float scale_;

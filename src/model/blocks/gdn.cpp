@@ -1,0 +1,188 @@
+#include "model/blocks/gdn.h"
+
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/causal_conv1d.h"
+#include "kernels/gated_delta_rule.h"
+#include "kernels/gated_rms_norm.h"
+#include "kernels/linear.h"
+
+namespace metrale {
+namespace {
+
+// Reads the 2-D checkpoint tensor `key` [rows, cols] into `destination` (same shape, on the model's
+// device) with source row r placed at destination row destination_row(r). Random weights have no row
+// order to keep and are filled directly.
+void load_rows_permuted(Weights& weights, const std::string& key,
+                        const std::function<int64_t(int64_t)>& destination_row, const Tensor& destination) {
+  if (weights.is_random()) {
+    weights.load_into(key, destination);
+    return;
+  }
+  const std::string name = weights.prefix() + key;
+  const Tensor view = weights.store().get(name);
+  const std::string file = weights.store().file_of(name).path().string();
+  if (!(view.shape() == destination.shape())) {
+    raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", file, name, view.shape().to_string(),
+          destination.shape().to_string());
+  }
+  if (!is_floating(view.dtype()) || view.dtype() == DType::kF8E4M3) {
+    raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32", file, name,
+          dtype_name(view.dtype()));
+  }
+  const int64_t rows = view.size(0), cols = view.size(1);
+  const auto row_bytes = static_cast<int64_t>(static_cast<size_t>(cols) * destination.element_size());
+  std::vector<char> staging(static_cast<size_t>(rows * row_bytes));
+  std::vector<float> row(static_cast<size_t>(cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t to = destination_row(r);
+    METRALE_CHECK(to >= 0 && to < rows, "row {} of '{}' maps to {}", r, name, to);
+    convert_to_f32(view.dtype(),
+                   static_cast<const char*>(view.data()) + r * cols * static_cast<int64_t>(view.element_size()),
+                   row.data(), row.size());
+    convert_from_f32(destination.dtype(), row.data(), staging.data() + to * row_bytes, row.size());
+  }
+  copy_bytes(destination.data(), destination.device(), staging.data(), Device::cpu(), staging.size());
+}
+
+}  // namespace
+
+GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const std::string& prefix) : config_(config) {
+  const int64_t h = config.hidden_size, hk = config.num_k_heads, hv = config.num_v_heads, dk = config.head_k_dim,
+                dv = config.head_v_dim;
+  if (hk <= 0 || hv <= 0 || dk <= 0 || dv <= 0 || config.conv_kernel < 1 || hv % hk != 0) {
+    raise(ErrorCode::kBadFormat,
+          "{}: invalid Gated DeltaNet sizes (linear_num_key_heads {}, linear_num_value_heads {}, key dim {}, value dim "
+          "{}, conv kernel {}); value heads must be a multiple of key heads",
+          weights.source_name(), hk, hv, dk, dv, config.conv_kernel);
+  }
+  const int64_t key_dim = config.key_dim(), value_dim = config.value_dim(), conv_dim = config.conv_dim();
+  const Device device = weights.device();
+  // Owned projections take the dtype weights have on the device (bf16 on the GPU, as stored on the CPU).
+  const auto owned_dtype = [&](const std::string& key) {
+    if (weights.is_random()) return device.is_cpu() ? DType::kF32 : DType::kBF16;
+    return weights.device_dtype(weights.store().get(weights.prefix() + key).dtype());
+  };
+  if (config.layout == GdnProjectionLayout::kGroupedQkvz) {
+    // Per key head g: [q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)] -> [Q | K | V | Z]; [b_g (r) | a_g (r)] -> [B |
+    // A].
+    const int64_t ratio = hv / hk, group = 2 * dk + 2 * ratio * dv;
+    in_proj_qkvz_ = OwnedTensor(owned_dtype(prefix + "in_proj_qkvz.weight"), {conv_dim + value_dim, h}, device);
+    load_rows_permuted(
+        weights, prefix + "in_proj_qkvz.weight",
+        [=](int64_t r) {
+          const int64_t g = r / group, offset = r % group;
+          if (offset < dk) return g * dk + offset;
+          if (offset < 2 * dk) return key_dim + g * dk + (offset - dk);
+          if (offset < 2 * dk + ratio * dv) return 2 * key_dim + g * ratio * dv + (offset - 2 * dk);
+          return conv_dim + g * ratio * dv + (offset - 2 * dk - ratio * dv);
+        },
+        *in_proj_qkvz_);
+    in_proj_ba_ = OwnedTensor(owned_dtype(prefix + "in_proj_ba.weight"), {2 * hv, h}, device);
+    load_rows_permuted(
+        weights, prefix + "in_proj_ba.weight",
+        [=](int64_t r) {
+          const int64_t g = r / (2 * ratio), offset = r % (2 * ratio);
+          return offset < ratio ? g * ratio + offset : hv + g * ratio + (offset - ratio);
+        },
+        *in_proj_ba_);
+  } else if (device.is_cuda()) {
+    // One GEMM per projection group on the GPU: the checkpoint's rows placed side by side.
+    in_proj_qkvz_ = OwnedTensor(DType::kBF16, {conv_dim + value_dim, h}, device);
+    weights.load_into(prefix + "in_proj_qkv.weight", in_proj_qkvz_->slice(0, 0, conv_dim));
+    weights.load_into(prefix + "in_proj_z.weight", in_proj_qkvz_->slice(0, conv_dim, conv_dim + value_dim));
+    in_proj_ba_ = OwnedTensor(DType::kBF16, {2 * hv, h}, device);
+    weights.load_into(prefix + "in_proj_b.weight", in_proj_ba_->slice(0, 0, hv));
+    weights.load_into(prefix + "in_proj_a.weight", in_proj_ba_->slice(0, hv, 2 * hv));
+  } else {
+    in_proj_qkv_ = weights.get(prefix + "in_proj_qkv.weight", {conv_dim, h});
+    in_proj_z_ = weights.get(prefix + "in_proj_z.weight", {value_dim, h});
+    in_proj_b_ = weights.get(prefix + "in_proj_b.weight", {hv, h});
+    in_proj_a_ = weights.get(prefix + "in_proj_a.weight", {hv, h});
+  }
+  // conv1d.weight [conv_dim, 1, K] as the [conv_dim, K] the kernel takes.
+  conv_weight_ =
+      weights.get(prefix + "conv1d.weight", {conv_dim, 1, config.conv_kernel}).reshape({conv_dim, config.conv_kernel});
+  dt_bias_ = weights.get(prefix + "dt_bias", {hv});
+  a_log_ = weights.get(prefix + "A_log", {hv});
+  norm_weight_ = weights.get(prefix + "norm.weight", {dv});
+  out_proj_ = weights.get(prefix + "out_proj.weight", {h, value_dim});
+}
+
+LayerCacheSpec GatedDeltaNet::cache_spec() const {
+  LayerCacheSpec spec;
+  spec.kind = LayerCacheKind::kRecurrent;
+  spec.states = {StateTensorSpec{{config_.conv_kernel - 1, config_.conv_dim()}, false},
+                 StateTensorSpec{{config_.num_v_heads, config_.head_k_dim, config_.head_v_dim}, true}};
+  return spec;
+}
+
+size_t GatedDeltaNet::scratch_bytes(const ForwardBatch& batch, Device device) const {
+  if (batch.all_decode()) return 0;  // the recurrent kernel needs no scratch
+  return kernels::gated_delta_rule_workspace_bytes(device, batch.num_tokens, batch.num_seqs, config_.num_v_heads,
+                                                   config_.head_k_dim, config_.head_v_dim);
+}
+
+void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) {
+  const ForwardBatch& batch = step.batch;
+  const int64_t tokens = batch.num_tokens;
+  METRALE_CHECK(cache.states.size() == 2, "GDN layer: {} state tensors, expected the conv and recurrent states",
+                cache.states.size());
+  METRALE_CHECK(batch.state_slots.numel() == batch.num_seqs, "GDN layer: state_slots {} for {} sequences",
+                batch.state_slots.describe(), batch.num_seqs);
+  if (tokens == 0) return;
+  Arena& ws = step.workspace;
+  const DType act = step.activation_dtype;
+  const int64_t hk = config_.num_k_heads, hv = config_.num_v_heads, dk = config_.head_k_dim, dv = config_.head_v_dim;
+  const int64_t key_dim = config_.key_dim(), value_dim = config_.value_dim(), conv_dim = config_.conv_dim();
+
+  // [T, conv_dim + value_dim]: the conv input [Q | K | V], then z; [T, 2 Hv]: b, then a.
+  const Tensor projected = ws.alloc(act, {tokens, conv_dim + value_dim});
+  const Tensor ba = ws.alloc(act, {tokens, 2 * hv});
+  if (!in_proj_qkvz_.tensor.empty()) {
+    kernels::linear(x, *in_proj_qkvz_, projected);
+    kernels::linear(x, *in_proj_ba_, ba);
+  } else {
+    kernels::linear(x, in_proj_qkv_, projected.slice(1, 0, conv_dim));
+    kernels::linear(x, in_proj_z_, projected.slice(1, conv_dim, conv_dim + value_dim));
+    kernels::linear(x, in_proj_b_, ba.slice(1, 0, hv));
+    kernels::linear(x, in_proj_a_, ba.slice(1, hv, 2 * hv));
+  }
+
+  const Tensor conv_out = ws.alloc(act, {tokens, conv_dim});  // [T, conv_dim] silu(conv(qkv))
+  kernels::causal_conv1d(projected.slice(1, 0, conv_dim), conv_weight_, cache.states[0], batch.cu_q, batch.kv_lens,
+                         batch.state_slots, conv_out, {true, batch.max_q_len});
+  const Tensor g = ws.alloc(DType::kF32, {tokens, hv});     // [T, Hv] log decay (<= 0)
+  const Tensor beta = ws.alloc(DType::kF32, {tokens, hv});  // [T, Hv] write strength
+  kernels::gdn_gates(ba.slice(1, hv, 2 * hv), ba.slice(1, 0, hv), a_log_, dt_bias_, g, beta);
+
+  const int64_t row = conv_out.stride(0);
+  auto* base = static_cast<char*>(conv_out.data());
+  const auto element = static_cast<int64_t>(conv_out.element_size());
+  const Tensor q(base, act, {tokens, hk, dk}, {row, dk, 1}, conv_out.device());
+  const Tensor k(base + key_dim * element, act, {tokens, hk, dk}, {row, dk, 1}, conv_out.device());
+  const Tensor v(base + 2 * key_dim * element, act, {tokens, hv, dv}, {row, dv, 1}, conv_out.device());
+  const Tensor core = ws.alloc(act, {tokens, hv, dv});  // [T, Hv, dv] delta-rule output
+  kernels::GatedDeltaRuleParams params;
+  params.scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  params.qk_l2norm = true;
+  params.max_q_len = batch.max_q_len;
+  if (batch.all_decode()) {
+    kernels::gated_delta_rule_recurrent(q, k, v, g, beta, cache.states[1], batch.cu_q, batch.kv_lens, batch.state_slots,
+                                        core, params);
+  } else {
+    if (!step.layer_scratch.empty()) params.workspace = step.layer_scratch;
+    kernels::gated_delta_rule_chunked(q, k, v, g, beta, cache.states[1], batch.cu_q, batch.kv_lens, batch.state_slots,
+                                      core, params);
+  }
+
+  const Tensor z(projected.slice(1, conv_dim, conv_dim + value_dim).data(), act, {tokens, hv, dv},
+                 {projected.stride(0), dv, 1}, projected.device());
+  kernels::gated_rms_norm(core, z, norm_weight_, core, static_cast<float>(config_.rms_norm_eps));
+  kernels::linear(core.reshape({tokens, value_dim}), out_proj_, out);
+}
+
+}  // namespace metrale

@@ -1,0 +1,69 @@
+// Gated DeltaNet mixer (the `linear_attention` layers of Qwen3-Next and Qwen3.5, qwen.md §6):
+//   [qkv | z] = in_proj(x); [b | a] = in_proj_ba(x)
+//   u = silu(causal_conv1d(qkv))  with the conv window kept in the sequence's state slot
+//   q, k [Hk, dk], v [Hv, dv] = split(u); beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias)
+//   o = gated_delta_rule(l2norm(q) * dk^-1/2, l2norm(k), v, g, beta)  with the fp32 state S [Hv, dk, dv]
+//   out = out_proj(gated_rms_norm(o, z))
+//
+// Both checkpoint layouts load into one: Qwen3-Next's in_proj_qkvz / in_proj_ba are grouped by key
+// head ([q_g | k_g | v_g | z_g] per group g, §6.1); their rows are permuted at load into Qwen3.5's
+// split order [Q all heads | K | V | Z] and [B | A], so the forward is the same for both.
+//
+// State (LayerCacheSpec kRecurrent, per slot): states[0] the conv window {K-1, conv_dim} in the
+// activation dtype, states[1] the recurrent matrices {Hv, dk, dv} fp32. The delta rule runs the
+// recurrent kernel when every sequence adds one token (decode) and the chunked kernel otherwise.
+//
+// Workspace per step (step.workspace): projections [T, conv_dim + Hv dv] and [T, 2 Hv], conv output
+// [T, conv_dim], gates 2 x [T, Hv] f32, core output [T, Hv, dv]; the chunked kernel's CUDA scratch
+// comes from step.layer_scratch (scratch_bytes).
+#pragma once
+
+#include <string>
+
+#include "model/blocks/layer.h"
+#include "model/weight_store.h"
+
+namespace metrale {
+
+enum class GdnProjectionLayout {
+  kGroupedQkvz,  // qwen3_next: in_proj_qkvz [2 key_dim + 2 value_dim, H], in_proj_ba [2 Hv, H], grouped by key head
+  kSplit,        // qwen3_5*: in_proj_qkv [conv_dim, H], in_proj_z [value_dim, H], in_proj_b, in_proj_a [Hv, H]
+};
+
+struct GdnConfig {
+  int64_t hidden_size = 0;
+  int64_t num_k_heads = 0;  // Hk (linear_num_key_heads)
+  int64_t num_v_heads = 0;  // Hv (linear_num_value_heads), a multiple of Hk
+  int64_t head_k_dim = 0;   // dk (linear_key_head_dim)
+  int64_t head_v_dim = 0;   // dv (linear_value_head_dim)
+  int64_t conv_kernel = 4;  // K (linear_conv_kernel_dim)
+  double rms_norm_eps = 1e-6;
+  GdnProjectionLayout layout = GdnProjectionLayout::kSplit;
+
+  int64_t key_dim() const { return num_k_heads * head_k_dim; }
+  int64_t value_dim() const { return num_v_heads * head_v_dim; }
+  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+};
+
+class GatedDeltaNet : public Mixer {
+ public:
+  // Loads `<prefix>in_proj_*`, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`, `out_proj.weight`.
+  GatedDeltaNet(const GdnConfig& config, Weights& weights, const std::string& prefix);
+
+  LayerCacheSpec cache_spec() const override;
+  size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
+  void forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) override;
+
+ private:
+  GdnConfig config_;
+  // [conv_dim + value_dim, H] rows [Q | K | V | Z] and [2 Hv, H] rows [B | A], when owned (GPU, or the
+  // permuted Qwen3-Next layout); otherwise the four split checkpoint views below are used.
+  OwnedTensor in_proj_qkvz_, in_proj_ba_;
+  Tensor in_proj_qkv_, in_proj_z_, in_proj_b_, in_proj_a_;  // [conv_dim, H], [value_dim, H], [Hv, H], [Hv, H]
+  Tensor conv_weight_;                                      // [conv_dim, K] (conv1d.weight [conv_dim, 1, K])
+  Tensor dt_bias_, a_log_;                                  // [Hv]
+  Tensor norm_weight_;                                      // [dv] (gated RMSNorm, plain weight)
+  Tensor out_proj_;                                         // [H, value_dim]
+};
+
+}  // namespace metrale
