@@ -16,8 +16,9 @@ using testing::GoldenCase;
 TEST(Goldens, CasesExist) {
   // Without cases every parametrised test below would silently vanish.
   const auto names = testing::golden_cases();
-  EXPECT_GE(names.size(), 5u) << "expected the golden cases under " << testing::golden_dir();
-  for (const char* required : {"qwen3_tied", "qwen3_untied", "qwen3_long", "qwen3_moe", "qwen3_moe_fused"}) {
+  EXPECT_GE(names.size(), 9u) << "expected the golden cases under " << testing::golden_dir();
+  for (const char* required : {"qwen3_tied", "qwen3_untied", "qwen3_long", "qwen3_moe", "qwen3_moe_fused",
+                               "qwen3_next", "qwen3_5", "qwen3_5_moe"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), required), names.end()) << "missing golden case " << required;
   }
 }
