@@ -44,6 +44,14 @@ void add_engine_options(CLI::App& command, EngineOptions& options) {
                      "GPU: share of device memory for weights, workspace, graphs and KV cache")
       ->capture_default_str()->check(CLI::Range(0.05, 1.0));
   command.add_flag("--no-cuda-graphs", options.no_cuda_graphs, "GPU: run decode steps without CUDA graphs");
+  command.add_flag("--enable-prefix-caching,!--no-prefix-caching", options.enable_prefix_caching,
+                   "reuse the cached KV blocks (and recurrent state) of shared prompt prefixes (default: on)");
+  command.add_option("--state-checkpoint-interval", options.state_checkpoint_interval,
+                     "hybrid models: tokens between recurrent-state checkpoints during prefill (multiple of the block size)")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  command.add_option("--state-checkpoint-slots", options.state_checkpoint_slots,
+                     "hybrid models: recurrent-state checkpoint slots for the prefix cache (default: --max-num-seqs)")
+      ->check(CLI::Range(0, 1 << 20));
 }
 
 uint64_t parse_byte_size(const std::string& text, const std::string& what) {
@@ -104,6 +112,9 @@ EngineConfig engine_config_from(const EngineOptions& options) {
   config.scheduler.max_num_batched_tokens = options.max_num_batched_tokens;
   config.gpu_memory_utilization = options.gpu_memory_utilization;
   config.cuda_graphs = !options.no_cuda_graphs;
+  config.enable_prefix_caching = options.enable_prefix_caching;
+  config.state_checkpoint_interval = options.state_checkpoint_interval;
+  config.state_checkpoint_slots = options.state_checkpoint_slots;
   return config;
 }
 

@@ -23,6 +23,9 @@ struct EngineOptions {
   std::string kv_cache_memory = "2GiB";   // CPU KV-cache budget
   double gpu_memory_utilization = 0.90;   // GPU: share of device memory for weights, workspace, graphs, cache
   bool no_cuda_graphs = false;
+  bool enable_prefix_caching = true;
+  int64_t state_checkpoint_interval = 512;  // hybrid models: tokens between prefill state checkpoints
+  int state_checkpoint_slots = -1;          // hybrid models: checkpoint slots; -1: --max-num-seqs
 };
 
 // The EngineConfig the flags describe (limits, memory, graphs); the scheduler's chunk cap aside.

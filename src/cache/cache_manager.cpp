@@ -1,6 +1,9 @@
 #include "cache/cache_manager.h"
 
+#include <algorithm>
+
 #include "core/error.h"
+#include "runtime/buffer.h"
 
 namespace metrale {
 
@@ -15,54 +18,317 @@ uint64_t kv_bytes_per_block(std::span<const LayerCacheSpec> specs, int32_t block
 }
 
 CacheManager::CacheManager(std::span<const LayerCacheSpec> specs, const CacheConfig& config, Device device)
-    : config_(config), device_(device), pool_(config.num_blocks) {
+    : config_(config), device_(device), pool_(config.num_blocks), prefix_(config.num_blocks, std::max(config.block_size, 1)) {
   if (config.block_size <= 0) raise(ErrorCode::kInvalidArgument, "block size must be positive, got {}", config.block_size);
+  if (config.num_state_slots < 0 || config.num_checkpoint_slots < 0)
+    raise(ErrorCode::kInvalidArgument, "negative state slot counts ({} sequence, {} checkpoint)", config.num_state_slots,
+          config.num_checkpoint_slots);
+  if (config.state_checkpoint_interval <= 0)
+    raise(ErrorCode::kInvalidArgument, "the state checkpoint interval must be positive, got {}", config.state_checkpoint_interval);
+  // Checkpoints sit on block boundaries.
+  config_.state_checkpoint_interval = (config.state_checkpoint_interval + config.block_size - 1) / config.block_size * config.block_size;
+  for (const auto& spec : specs) has_recurrent_ = has_recurrent_ || (spec.kind == LayerCacheKind::kRecurrent && !spec.states.empty());
+  if (has_recurrent_) {
+    const int32_t checkpoints = config.enable_prefix_caching ? config.num_checkpoint_slots : 0;
+    sequence_slots_ = StatePool(0, config.num_state_slots);
+    checkpoint_slots_ = StatePool(config.num_state_slots, checkpoints);
+    padding_slot_ = config.num_state_slots + checkpoints;
+    checkpoint_block_.assign(static_cast<size_t>(checkpoints), -1);
+    checkpoint_used_at_.assign(static_cast<size_t>(checkpoints), 0);
+  }
+  const int64_t total_slots = has_recurrent_ ? padding_slot_ + 1 : 0;
   layers_.resize(specs.size());
   for (size_t i = 0; i < specs.size(); ++i) {
     const LayerCacheSpec& spec = specs[i];
-    if (spec.kind != LayerCacheKind::kPagedKv) continue;
-    const Shape shape{config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim};
-    storage_.emplace_back(config.kv_dtype, shape, device);
-    layers_[i].k_cache = storage_.back().tensor;
-    storage_.emplace_back(config.kv_dtype, shape, device);
-    layers_[i].v_cache = storage_.back().tensor;
+    if (spec.kind == LayerCacheKind::kPagedKv) {
+      const Shape shape{config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim};
+      kv_storage_.emplace_back(config.kv_dtype, shape, device);
+      layers_[i].k_cache = kv_storage_.back().tensor;
+      kv_storage_.emplace_back(config.kv_dtype, shape, device);
+      layers_[i].v_cache = kv_storage_.back().tensor;
+    } else if (spec.kind == LayerCacheKind::kRecurrent) {
+      for (const StateTensorSpec& state : spec.states) {
+        if (static_cast<int>(state.per_slot_shape.size()) + 1 > Shape::kMaxDims)
+          raise(ErrorCode::kInvalidArgument, "layer {}: a state of {} dims per slot is not supported", i,
+                state.per_slot_shape.size());
+        std::vector<int64_t> dims = {total_slots};
+        dims.insert(dims.end(), state.per_slot_shape.begin(), state.per_slot_shape.end());
+        state_storage_.emplace_back(state.fp32 ? DType::kF32 : config.kv_dtype, Shape(std::span<const int64_t>(dims)), device);
+        // Slots are only read after a forward wrote them, but zeros keep stray reads finite.
+        state_storage_.back().buffer.zero();
+        layers_[i].states.push_back(state_storage_.back().tensor);
+      }
+    }
   }
 }
 
-uint64_t CacheManager::memory_bytes() const {
+uint64_t CacheManager::kv_memory_bytes() const {
   uint64_t bytes = 0;
-  for (const auto& tensor : storage_) bytes += tensor.buffer.size();
+  for (const auto& tensor : kv_storage_) bytes += tensor.buffer.size();
   return bytes;
 }
 
+uint64_t CacheManager::state_memory_bytes() const {
+  uint64_t bytes = 0;
+  for (const auto& tensor : state_storage_) bytes += tensor.buffer.size();
+  return bytes;
+}
+
+// ---- Sequences
+
+void CacheManager::allocate_blocks(int32_t count, std::vector<int32_t>& out) {
+  std::vector<int32_t> evicted;
+  const bool ok = pool_.allocate(count, out, &evicted);
+  METRALE_CHECK(ok, "allocation of {} blocks failed with {} free", count, pool_.num_free());
+  for (const int32_t block : evicted) {
+    const int32_t slot = prefix_.erase(block);
+    if (slot >= 0) drop_checkpoint(slot);
+  }
+}
+
+std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t seq_id, std::span<const int32_t> tokens,
+                                                                      bool use_prefix_cache) {
+  METRALE_CHECK(!has_sequence(seq_id), "sequence {} already has cache entries", seq_id);
+  SequenceEntry entry;
+  if (needs_state_slot()) {
+    entry.state_slot = sequence_slots_.allocate();
+    if (entry.state_slot < 0) return std::nullopt;
+  }
+  PrefixMatch match;
+  // A hybrid sequence without a slot of its own (scratch caches) could not take a checkpoint.
+  if (use_prefix_cache && prefix_caching() && !tokens.empty() && (!has_recurrent_ || entry.state_slot >= 0)) {
+    const int64_t block_size = config_.block_size;
+    const auto max_blocks = static_cast<size_t>((static_cast<int64_t>(tokens.size()) - 1) / block_size);
+    BlockHash parent;
+    size_t usable = 0;
+    int32_t checkpoint = -1;
+    for (size_t i = 0; i < max_blocks; ++i) {
+      const auto block_tokens = tokens.subspan(i * static_cast<size_t>(block_size), static_cast<size_t>(block_size));
+      const BlockHash hash = hash_block(parent, block_tokens);
+      const int32_t block = prefix_.find(hash, parent, block_tokens);
+      if (block < 0) break;
+      entry.blocks.push_back(block);
+      entry.hashes.push_back(hash);
+      parent = hash;
+      if (!has_recurrent_) {
+        usable = entry.blocks.size();
+      } else if (prefix_.checkpoint(block) >= 0) {
+        usable = entry.blocks.size();
+        checkpoint = prefix_.checkpoint(block);
+      }
+    }
+    entry.blocks.resize(usable);
+    entry.hashes.resize(usable);
+    for (const int32_t block : entry.blocks) pool_.retain(block);
+    match.cached_tokens = static_cast<int64_t>(usable) * block_size;
+    if (checkpoint >= 0) {
+      copy_state_slot(entry.state_slot, checkpoint);
+      touch_checkpoint(checkpoint);
+      match.restored_state = true;
+    }
+  }
+  sequences_.emplace(seq_id, std::move(entry));
+  return match;
+}
+
 int32_t CacheManager::blocks_needed(int64_t seq_id, int64_t total_tokens) const {
-  const auto it = tables_.find(seq_id);
-  const int32_t have = it == tables_.end() ? 0 : static_cast<int32_t>(it->second.size());
+  const auto it = sequences_.find(seq_id);
+  const int32_t have = it == sequences_.end() ? 0 : static_cast<int32_t>(it->second.blocks.size());
   return std::max(0, blocks_for(total_tokens) - have);
 }
 
 bool CacheManager::reserve(int64_t seq_id, int64_t total_tokens) {
   const int32_t needed = blocks_needed(seq_id, total_tokens);
   if (needed > pool_.num_free()) return false;
-  auto& table = tables_[seq_id];
-  const bool ok = pool_.allocate(needed, table);
-  METRALE_CHECK(ok, "allocation of {} blocks failed with {} free", needed, pool_.num_free());
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) {
+    SequenceEntry entry;
+    if (needs_state_slot()) {
+      entry.state_slot = sequence_slots_.allocate();
+      if (entry.state_slot < 0) return false;
+    }
+    it = sequences_.emplace(seq_id, std::move(entry)).first;
+  }
+  allocate_blocks(needed, it->second.blocks);
   return true;
 }
 
 void CacheManager::free_sequence(int64_t seq_id) {
-  const auto it = tables_.find(seq_id);
-  if (it == tables_.end()) return;
-  // Tail first: the most recent blocks go back on top of the free stack last, so the next
-  // allocation reuses the sequence's first block first.
-  for (auto block = it->second.rbegin(); block != it->second.rend(); ++block) pool_.release(*block);
-  tables_.erase(it);
+  const auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) return;
+  // Tail first: the empty blocks go back on top of the free stack last, so the next allocation
+  // reuses the sequence's first block first; cached blocks join the LRU list tail first, so that a
+  // prefix's later blocks are evicted before its earlier ones (a prefix is usable only up to its
+  // first missing block).
+  const auto& blocks = it->second.blocks;
+  for (auto block = blocks.rbegin(); block != blocks.rend(); ++block) pool_.release(*block);
+  if (it->second.state_slot >= 0) sequence_slots_.free(it->second.state_slot);
+  sequences_.erase(it);
 }
 
 std::span<const int32_t> CacheManager::block_table(int64_t seq_id) const {
-  const auto it = tables_.find(seq_id);
-  if (it == tables_.end()) return {};
-  return it->second;
+  const auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) return {};
+  return it->second.blocks;
+}
+
+// ---- Recurrent state
+
+int32_t CacheManager::state_slot(int64_t seq_id) const {
+  const auto it = sequences_.find(seq_id);
+  return it == sequences_.end() ? -1 : it->second.state_slot;
+}
+
+void CacheManager::copy_state_slot(int32_t dst, int32_t src) {
+  METRALE_CHECK(has_recurrent_, "state copy in a cache without recurrent layers");
+  METRALE_CHECK(dst >= 0 && src >= 0 && dst <= padding_slot_ && src <= padding_slot_, "state copy {} -> {} out of range",
+                src, dst);
+  if (dst == src) return;
+  for (const OwnedTensor& state : state_storage_) {
+    const Tensor& tensor = state.tensor;
+    const size_t slot_bytes = tensor.nbytes() / static_cast<size_t>(tensor.size(0));
+    auto* base = static_cast<char*>(tensor.data());
+    copy_bytes_async(base + static_cast<size_t>(dst) * slot_bytes, device_, base + static_cast<size_t>(src) * slot_bytes,
+                     device_, slot_bytes);
+  }
+}
+
+// ---- Prefix cache
+
+void CacheManager::cache_full_blocks(int64_t seq_id, std::span<const int32_t> tokens, int64_t num_computed) {
+  if (!prefix_caching()) return;
+  const auto it = sequences_.find(seq_id);
+  METRALE_CHECK(it != sequences_.end(), "no cache entries for sequence {}", seq_id);
+  METRALE_CHECK(static_cast<int64_t>(tokens.size()) >= num_computed, "{} computed of {} tokens", num_computed, tokens.size());
+  SequenceEntry& entry = it->second;
+  const auto block_size = static_cast<size_t>(config_.block_size);
+  const size_t full = std::min(static_cast<size_t>(num_computed) / block_size, entry.blocks.size());
+  for (size_t i = entry.hashes.size(); i < full; ++i) {
+    const BlockHash parent = i == 0 ? BlockHash{} : entry.hashes[i - 1];
+    const auto block_tokens = tokens.subspan(i * block_size, block_size);
+    const BlockHash hash = hash_block(parent, block_tokens);
+    entry.hashes.push_back(hash);
+    const int32_t block = entry.blocks[i];
+    // When another block already holds this prefix, this one stays private and is freed empty.
+    if (prefix_.insert(block, hash, parent, block_tokens)) pool_.mark_cached(block);
+  }
+}
+
+bool CacheManager::is_checkpoint_position(int64_t num_prompt, int64_t position) const {
+  if (!has_recurrent_ || checkpoint_slots_.num_slots() == 0) return false;
+  const int64_t last = last_prompt_checkpoint(num_prompt);
+  if (position <= 0 || position % config_.block_size != 0 || position > last) return false;
+  return position == last || position % config_.state_checkpoint_interval == 0;
+}
+
+int64_t CacheManager::next_checkpoint_position(int64_t num_prompt, int64_t num_computed) const {
+  if (!has_recurrent_ || checkpoint_slots_.num_slots() == 0) return -1;
+  const int64_t last = last_prompt_checkpoint(num_prompt);
+  if (num_computed >= last) return -1;
+  const int64_t interval = config_.state_checkpoint_interval;
+  const int64_t next_interval = (num_computed / interval + 1) * interval;
+  return std::min(next_interval, last);
+}
+
+void CacheManager::touch_checkpoint(int32_t slot) {
+  checkpoint_used_at_[static_cast<size_t>(slot - checkpoint_slots_.first_slot())] = ++clock_;
+}
+
+void CacheManager::drop_checkpoint(int32_t slot) {
+  checkpoint_block_[static_cast<size_t>(slot - checkpoint_slots_.first_slot())] = -1;
+  checkpoint_slots_.free(slot);
+}
+
+void CacheManager::checkpoint_state(int64_t seq_id, int64_t position) {
+  if (!has_recurrent_ || checkpoint_slots_.num_slots() == 0) return;
+  const auto it = sequences_.find(seq_id);
+  METRALE_CHECK(it != sequences_.end(), "no cache entries for sequence {}", seq_id);
+  const SequenceEntry& entry = it->second;
+  METRALE_CHECK(position > 0 && position % config_.block_size == 0, "checkpoint at {} is not a block boundary", position);
+  const auto index = static_cast<size_t>(position / config_.block_size - 1);
+  if (entry.state_slot < 0 || index >= entry.hashes.size()) return;  // the block was not indexed
+  // The block that holds this prefix in the index (this sequence's or an identical one's).
+  const int32_t block = prefix_.find(entry.hashes[index]);
+  if (block < 0) return;
+  if (const int32_t existing = prefix_.checkpoint(block); existing >= 0) {
+    touch_checkpoint(existing);
+    return;
+  }
+  int32_t slot = checkpoint_slots_.allocate();
+  if (slot < 0) {
+    // Drop the least recently made or used checkpoint (its block stays cached without it).
+    size_t oldest = 0;
+    for (size_t i = 1; i < checkpoint_used_at_.size(); ++i)
+      if (checkpoint_used_at_[i] < checkpoint_used_at_[oldest]) oldest = i;
+    const int32_t victim = checkpoint_slots_.first_slot() + static_cast<int32_t>(oldest);
+    const int32_t taken = prefix_.take_checkpoint(checkpoint_block_[oldest]);
+    METRALE_CHECK(taken == victim, "checkpoint slot {} is not owned by block {}", victim, checkpoint_block_[oldest]);
+    drop_checkpoint(victim);
+    slot = checkpoint_slots_.allocate();
+  }
+  copy_state_slot(slot, entry.state_slot);
+  prefix_.set_checkpoint(block, slot);
+  checkpoint_block_[static_cast<size_t>(slot - checkpoint_slots_.first_slot())] = block;
+  touch_checkpoint(slot);
+}
+
+// ---- Integrity
+
+void CacheManager::check_integrity() const {
+  const int32_t total = pool_.num_blocks();
+  std::vector<int32_t> references(static_cast<size_t>(total), 0);
+  std::vector<uint8_t> slot_owned(static_cast<size_t>(std::max(padding_slot_, 0)), 0);
+  int32_t sequences_with_slots = 0;
+  for (const auto& [seq_id, entry] : sequences_) {
+    METRALE_CHECK(entry.hashes.size() <= entry.blocks.size(), "sequence {} hashes {} of {} blocks", seq_id,
+                  entry.hashes.size(), entry.blocks.size());
+    for (const int32_t block : entry.blocks) {
+      METRALE_CHECK(block >= 0 && block < total, "sequence {} holds block {} out of range", seq_id, block);
+      ++references[static_cast<size_t>(block)];
+    }
+    if (entry.state_slot >= 0) {
+      METRALE_CHECK(sequence_slots_.contains(entry.state_slot) && sequence_slots_.is_allocated(entry.state_slot),
+                    "sequence {} holds state slot {} that is not allocated", seq_id, entry.state_slot);
+      METRALE_CHECK(slot_owned[static_cast<size_t>(entry.state_slot)] == 0, "state slot {} held twice", entry.state_slot);
+      slot_owned[static_cast<size_t>(entry.state_slot)] = 1;
+      ++sequences_with_slots;
+    } else {
+      METRALE_CHECK(!needs_state_slot(), "sequence {} has no state slot", seq_id);
+    }
+  }
+  METRALE_CHECK(sequences_with_slots == sequence_slots_.num_used(), "{} sequences hold slots but {} are allocated",
+                sequences_with_slots, sequence_slots_.num_used());
+  int32_t used = 0, cached_free = 0, indexed = 0, checkpoints = 0;
+  for (int32_t block = 0; block < total; ++block) {
+    const int32_t refs = references[static_cast<size_t>(block)];
+    METRALE_CHECK(pool_.ref_count(block) == refs, "block {} has {} references but {} tables hold it", block,
+                  pool_.ref_count(block), refs);
+    METRALE_CHECK(pool_.is_cached(block) == prefix_.holds(block), "block {}: pool cached {} but index holds {}", block,
+                  pool_.is_cached(block), prefix_.holds(block));
+    used += refs > 0;
+    cached_free += refs == 0 && pool_.is_cached(block);
+    indexed += prefix_.holds(block);
+    if (const int32_t slot = prefix_.checkpoint(block); slot >= 0) {
+      METRALE_CHECK(checkpoint_slots_.contains(slot) && checkpoint_slots_.is_allocated(slot),
+                    "block {} has checkpoint slot {} that is not allocated", block, slot);
+      METRALE_CHECK(checkpoint_block_[static_cast<size_t>(slot - checkpoint_slots_.first_slot())] == block,
+                    "checkpoint slot {} does not point back at block {}", slot, block);
+      ++checkpoints;
+    }
+  }
+  METRALE_CHECK(pool_.num_used() == used && pool_.num_cached() == cached_free, "pool counts used {} cached {}, tables say {} and {}",
+                pool_.num_used(), pool_.num_cached(), used, cached_free);
+  METRALE_CHECK(pool_.num_empty() + pool_.num_cached() + pool_.num_used() == total, "empty {} + cached {} + used {} != {}",
+                pool_.num_empty(), pool_.num_cached(), pool_.num_used(), total);
+  METRALE_CHECK(static_cast<int32_t>(prefix_.size()) == indexed, "prefix index has {} hashes for {} blocks", prefix_.size(),
+                indexed);
+  METRALE_CHECK(checkpoints == checkpoint_slots_.num_used(), "{} checkpoints but {} checkpoint slots allocated",
+                checkpoints, checkpoint_slots_.num_used());
+  const auto lru = pool_.lru_order();
+  METRALE_CHECK(static_cast<int32_t>(lru.size()) == cached_free, "LRU list has {} blocks, {} are cached and free",
+                lru.size(), cached_free);
+  for (const int32_t block : lru)
+    METRALE_CHECK(pool_.ref_count(block) == 0 && pool_.is_cached(block), "LRU block {} is in use or not cached", block);
 }
 
 }  // namespace metrale

@@ -1,13 +1,25 @@
-// CacheManager: owns the memory of every layer's cache (one paged K and V pool per attention layer,
-// all sharing one block numbering) and maps sequences to their blocks.
+// CacheManager: owns the memory of every layer's cache and maps sequences to it.
+// - Attention layers: one paged K and V pool per layer, all sharing one block numbering; each
+//   sequence has a block table. Full blocks can be shared between sequences through the prefix
+//   cache (reference counts in the BlockPool, hashes in the PrefixCache).
+// - Recurrent layers: one tensor per state, [num_slots, ...per_slot_shape]; each sequence holds one
+//   state slot (a StatePool of num_state_slots ids). Hybrid models with prefix caching also keep
+//   checkpoint slots: the state after the last token of a cached block, so that a later sequence
+//   reusing that prefix can start from it. One more slot takes the writes of padding rows.
+//
+// Slot layout: [0, num_state_slots) sequences, then num_checkpoint_slots checkpoints, then the
+// padding slot.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <unordered_map>
 #include <vector>
 
 #include "cache/block_pool.h"
+#include "cache/prefix_cache.h"
+#include "cache/state_pool.h"
 #include "model/cache_spec.h"
 
 namespace metrale {
@@ -15,7 +27,16 @@ namespace metrale {
 struct CacheConfig {
   int32_t block_size = 16;   // tokens per block
   int32_t num_blocks = 0;    // blocks per attention layer (all layers share the numbering)
-  DType kv_dtype = DType::kF32;
+  DType kv_dtype = DType::kF32;  // also the dtype of non-fp32 recurrent states
+  // Recurrent layers only (ignored for models without them). Slots for running sequences; 0 gives
+  // sequences no slot at all (scratch caches for profiling, whose states are never read back).
+  int32_t num_state_slots = 0;
+  // Prefix-cache checkpoints of the recurrent state (hybrid models with prefix caching).
+  int32_t num_checkpoint_slots = 0;
+  bool enable_prefix_caching = false;
+  // Hybrid models: a prefill checkpoint every this many tokens (rounded up to a multiple of
+  // block_size), besides the one at the end of the prompt's last full block.
+  int64_t state_checkpoint_interval = 512;
 };
 
 // Bytes one block costs across all layers with a paged KV cache.
@@ -28,31 +49,111 @@ class CacheManager {
   const CacheConfig& config() const { return config_; }
   int32_t block_size() const { return config_.block_size; }
   const BlockPool& pool() const { return pool_; }
+  const PrefixCache& prefix_cache() const { return prefix_; }
   std::span<const LayerCache> layer_caches() const { return layers_; }
-  uint64_t memory_bytes() const;
+  uint64_t memory_bytes() const { return kv_memory_bytes() + state_memory_bytes(); }
+  uint64_t kv_memory_bytes() const;
+  uint64_t state_memory_bytes() const;
 
   // Blocks needed to hold `tokens` tokens.
   int32_t blocks_for(int64_t tokens) const {
     return static_cast<int32_t>((tokens + config_.block_size - 1) / config_.block_size);
   }
-  // Grows sequence `seq_id`'s blocks to hold `total_tokens`. All or nothing: returns false and
-  // changes nothing when too few blocks are free.
+
+  // ---- Sequences
+  struct PrefixMatch {
+    int64_t cached_tokens = 0;    // leading tokens whose blocks (and state) the sequence starts with
+    bool restored_state = false;  // a recurrent-state checkpoint was copied into its slot
+  };
+  // Creates sequence `seq_id` (which must not exist), with its state slot when the model has
+  // recurrent layers. With `use_prefix_cache` (and prefix caching on) it starts from the longest
+  // cached prefix of `tokens`: whole blocks, fewer than tokens.size() tokens (at least one token is
+  // left to compute, for its logits), and on hybrid models only a length that has a state
+  // checkpoint, which is copied into the sequence's slot (queued on the device's stream). Returns
+  // nullopt and changes nothing when no state slot is free.
+  std::optional<PrefixMatch> begin_sequence(int64_t seq_id, std::span<const int32_t> tokens, bool use_prefix_cache);
+  // Grows sequence `seq_id`'s blocks to hold `total_tokens`, creating the sequence (and its state
+  // slot) when it does not exist. All or nothing: returns false and changes nothing when too few
+  // blocks (or no state slot) are free. Cached free blocks are evicted, least recently used first,
+  // only when no empty block is left.
   bool reserve(int64_t seq_id, int64_t total_tokens);
   // Blocks that reserve(seq_id, total_tokens) would have to take from the pool.
   int32_t blocks_needed(int64_t seq_id, int64_t total_tokens) const;
-  // Releases every block of the sequence.
+  // Drops the sequence's references to its blocks (cached ones stay cached) and frees its slot.
   void free_sequence(int64_t seq_id);
   std::span<const int32_t> block_table(int64_t seq_id) const;
-  bool has_sequence(int64_t seq_id) const { return tables_.count(seq_id) != 0; }
-  size_t num_sequences() const { return tables_.size(); }
+  bool has_sequence(int64_t seq_id) const { return sequences_.count(seq_id) != 0; }
+  size_t num_sequences() const { return sequences_.size(); }
+
+  // ---- Recurrent state
+  bool has_recurrent_state() const { return has_recurrent_; }
+  // The sequence's state slot, or -1 (no recurrent layers, or a scratch cache).
+  int32_t state_slot(int64_t seq_id) const;
+  // The slot padding rows of a graph batch write to (never read); -1 without recurrent layers.
+  int32_t padding_state_slot() const { return padding_slot_; }
+  int32_t num_state_slots() const { return sequence_slots_.num_slots() + checkpoint_slots_.num_slots(); }
+  int32_t num_state_slots_used() const { return sequence_slots_.num_used() + checkpoint_slots_.num_used(); }
+  int32_t num_checkpoints() const { return checkpoint_slots_.num_used(); }
+  // Copies slot `src` into slot `dst` in every state tensor of every recurrent layer (queued on
+  // the device's current stream, so it is ordered with the steps around it).
+  void copy_state_slot(int32_t dst, int32_t src);
+
+  // ---- Prefix cache
+  bool prefix_caching() const { return config_.enable_prefix_caching; }
+  // After a step: indexes the sequence's full blocks among its first `num_computed` tokens so that
+  // later sequences can share them. `tokens` are the sequence's tokens (at least num_computed).
+  void cache_full_blocks(int64_t seq_id, std::span<const int32_t> tokens, int64_t num_computed);
+  // Hybrid models: whether `position` (tokens computed) is a state checkpoint point of a sequence
+  // with `num_prompt` prompt tokens: the last block boundary before the prompt's end, and every
+  // state_checkpoint_interval tokens before it. Always false without checkpoints. (The last point
+  // is strictly before the end so that the same prompt again, whose lookup must leave a token to
+  // compute, can use it as well as a longer prompt that extends it.)
+  bool is_checkpoint_position(int64_t num_prompt, int64_t position) const;
+  // The first checkpoint point after `num_computed`, or -1: prefill chunks end there so that the
+  // state after it exists.
+  int64_t next_checkpoint_position(int64_t num_prompt, int64_t num_computed) const;
+  // Keeps a copy of the sequence's state, which must be the state after its first `position` tokens
+  // (a block boundary whose block was cached by cache_full_blocks), with that block. When every
+  // checkpoint slot is taken the least recently used checkpoint is dropped.
+  void checkpoint_state(int64_t seq_id, int64_t position);
+
+  // Throws kInternal unless every invariant holds: reference counts equal the number of tables
+  // holding each block; empty + cached + used == total; a block is cached exactly when the prefix
+  // index holds it; state and checkpoint slots are each owned once.
+  void check_integrity() const;
 
  private:
+  struct SequenceEntry {
+    std::vector<int32_t> blocks;    // the block table
+    std::vector<BlockHash> hashes;  // hash chain of the leading full blocks indexed so far
+    int32_t state_slot = -1;
+  };
+  bool needs_state_slot() const { return has_recurrent_ && sequence_slots_.num_slots() > 0; }
+  int64_t last_prompt_checkpoint(int64_t num_prompt) const {
+    return (num_prompt - 1) / config_.block_size * config_.block_size;
+  }
+  // Takes `count` blocks from the pool into `out`, forgetting the blocks (and checkpoints) evicted.
+  void allocate_blocks(int32_t count, std::vector<int32_t>& out);
+  void drop_checkpoint(int32_t slot);
+  void touch_checkpoint(int32_t slot);
+
   CacheConfig config_;
   Device device_;
   BlockPool pool_;
-  std::vector<OwnedTensor> storage_;  // K and V per attention layer
-  std::vector<LayerCache> layers_;    // one per layer (empty tensors for stateless layers)
-  std::unordered_map<int64_t, std::vector<int32_t>> tables_;
+  PrefixCache prefix_;
+  bool has_recurrent_ = false;
+  StatePool sequence_slots_;
+  StatePool checkpoint_slots_;
+  int32_t padding_slot_ = -1;
+  std::vector<OwnedTensor> kv_storage_;     // K and V per attention layer
+  std::vector<OwnedTensor> state_storage_;  // every state tensor of every recurrent layer
+  std::vector<LayerCache> layers_;          // one per layer (empty tensors for stateless layers)
+  std::unordered_map<int64_t, SequenceEntry> sequences_;
+  // Per checkpoint slot (index slot - first checkpoint slot): the block it belongs to and when it
+  // was last made or used, for LRU eviction among checkpoints.
+  std::vector<int32_t> checkpoint_block_;
+  std::vector<uint64_t> checkpoint_used_at_;
+  uint64_t clock_ = 0;
 };
 
 }  // namespace metrale

@@ -27,6 +27,11 @@ std::string EnginePlan::describe() const {
   std::string text = fmt::format("KV cache: {} blocks of {} tokens ({}, {} tokens); max model length {}", num_kv_blocks,
                                  block_size, format_bytes(kv_cache_bytes),
                                  static_cast<int64_t>(num_kv_blocks) * block_size, max_model_len);
+  if (num_state_slots > 0) {
+    text += fmt::format("; recurrent state: {} sequence slots + {} checkpoint slots of {} ({})", num_state_slots,
+                        num_checkpoint_slots, format_bytes(state_bytes_per_slot), format_bytes(state_bytes));
+  }
+  text += fmt::format("; max {} sequences; prefix caching {}", max_num_seqs, prefix_caching ? "on" : "off");
   if (device_total_bytes > 0) {
     text += fmt::format("; workspace {}; in use before the cache {} of {}", format_bytes(workspace_bytes),
                         format_bytes(used_before_cache), format_bytes(device_total_bytes));
@@ -35,10 +40,56 @@ std::string EnginePlan::describe() const {
   return text;
 }
 
+namespace {
+
+// How one memory budget is divided between recurrent-state slots and KV blocks.
+struct CacheSplit {
+  int64_t max_num_seqs = 0;
+  int64_t checkpoint_slots = 0;
+  int32_t num_kv_blocks = 0;
+};
+
+// State slots come first: one per sequence, the checkpoints and a padding slot. The budget must
+// hold them and one sequence of max_model_len tokens (blocks_per_seq blocks); when it does not,
+// checkpoints give way first, then max_num_seqs, so start-up never fails for a ratio it can
+// compute. The rest goes to KV blocks, up to every sequence at full length.
+CacheSplit split_cache_budget(uint64_t budget, uint64_t per_block, uint64_t per_slot, int64_t blocks_per_seq,
+                              int64_t max_num_seqs, int64_t checkpoint_slots) {
+  CacheSplit split{max_num_seqs, checkpoint_slots, 0};
+  if (per_slot > 0) {
+    const uint64_t one_sequence_kv = static_cast<uint64_t>(std::max<int64_t>(blocks_per_seq, 1)) * per_block;
+    const auto slots_bytes = [&](int64_t seqs, int64_t checkpoints) {
+      return static_cast<uint64_t>(seqs + checkpoints + 1) * per_slot;
+    };
+    if (slots_bytes(max_num_seqs, checkpoint_slots) + one_sequence_kv > budget) {
+      const auto room = static_cast<int64_t>(budget > one_sequence_kv ? (budget - one_sequence_kv) / per_slot : 0);
+      split.checkpoint_slots = std::clamp<int64_t>(room - 1 - max_num_seqs, 0, checkpoint_slots);
+      split.max_num_seqs = std::clamp<int64_t>(room - 1 - split.checkpoint_slots, 1, max_num_seqs);
+      if (slots_bytes(split.max_num_seqs, split.checkpoint_slots) + per_block > budget) {
+        raise(ErrorCode::kOutOfMemory,
+              "the cache budget {} cannot hold one sequence's recurrent state ({} per slot, plus a padding slot) and "
+              "a KV block ({})",
+              format_bytes(budget), format_bytes(per_slot), format_bytes(per_block));
+      }
+    }
+    budget -= slots_bytes(split.max_num_seqs, split.checkpoint_slots);
+  }
+  const int64_t wanted = blocks_per_seq * split.max_num_seqs;
+  const auto affordable = static_cast<int64_t>(budget / per_block);
+  split.num_kv_blocks = static_cast<int32_t>(std::clamp<int64_t>(std::min(wanted, affordable), 1, 1 << 30));
+  return split;
+}
+
+}  // namespace
+
 EngineStats Engine::stats() const {
   EngineStats stats = stats_;
-  stats.kv_blocks_total = cache_->pool().num_blocks();
-  stats.kv_blocks_used = cache_->pool().num_used();
+  const BlockPool& pool = cache_->pool();
+  stats.kv_blocks_total = pool.num_blocks();
+  stats.kv_blocks_used = pool.num_used();
+  stats.kv_blocks_cached = pool.num_cached();
+  stats.state_slots_total = cache_->num_state_slots();
+  stats.state_slots_used = cache_->num_state_slots_used();
   return stats;
 }
 
@@ -50,6 +101,8 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   if (config_.block_size <= 0) raise(ErrorCode::kInvalidArgument, "block size must be positive");
   if (config_.scheduler.max_num_seqs <= 0 || config_.scheduler.max_num_batched_tokens <= 0)
     raise(ErrorCode::kInvalidArgument, "max-num-seqs and max-num-batched-tokens must be positive");
+  if (config_.state_checkpoint_interval <= 0)
+    raise(ErrorCode::kInvalidArgument, "state-checkpoint-interval must be positive, got {}", config_.state_checkpoint_interval);
   if (!(config_.gpu_memory_utilization > 0.0 && config_.gpu_memory_utilization <= 1.0))
     raise(ErrorCode::kInvalidArgument, "gpu-memory-utilization must be in (0, 1], got {}", config_.gpu_memory_utilization);
   plan_.block_size = config_.block_size;
@@ -64,6 +117,7 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
 
   const DType kv_dtype = device.is_cpu() ? DType::kF32 : DType::kBF16;
   const uint64_t per_block = std::max<uint64_t>(1, kv_bytes_per_block(specs, config_.block_size, kv_dtype));
+  const uint64_t per_slot = state_bytes_per_slot(specs, dtype_size(kv_dtype));
   const int64_t blocks_per_seq = (plan_.max_model_len + config_.block_size - 1) / config_.block_size;
   uint64_t kv_budget = config_.kv_cache_bytes;
   if (device.is_cuda()) {
@@ -77,7 +131,7 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     const uint64_t graph_reserve = config_.cuda_graphs ? (256ull << 20) : 0;
     const auto allowed = static_cast<uint64_t>(config_.gpu_memory_utilization * static_cast<double>(total_bytes));
     const uint64_t committed = plan_.used_before_cache + graph_reserve;
-    if (allowed <= committed + per_block) {
+    if (allowed <= committed + per_block + (per_slot > 0 ? 2 * per_slot : 0)) {
       raise(ErrorCode::kOutOfMemory,
             "no room for a KV cache: {} of {} in use after loading (weights + workspace {}), limit {} "
             "(raise --gpu-memory-utilization or lower --max-num-batched-tokens)",
@@ -86,17 +140,51 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     }
     kv_budget = allowed - committed;
   }
+  // Recurrent state: one slot per running sequence, checkpoint slots for the prefix cache and one
+  // padding slot come out of the same budget as the KV blocks, before them (split_cache_budget).
+  int64_t max_seqs = config_.scheduler.max_num_seqs;
+  int64_t checkpoint_slots = 0;
+  if (per_slot > 0 && config_.enable_prefix_caching)
+    checkpoint_slots = config_.state_checkpoint_slots >= 0 ? config_.state_checkpoint_slots : max_seqs;
   if (config_.num_kv_blocks > 0) {
     plan_.num_kv_blocks = config_.num_kv_blocks;
   } else {
-    // Enough for every sequence at full length when that fits the budget, else what the budget holds.
-    const int64_t wanted = blocks_per_seq * config_.scheduler.max_num_seqs;
-    const int64_t affordable = static_cast<int64_t>(kv_budget / per_block);
-    plan_.num_kv_blocks = static_cast<int32_t>(std::clamp<int64_t>(std::min(wanted, affordable), 1, 1 << 30));
+    const CacheSplit split = split_cache_budget(kv_budget, per_block, per_slot, blocks_per_seq, max_seqs, checkpoint_slots);
+    if (split.checkpoint_slots < checkpoint_slots) {
+      METRALE_LOG_INFO("memory: {} state checkpoint slots instead of {} ({} per slot, budget {})", split.checkpoint_slots,
+                       checkpoint_slots, format_bytes(per_slot), format_bytes(kv_budget));
+    }
+    if (split.max_num_seqs < max_seqs) {
+      METRALE_LOG_WARN("memory: lowering --max-num-seqs from {} to {}: the budget {} holds {} state slots of {} next to "
+                       "one sequence of {} tokens",
+                       max_seqs, split.max_num_seqs, format_bytes(kv_budget),
+                       split.max_num_seqs + split.checkpoint_slots + 1, format_bytes(per_slot), plan_.max_model_len);
+    }
+    max_seqs = split.max_num_seqs;
+    checkpoint_slots = split.checkpoint_slots;
+    plan_.num_kv_blocks = split.num_kv_blocks;
   }
-  CacheConfig cache_config{config_.block_size, plan_.num_kv_blocks, kv_dtype};
+  if (max_seqs < config_.scheduler.max_num_seqs) {
+    config_.scheduler.max_num_seqs = static_cast<int32_t>(max_seqs);
+    scheduler_ = Scheduler(config_.scheduler);
+    runner_->lower_max_num_seqs(max_seqs);
+  }
+  plan_.max_num_seqs = config_.scheduler.max_num_seqs;
+  plan_.prefix_caching = config_.enable_prefix_caching;
+  CacheConfig cache_config;
+  cache_config.block_size = config_.block_size;
+  cache_config.num_blocks = plan_.num_kv_blocks;
+  cache_config.kv_dtype = kv_dtype;
+  cache_config.num_state_slots = per_slot > 0 ? static_cast<int32_t>(max_seqs) : 0;
+  cache_config.num_checkpoint_slots = static_cast<int32_t>(checkpoint_slots);
+  cache_config.enable_prefix_caching = config_.enable_prefix_caching;
+  cache_config.state_checkpoint_interval = config_.state_checkpoint_interval;
   cache_ = std::make_unique<CacheManager>(specs, cache_config, device);
-  plan_.kv_cache_bytes = cache_->memory_bytes();
+  plan_.kv_cache_bytes = cache_->kv_memory_bytes();
+  plan_.num_state_slots = cache_config.num_state_slots;
+  plan_.num_checkpoint_slots = per_slot > 0 ? cache_config.num_checkpoint_slots : 0;
+  plan_.state_bytes_per_slot = per_slot;
+  plan_.state_bytes = cache_->state_memory_bytes();
   runner_->set_cache(cache_.get());
   if (device.is_cuda() && config_.cuda_graphs) {
     runner_->capture_decode_graphs(config_.graph_batch_sizes);
@@ -224,6 +312,7 @@ int64_t Engine::add_request(Request request) {
   sequence->request = std::move(request);
   Sequence* raw = sequence.get();
   sequences_.emplace(raw->id, std::move(sequence));
+  stats_.prompt_tokens += prompt_len;
   waiting_.push_back(raw);
   return raw->id;
 }
@@ -265,11 +354,16 @@ std::vector<TokenEvent> Engine::step() {
   pending_events_.clear();
   if (!has_unfinished()) return events;
   const SchedulePlan plan = scheduler_.schedule(running_, waiting_, *cache_);
+  stats_.num_preemptions += static_cast<int64_t>(plan.preempted.size());
+  stats_.prefix_cache_queries += plan.prefix_query_tokens;
+  stats_.prefix_cache_hits += plan.prefix_hit_tokens;
+  stats_.hybrid_state_restores += plan.state_restores;
   if (plan.empty()) {
     METRALE_CHECK(running_.empty() || !waiting_.empty(), "nothing schedulable with {} running", running_.size());
     return events;
   }
   StepResult result = runner_->execute(plan);
+  ++stats_.num_steps;
   const int64_t vocab = model_->config().vocab_size;
   std::vector<SampledToken> device_sampled;
   const bool sampled_on_device = !result.logits.device().is_cpu() && sample_on_device(result, device_sampled);
@@ -294,7 +388,15 @@ std::vector<TokenEvent> Engine::step() {
         std::copy(row, row + vocab, sequence.prompt_logits.begin() + position * vocab);
       }
     }
+    const int64_t computed_before = sequence.num_computed;
     sequence.num_computed += use.chunk.num_new;
+    stats_.computed_prompt_tokens +=
+        std::max<int64_t>(0, std::min(sequence.num_computed, sequence.num_prompt) - computed_before);
+    // Full blocks become shareable; at a checkpoint point the state after them is kept too (the
+    // copy is queued after this step's forward).
+    cache_->cache_full_blocks(sequence.id, sequence.tokens, sequence.num_computed);
+    if (cache_->is_checkpoint_position(sequence.num_prompt, sequence.num_computed))
+      cache_->checkpoint_state(sequence.id, sequence.num_computed);
     if (!use.chunk.samples) continue;
     if (sequence.request.max_tokens == 0) {  // scoring only
       finish(sequence, FinishReason::kLength);
@@ -316,6 +418,7 @@ std::vector<TokenEvent> Engine::step() {
                                       static_cast<uint64_t>(sequence.num_output()));
     }
     sequence.tokens.push_back(event.sampled.token);
+    ++stats_.generated_tokens;
     if (const auto reason = stop_reason(sequence, event.sampled.token)) {
       finish(sequence, *reason);
       finished.push_back(&sequence);
@@ -327,6 +430,9 @@ std::vector<TokenEvent> Engine::step() {
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->finished(); }),
                    running_.end());
   }
+#ifndef NDEBUG
+  if (!has_unfinished()) cache_->check_integrity();  // debug builds: the cache's books balance when idle
+#endif
   return events;
 }
 

@@ -31,6 +31,12 @@ struct EngineConfig {
   double gpu_memory_utilization = 0.90;
   bool cuda_graphs = true;               // capture decode steps as CUDA graphs
   std::vector<int64_t> graph_batch_sizes = {1, 2, 4, 8, 16, 32, 64, 128};
+  // Reuse the KV blocks (and on hybrid models the recurrent state) of cached prompt prefixes.
+  bool enable_prefix_caching = true;
+  // Hybrid models with prefix caching: a state checkpoint every this many prefill tokens (rounded
+  // up to a multiple of block_size) and at the end of each prompt's last full block.
+  int64_t state_checkpoint_interval = 512;
+  int32_t state_checkpoint_slots = -1;   // checkpoint slots; -1: as many as max_num_seqs
 };
 
 struct TokenEvent {
@@ -46,6 +52,13 @@ struct EnginePlan {
   int32_t block_size = 0;
   int64_t max_model_len = 0;
   uint64_t kv_cache_bytes = 0;
+  int32_t max_num_seqs = 0;          // may be below the configured one when memory is short
+  bool prefix_caching = false;
+  // Recurrent layers: state slots for running sequences and for prefix-cache checkpoints.
+  int32_t num_state_slots = 0;
+  int32_t num_checkpoint_slots = 0;
+  uint64_t state_bytes_per_slot = 0;
+  uint64_t state_bytes = 0;          // all slots, the padding slot included
   uint64_t workspace_bytes = 0;      // GPU step workspace
   uint64_t device_total_bytes = 0;   // GPU memory
   uint64_t used_before_cache = 0;    // weights + workspace + runtime, measured before the KV cache

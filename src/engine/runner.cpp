@@ -14,10 +14,11 @@ namespace metrale {
 
 // Host arrays of one step, each sized for the limits (pinned when a GPU is used).
 struct Runner::HostStep {
-  PinnedBuffer token_ids, positions, cu_q, kv_lens, block_tables, slot_mapping, logit_rows;
+  PinnedBuffer token_ids, positions, cu_q, kv_lens, block_tables, slot_mapping, logit_rows, state_slots;
   int64_t num_tokens = 0, num_seqs = 0, num_rows = 0;
   int64_t block_stride = 0;  // columns of the block table
   int64_t max_q_len = 0, max_kv_len = 0;
+  bool has_state_slots = false;  // the model has recurrent layers
 
   static int32_t* ints(const PinnedBuffer& buffer) { return static_cast<int32_t*>(buffer.data()); }
 };
@@ -51,6 +52,7 @@ Runner::Runner(Model& model, const RunnerLimits& limits)
   host_->cu_q = ints(seqs + 1);
   host_->kv_lens = ints(seqs);
   host_->block_tables = ints(seqs * blocks);
+  host_->state_slots = ints(seqs);
   const Device device = model_.device();
   if (device.is_cuda()) {
     token_ids_ = OwnedTensor(DType::kI32, {tokens}, device);
@@ -60,11 +62,18 @@ Runner::Runner(Model& model, const RunnerLimits& limits)
     cu_q_ = OwnedTensor(DType::kI32, {seqs + 1}, device);
     kv_lens_ = OwnedTensor(DType::kI32, {seqs}, device);
     block_tables_ = OwnedTensor(DType::kI32, {seqs * blocks}, device);
+    state_slots_ = OwnedTensor(DType::kI32, {seqs}, device);
     logits_ = OwnedTensor(DType::kF32, {seqs, model_.config().vocab_size}, device);
   }
 }
 
 Runner::~Runner() = default;
+
+void Runner::lower_max_num_seqs(int64_t max_num_seqs) {
+  METRALE_CHECK(max_num_seqs > 0 && max_num_seqs <= limits_.max_num_seqs, "max_num_seqs {} is not below the limit {}",
+                max_num_seqs, limits_.max_num_seqs);
+  limits_.max_num_seqs = max_num_seqs;  // buffers stay sized for the old limit
+}
 
 void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, StepResult& result) {
   HostStep& h = *host_;
@@ -85,7 +94,12 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
   int32_t* cu_q = HostStep::ints(h.cu_q);
   int32_t* kv_lens = HostStep::ints(h.kv_lens);
   int32_t* tables = HostStep::ints(h.block_tables);
+  int32_t* state_slots = HostStep::ints(h.state_slots);
   std::fill(tables, tables + num_seqs * h.block_stride, 0);
+  h.has_state_slots = cache_->has_recurrent_state();
+  // Sequences of a scratch cache (the workspace profile) have no slot of their own: they write the
+  // padding slot, whose contents nobody reads.
+  const bool scratch_slots = cache_->config().num_state_slots == 0;
 
   int64_t t = 0, r = 0;
   h.max_q_len = 0;
@@ -111,6 +125,14 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
     }
     cu_q[s + 1] = static_cast<int32_t>(t);
     kv_lens[s] = static_cast<int32_t>(end);
+    if (h.has_state_slots) {
+      int32_t slot = cache_->state_slot(sequence.id);
+      if (slot < 0) {
+        METRALE_CHECK(scratch_slots, "sequence {} has no state slot", sequence.id);
+        slot = cache_->padding_state_slot();
+      }
+      state_slots[s] = slot;
+    }
     h.max_q_len = std::max(h.max_q_len, chunk.num_new);
     h.max_kv_len = std::max(h.max_kv_len, end);
 
@@ -129,13 +151,15 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
     result.uses.push_back(use);
   }
   // Padding rows of a graph batch: one token at position 0 that writes nothing (slot -1) and reads
-  // one key of block 0; their logits are computed and ignored.
+  // one key of block 0; their logits are computed and ignored. Recurrent layers see a sequence
+  // starting from zero state, which writes its final state into the padding slot.
   for (int64_t s = real_seqs; s < num_seqs; ++s, ++t) {
     token_ids[t] = 0;
     positions[t] = 0;
     slots[t] = -1;
     cu_q[s + 1] = static_cast<int32_t>(t + 1);
     kv_lens[s] = 1;
+    if (h.has_state_slots) state_slots[s] = cache_->padding_state_slot();
     rows[r++] = static_cast<int32_t>(t);
     h.max_q_len = std::max<int64_t>(h.max_q_len, 1);
   }
@@ -173,6 +197,10 @@ ForwardBatch Runner::upload(bool fixed_block_stride) {
   batch.kv_lens = place(h.kv_lens, kv_lens_, h.num_seqs, {h.num_seqs});
   METRALE_CHECK(h.block_stride == stride, "block table stride {} != {}", h.block_stride, stride);
   batch.block_tables = place(h.block_tables, block_tables_, h.num_seqs * stride, {h.num_seqs, stride});
+  if (h.has_state_slots) {
+    batch.state_slots = place(h.state_slots, state_slots_, h.num_seqs, {h.num_seqs});
+    batch.host_state_slots = {HostStep::ints(h.state_slots), static_cast<size_t>(h.num_seqs)};
+  }
   return batch;
 }
 
@@ -234,9 +262,11 @@ size_t Runner::plan_workspace() {
   const int64_t seqs = std::min(limits_.max_num_seqs, std::max(limits_.max_num_tokens, limits_.max_num_seqs));
   const int64_t tokens = std::min(std::max(limits_.max_num_tokens, limits_.max_num_seqs), seqs * limits_.max_model_len);
   const int64_t per_seq = (tokens + seqs - 1) / seqs;
-  CacheConfig scratch_config{static_cast<int32_t>(limits_.block_size),
-                             static_cast<int32_t>(seqs * ((per_seq + limits_.block_size - 1) / limits_.block_size)),
-                             DType::kBF16};
+  // No state slots of its own: profile sequences share the padding slot (see build_host_step).
+  CacheConfig scratch_config;
+  scratch_config.block_size = static_cast<int32_t>(limits_.block_size);
+  scratch_config.num_blocks = static_cast<int32_t>(seqs * ((per_seq + limits_.block_size - 1) / limits_.block_size));
+  scratch_config.kv_dtype = DType::kBF16;
   CacheManager scratch(model_.cache_specs(), scratch_config, device);
   CacheManager* real_cache = cache_;
   cache_ = &scratch;

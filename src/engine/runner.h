@@ -6,6 +6,10 @@
 // so that CUDA graphs captured for decode batch sizes can be replayed with new inputs. Decode steps
 // whose batch fits a captured size are padded to it (padding rows write no KV and their logits are
 // ignored); other steps run eagerly.
+//
+// Models with recurrent layers also get each sequence's state slot (ForwardBatch::state_slots),
+// uploaded like the other arrays, so graph replays read the slots of the step they replay. Padding
+// rows use the cache's padding slot, which no sequence reads.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +51,8 @@ class Runner {
 
   void set_cache(CacheManager* cache) { cache_ = cache; }
   const RunnerLimits& limits() const { return limits_; }
+  // The memory planner may lower the sequence limit after the workspace was sized for a larger one.
+  void lower_max_num_seqs(int64_t max_num_seqs);
 
   // GPU only: runs the largest step the limits allow (with a scratch cache) and sizes the
   // workspace arena to its high-water mark; afterwards the arena never grows.
@@ -74,7 +80,7 @@ class Runner {
   std::unique_ptr<HostStep> host_;
 
   // Device copies of the step inputs at fixed addresses (GPU), each sized for the limits.
-  OwnedTensor token_ids_, positions_, cu_q_, kv_lens_, block_tables_, slot_mapping_, logit_rows_;
+  OwnedTensor token_ids_, positions_, cu_q_, kv_lens_, block_tables_, slot_mapping_, logit_rows_, state_slots_;
   OwnedTensor logits_;        // [max_num_seqs, vocab] f32 (GPU); this step's logits (CPU)
   OwnedTensor score_logits_;  // one-off buffer for steps with more rows than logits_ holds
 

@@ -22,6 +22,9 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
   const auto chunk_for = [&](const Sequence& sequence) {
     int64_t count = std::min(sequence.num_tokens() - sequence.num_computed, budget);
     if (config_.max_prefill_chunk > 0) count = std::min<int64_t>(count, config_.max_prefill_chunk);
+    // Hybrid models: the chunk ends at the next state checkpoint point, so that the state there exists.
+    const int64_t checkpoint = cache.next_checkpoint_position(sequence.num_prompt, sequence.num_computed);
+    if (checkpoint > sequence.num_computed) count = std::min(count, checkpoint - sequence.num_computed);
     return count;
   };
 
@@ -66,8 +69,24 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
   while (plan.preempted.empty() && budget > 0 && !waiting.empty() &&
          static_cast<int32_t>(running.size()) < config_.max_num_seqs) {
     Sequence* sequence = waiting.front();
+    METRALE_CHECK(sequence->num_computed == 0 && !cache.has_sequence(sequence->id),
+                  "waiting sequence {} holds cache entries", sequence->id);
+    const bool use_prefix_cache = cache.prefix_caching() && !sequence->request.return_prompt_logits;
+    const auto match = cache.begin_sequence(sequence->id, sequence->tokens, use_prefix_cache);
+    if (!match) break;  // no state slot free
+    sequence->num_computed = match->cached_tokens;
     const int64_t count = chunk_for(*sequence);
-    if (count <= 0 || !cache.reserve(sequence->id, sequence->num_computed + count)) break;
+    if (count <= 0 || !cache.reserve(sequence->id, sequence->num_computed + count)) {
+      // Not this step: give the prefix back (its blocks stay cached) and keep the queue order.
+      cache.free_sequence(sequence->id);
+      sequence->num_computed = 0;
+      break;
+    }
+    if (use_prefix_cache) {
+      plan.prefix_query_tokens += sequence->num_tokens();
+      plan.prefix_hit_tokens += match->cached_tokens;
+      plan.state_restores += match->restored_state ? 1 : 0;
+    }
     waiting.pop_front();
     sequence->status = SequenceStatus::kRunning;
     running.push_back(sequence);

@@ -5,6 +5,13 @@
 // admitted FCFS while the budget, --max-num-seqs and free KV blocks allow. When a running sequence
 // cannot get a block, the newest running sequence is preempted (its blocks freed, its tokens kept,
 // recomputed later); nothing it generated is lost or repeated.
+//
+// Prefix cache: a sequence is admitted from the longest cached prefix of its tokens (shared blocks,
+// and on hybrid models a restored state checkpoint) and computes only the rest; scoring requests
+// (return_prompt_logits) need every row and skip the lookup. A preempted sequence drops its block
+// references; blocks that are cached stay cached, so its recompute usually starts from a hit.
+// Hybrid models: prefill chunks end at the cache's state checkpoint points, where the engine keeps
+// a copy of the state.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +39,11 @@ struct SchedulePlan {
   std::vector<ScheduledChunk> chunks;
   int64_t num_tokens = 0;
   std::vector<Sequence*> preempted;  // moved back to waiting this step
+  // Admissions of this step: tokens looked up in the prefix cache, tokens found there, and hits
+  // that restored a recurrent-state checkpoint.
+  int64_t prefix_query_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
+  int64_t state_restores = 0;
   bool empty() const { return chunks.empty(); }
 };
 
@@ -41,7 +53,8 @@ class Scheduler {
   const SchedulerConfig& config() const { return config_; }
 
   // `running` and `waiting` are updated in place (admissions, preemptions). Blocks for every chunk
-  // are reserved in `cache` before the plan is returned.
+  // are reserved in `cache` before the plan is returned; admitted sequences start at the length of
+  // their cached prefix (num_computed).
   SchedulePlan schedule(std::vector<Sequence*>& running, std::deque<Sequence*>& waiting, CacheManager& cache);
 
  private:

@@ -39,6 +39,7 @@ void expect_cache_drained(const Engine& engine) {
   EXPECT_EQ(pool.num_free(), pool.num_blocks());
   EXPECT_EQ(pool.num_free() + pool.num_used(), pool.num_blocks());
   EXPECT_EQ(engine.cache().num_sequences(), 0u);
+  EXPECT_NO_THROW(engine.cache().check_integrity());
 }
 
 Request make_request(std::vector<int32_t> prompt, int32_t max_tokens, float temperature = 0.0f,

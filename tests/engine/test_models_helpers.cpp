@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <string>
@@ -11,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
+#include "core/error.h"
 #include "model/safetensors.h"
 
 namespace metrale::testing {
@@ -79,6 +81,125 @@ std::filesystem::path write_tiny_qwen3(const TinyQwen3Options& o, const std::str
   }
   std::ofstream(dir / "config.json") << config.dump(2);
   return dir;
+}
+
+}  // namespace metrale::testing
+
+namespace metrale::testing {
+namespace {
+
+class FakeHybridModel : public Model {
+ public:
+  explicit FakeHybridModel(const FakeHybridOptions& options) : options_(options) {
+    config_.model_type = "fake_hybrid";
+    config_.vocab_size = options.vocab_size;
+    config_.num_layers = options.recurrent ? 2 : 1;
+    config_.max_position_embeddings = options.max_position_embeddings;
+    config_.eos_token_ids = {0};
+  }
+
+  const ModelConfig& config() const override { return config_; }
+  Device device() const override { return Device::cpu(); }
+
+  std::vector<LayerCacheSpec> cache_specs() const override {
+    std::vector<LayerCacheSpec> specs(1);
+    specs[0].kind = LayerCacheKind::kPagedKv;
+    specs[0].num_kv_heads = 1;
+    specs[0].head_dim = 2;
+    if (options_.recurrent) {
+      LayerCacheSpec recurrent;
+      recurrent.kind = LayerCacheKind::kRecurrent;
+      recurrent.states = {StateTensorSpec{{2}, true}, StateTensorSpec{{options_.state_width}, false}};
+      specs.push_back(recurrent);
+    }
+    return specs;
+  }
+
+  void forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& logits, Arena&) override {
+    constexpr int64_t kModA = 65521, kModB = 8191;
+    const int64_t vocab = config_.vocab_size;
+    const auto* token_ids = batch.token_ids.data_as<const int32_t>();
+    const auto* slot_mapping = batch.slot_mapping.data_as<const int32_t>();
+    const auto* tables = batch.block_tables.data_as<const int32_t>();
+    const int64_t table_stride = batch.block_tables.size(1);
+    const LayerCache& attention = caches[0];
+    auto* keys = attention.k_cache.data_as<float>();    // [blocks, block_size, 1, 2]: (token, position)
+    auto* values = attention.v_cache.data_as<float>();  // unused by the logits; written like a real layer
+    const int64_t block_size = batch.block_size;
+    if (options_.recurrent && batch.host_state_slots.size() != static_cast<size_t>(batch.num_seqs))
+      raise(ErrorCode::kInternal, "fake model: {} state slots for {} sequences", batch.host_state_slots.size(), batch.num_seqs);
+    if (!options_.recurrent && !batch.host_state_slots.empty())
+      raise(ErrorCode::kInternal, "fake model: state slots given to a model without recurrent layers");
+
+    std::vector<int64_t> targets(static_cast<size_t>(batch.num_tokens), 0);
+    for (int64_t s = 0; s < batch.num_seqs; ++s) {
+      const int64_t first = batch.host_cu_q[static_cast<size_t>(s)], last = batch.host_cu_q[static_cast<size_t>(s) + 1];
+      const int64_t kv_len = batch.host_kv_lens[static_cast<size_t>(s)];
+      const int64_t start = kv_len - (last - first);
+      int64_t a = 0, b = 0;
+      float* state0 = nullptr;  // [2] f32: a, tokens covered
+      float* state1 = nullptr;  // [state_width]: b, a, tokens covered
+      if (options_.recurrent) {
+        const int32_t slot = batch.host_state_slots[static_cast<size_t>(s)];
+        const LayerCache& recurrent = caches[1];
+        if (slot < 0 || slot >= recurrent.states[0].size(0)) raise(ErrorCode::kInternal, "fake model: state slot {}", slot);
+        state0 = recurrent.states[0].data_as<float>() + slot * 2;
+        state1 = recurrent.states[1].data_as<float>() + slot * options_.state_width;
+        if (start > 0) {
+          if (state0[1] != static_cast<float>(start) || state1[2] != static_cast<float>(start) || state1[1] != state0[0])
+            raise(ErrorCode::kInternal, "fake model: slot {} holds the state after {} tokens, the sequence has {} cached",
+                  slot, state0[1], start);
+          a = static_cast<int64_t>(state0[0]);
+          b = static_cast<int64_t>(state1[0]);
+        }
+      }
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t position = start + (t - first);
+        const int64_t token = token_ids[t];
+        if (slot_mapping[t] >= 0) {
+          keys[slot_mapping[t] * 2] = static_cast<float>(token);
+          keys[slot_mapping[t] * 2 + 1] = static_cast<float>(position);
+          values[slot_mapping[t] * 2] = static_cast<float>(token);
+          values[slot_mapping[t] * 2 + 1] = 1.0f;
+        }
+        a = (a * 31 + token + 1) % kModA;
+        b = (b + token * (position + 1)) % kModB;
+        int64_t key_sum = 0;
+        for (int64_t j = 0; j <= position; ++j) {
+          const int64_t block = tables[s * table_stride + j / block_size];
+          const float* key = keys + (block * block_size + j % block_size) * 2;
+          if (key[1] != static_cast<float>(j))
+            raise(ErrorCode::kInternal, "fake model: key of position {} in block {} says position {}", j, block, key[1]);
+          key_sum = (key_sum + static_cast<int64_t>(key[0]) * (j + 1)) % kModA;
+        }
+        targets[static_cast<size_t>(t)] = (a * 7 + b * 3 + key_sum) % vocab;
+      }
+      if (options_.recurrent) {
+        state0[0] = static_cast<float>(a);
+        state0[1] = static_cast<float>(kv_len);
+        state1[0] = static_cast<float>(b);
+        state1[1] = static_cast<float>(a);
+        state1[2] = static_cast<float>(kv_len);
+      }
+    }
+    auto* out = logits.data_as<float>();
+    for (size_t r = 0; r < batch.host_logit_rows.size(); ++r) {
+      const int64_t target = targets[static_cast<size_t>(batch.host_logit_rows[r])];
+      for (int64_t v = 0; v < vocab; ++v)
+        out[static_cast<int64_t>(r) * vocab + v] = -static_cast<float>(std::abs(v - target));
+    }
+  }
+
+ private:
+  FakeHybridOptions options_;
+  ModelConfig config_;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> make_fake_hybrid_model(const FakeHybridOptions& options) {
+  if (options.state_width < 3) raise(ErrorCode::kInvalidArgument, "fake model: state_width must be >= 3");
+  return std::make_unique<FakeHybridModel>(options);
 }
 
 }  // namespace metrale::testing
