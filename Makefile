@@ -4,8 +4,8 @@ BUILD_DIR ?= build
 ASAN_DIR ?= build-asan
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
-PROMPT ?= The quick brown fox
-MAX_TOKENS ?= 32
+PROMPT ?= def parse_args(argv):
+MAX_TOKENS ?= 64
 
 .PHONY: all deps build run test asan test-asan clean format
 

@@ -15,12 +15,14 @@ namespace metrale::cli {
 
 std::filesystem::path default_model_dir() {
   if (const char* env = std::getenv("METRALE_DEFAULT_MODEL"); env != nullptr && *env != '\0') return env;
-  return std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "default";
+  // The trained demo model (a small qwen3_5 hybrid, tools/demo_model); models/default is the tiny
+  // random Qwen3 over the real Qwen3 tokenizer that tests use.
+  return std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "demo";
 }
 
 void add_model_option(CLI::App& command, EngineOptions& options) {
   command.add_option("--model,-m", options.model,
-                     "Hugging Face model directory (default: the bundled models/default)");
+                     "Hugging Face model directory (default: the bundled demo model, models/demo)");
 }
 
 void add_device_options(CLI::App& command, EngineOptions& options) {

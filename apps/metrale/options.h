@@ -31,7 +31,7 @@ struct EngineOptions {
 // The EngineConfig the flags describe (limits, memory, graphs); the scheduler's chunk cap aside.
 EngineConfig engine_config_from(const EngineOptions& options);
 
-// The bundled default model: $METRALE_DEFAULT_MODEL, else models/default of the source tree the
+// The bundled default model: $METRALE_DEFAULT_MODEL, else models/demo of the source tree the
 // binary was built from.
 std::filesystem::path default_model_dir();
 
