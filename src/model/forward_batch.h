@@ -39,6 +39,24 @@ struct ForwardBatch {
   std::span<const int32_t> host_logit_rows;
   std::span<const int32_t> host_state_slots;
 
+  // Optional output (empty: not asked for): [T, H] in the activation dtype (f32 on the CPU, bf16 on
+  // the GPU), contiguous. Model::forward writes the final normalised hidden state of every row (after
+  // the model's final norm: the vector the LM head multiplies, h_t of the MTP head);
+  // Model::mtp_forward writes the MTP head's output o_t (after its norm), the `hidden` of a chained
+  // draft step.
+  Tensor hidden_out;
+
+  // Speculative verify (Model::commit_verified). When set, the step's recurrent layers read their
+  // state slots but do not write them; they keep their per-row inputs in verify_scratch instead, and
+  // Model::commit_verified then advances every sequence's slots over its accepted rows. Attention
+  // layers write KV for every row as usual (the engine truncates the rejected tail). Logits and
+  // hidden_out are exactly those of a plain step over the same rows (the recurrent layers run the
+  // token-by-token delta rule, as decode does).
+  bool verify = false;
+  Tensor verify_scratch;    // [>= Model::verify_scratch_bytes(T, S)] u8 on the device, caller-owned;
+                            // must stay untouched until commit_verified
+  Tensor verify_seq_index;  // [S] i32 on the device: 0, 1, ..., S-1 (index of the step's temporary states)
+
   bool all_decode() const { return num_tokens == num_seqs; }  // every sequence adds exactly one token
 };
 

@@ -95,6 +95,15 @@ Weights::Weights(std::shared_ptr<const WeightStore> store, Device device, std::s
 
 Weights::Weights(const RandomWeights& random, Device device) : random_(random), device_(device), prefix_("model.") {}
 
+Weights Weights::with_prefix(std::string prefix) const {
+  if (store_) return Weights(store_, device_, std::move(prefix));
+  RandomWeights random = random_;
+  random.seed = random_.seed * 0x9E3779B97F4A7C15ull + 0x6D7470ull;  // "mtp": any fixed mix will do
+  Weights derived(random, device_);
+  derived.prefix_ = std::move(prefix);
+  return derived;
+}
+
 const WeightStore& Weights::store() const {
   METRALE_CHECK(store_ != nullptr, "random weights have no store");
   return *store_;

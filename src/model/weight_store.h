@@ -66,6 +66,11 @@ class Weights {
   // The dtype weights have on the model's device when placed by get() (bf16 on the GPU).
   DType device_dtype(DType stored) const { return device_.is_cpu() ? stored : DType::kBF16; }
 
+  // The same checkpoint with keys relative to `prefix` instead (e.g. "mtp." for the MTP head, whose
+  // keys sit at the root of Qwen3.5 and Qwen3-Next checkpoints). It collects its own device copies.
+  // Random weights: an independent stream seeded from this one.
+  Weights with_prefix(std::string prefix) const;
+
   // Device copies made so far (empty on the CPU, where weights stay in the mapping).
   std::vector<Buffer> take_device_buffers() { return std::move(buffers_); }
   std::shared_ptr<const WeightStore> store_ptr() const { return store_; }

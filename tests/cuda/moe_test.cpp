@@ -383,10 +383,10 @@ TEST(CudaMoeBlock, MatchesCpuBlock) {
       Arena gpu_arena(Device::cuda(), 64 << 20, /*growable=*/false);
       OwnedTensor out_cpu(DType::kF32, {tokens, c.hidden});
       testing::poison(*out_cpu);
-      cpu_block.forward(StepContext{batch, cpu_arena, DType::kF32, Tensor()}, *x_f32, *out_cpu);
+      cpu_block.forward(StepContext{batch, cpu_arena, DType::kF32, Tensor(), Tensor()}, *x_f32, *out_cpu);
       const OwnedTensor x_device = to_device(*x_bf16);
       const OwnedTensor out_device = poisoned_device(DType::kBF16, {tokens, c.hidden});
-      gpu_block.forward(StepContext{batch, gpu_arena, DType::kBF16, Tensor()}, *x_device, *out_device);
+      gpu_block.forward(StepContext{batch, gpu_arena, DType::kBF16, Tensor(), Tensor()}, *x_device, *out_device);
       EXPECT_TRUE(testing::close_rel_l2(*to_host(*out_device), testing::to_doubles(*out_cpu), 2e-2));
     }
   }

@@ -1,7 +1,7 @@
 // Qwen3.5 text (model_type "qwen3_5", its text config "qwen3_5_text"): Gated DeltaNet layers with
 // the split in_proj_qkv / z / b / a projections, gated full attention, a dense SwiGLU MLP in every
-// layer (qwen.md §2.5, §4.5, §5.4). Weights under model. or model.language_model.; mtp.* and
-// model.visual.* are never read.
+// layer (qwen.md §2.5, §4.5, §5.4). Weights under model. or model.language_model.; the MTP head from
+// mtp.* when present (blocks/mtp.h); model.visual.* is never read.
 #include "model/arch/architectures.h"
 
 namespace metrale::arch {

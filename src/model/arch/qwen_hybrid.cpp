@@ -1,16 +1,19 @@
 // The decoder shared by the Qwen hybrid models (qwen.md §5.3-§5.4): per layer a Gated DeltaNet mixer
 // (`linear_attention`) or gated full attention (`full_attention`: interleaved query/gate q_proj,
 // zero-centred q/k norms, partial RoPE, sigmoid output gate), then a dense SwiGLU MLP or an MoE with a
-// sigmoid-gated shared expert; every RMSNorm is zero-centred except the GDN output norm.
+// sigmoid-gated shared expert; every RMSNorm is zero-centred except the GDN output norm. The optional
+// MTP head (blocks/mtp.h) reuses the full_attention layer build with the mtp.* weights.
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "model/arch/architectures.h"
 #include "model/blocks/attention.h"
 #include "model/blocks/decoder.h"
 #include "model/blocks/gdn.h"
 #include "model/blocks/mlp.h"
 #include "model/blocks/moe.h"
+#include "model/blocks/mtp.h"
 
 namespace metrale::arch {
 
@@ -81,15 +84,15 @@ std::unique_ptr<Model> build_qwen_hybrid(const ModelConfig& config, Weights& wei
   gdn.rms_norm_eps = config.rms_norm_eps;
   gdn.layout = options.gdn_layout;
 
-  AttentionConfig attention;
-  attention.hidden_size = config.hidden_size;
-  attention.num_heads = config.num_heads;
-  attention.num_kv_heads = config.num_kv_heads;
-  attention.head_dim = config.head_dim;
-  attention.rms_norm_eps = config.rms_norm_eps;
-  attention.qk_norm = true;
-  attention.norm_kind = kernels::RmsNormKind::kZeroCentered;
-  attention.output_gate = true;
+  AttentionConfig attention_config;
+  attention_config.hidden_size = config.hidden_size;
+  attention_config.num_heads = config.num_heads;
+  attention_config.num_kv_heads = config.num_kv_heads;
+  attention_config.head_dim = config.head_dim;
+  attention_config.rms_norm_eps = config.rms_norm_eps;
+  attention_config.qk_norm = true;
+  attention_config.norm_kind = kernels::RmsNormKind::kZeroCentered;
+  attention_config.output_gate = true;
 
   MoeConfig moe;
   moe.hidden_size = config.hidden_size;
@@ -119,40 +122,81 @@ std::unique_ptr<Model> build_qwen_hybrid(const ModelConfig& config, Weights& wei
           moe.top_k, moe.num_experts);
   }
 
+  const auto norm = kernels::RmsNormKind::kZeroCentered;
+  // One decoder layer from `layer_weights` under `prefix`; the MTP layers are built like the trunk's
+  // full_attention layers.
+  const auto build_layer = [&](Weights& layer_weights, const std::string& prefix, bool attention, bool moe_ffn) {
+    std::unique_ptr<Mixer> mixer;
+    if (attention) {
+      mixer = std::make_unique<Attention>(attention_config, layer_weights, prefix + "self_attn.", rope);
+    } else {
+      mixer = std::make_unique<GatedDeltaNet>(gdn, layer_weights, prefix + "linear_attn.");
+    }
+    std::unique_ptr<FeedForward> ffn;
+    if (moe_ffn) {
+      ffn = std::make_unique<Moe>(moe, layer_weights, prefix + "mlp.");
+    } else {
+      if (dense_width <= 0) {
+        raise(ErrorCode::kBadFormat, "{}: a dense layer needs intermediate_size, got {}", config.source.string(),
+              dense_width);
+      }
+      ffn = std::make_unique<Mlp>(layer_weights, prefix + "mlp.", config.hidden_size, dense_width);
+    }
+    return DecoderLayer{
+        RmsNorm::load(layer_weights, prefix + "input_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm),
+        std::move(mixer),
+        RmsNorm::load(layer_weights, prefix + "post_attention_layernorm.weight", config.hidden_size,
+                      config.rms_norm_eps, norm),
+        std::move(ffn)};
+  };
+
   DecoderParts parts;
   parts.embed_tokens = load_embedding(weights, config);
-  const auto norm = kernels::RmsNormKind::kZeroCentered;
   for (int64_t i = 0; i < config.num_layers; ++i) {
-    const std::string prefix = "layers." + std::to_string(i) + ".";
+    const bool attention = full_attention[static_cast<size_t>(i)];
     try {
-      std::unique_ptr<Mixer> mixer;
-      if (full_attention[static_cast<size_t>(i)]) {
-        mixer = std::make_unique<Attention>(attention, weights, prefix + "self_attn.", rope);
-      } else {
-        mixer = std::make_unique<GatedDeltaNet>(gdn, weights, prefix + "linear_attn.");
-      }
-      std::unique_ptr<FeedForward> ffn;
-      if (layer_is_moe(i)) {
-        ffn = std::make_unique<Moe>(moe, weights, prefix + "mlp.");
-      } else {
-        if (dense_width <= 0) {
-          raise(ErrorCode::kBadFormat, "{}: layer {} is dense but intermediate_size is {}", config.source.string(), i,
-                dense_width);
-        }
-        ffn = std::make_unique<Mlp>(weights, prefix + "mlp.", config.hidden_size, dense_width);
-      }
-      parts.layers.push_back(DecoderLayer{
-          RmsNorm::load(weights, prefix + "input_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm),
-          std::move(mixer),
-          RmsNorm::load(weights, prefix + "post_attention_layernorm.weight", config.hidden_size, config.rms_norm_eps,
-                        norm),
-          std::move(ffn)});
+      parts.layers.push_back(build_layer(weights, "layers." + std::to_string(i) + ".", attention, layer_is_moe(i)));
     } catch (const Error& e) {
-      rethrow_with_context(e, "layer {} ({})", i, full_attention[static_cast<size_t>(i)] ? "attention" : "gdn");
+      rethrow_with_context(e, "layer {} ({})", i, attention ? "attention" : "gdn");
     }
   }
   parts.final_norm = RmsNorm::load(weights, "norm.weight", config.hidden_size, config.rms_norm_eps, norm);
   parts.lm_head = load_lm_head(weights, config, parts.embed_tokens);
+
+  // The MTP draft head (mtp.* at the checkpoint's root): loaded when the config declares MTP layers
+  // (Qwen3.5's mtp_num_hidden_layers, Qwen3-Next's num_nextn_predict_layers) and the checkpoint has
+  // them (re-uploads often strip mtp.*). A head that fails to load leaves the trunk usable: a warning,
+  // and has_mtp() is false.
+  const int64_t declared_mtp_layers =
+      config.get_int("mtp_num_hidden_layers", config.get_int("num_nextn_predict_layers", 0));
+  if (declared_mtp_layers > 0 && (weights.is_random() || weights.has_root("mtp.fc.weight"))) {
+    Weights mtp_weights = weights.with_prefix("mtp.");
+    try {
+      MtpHeadParts head;
+      const int64_t h = config.hidden_size;
+      head.pre_fc_norm_embedding =
+          RmsNorm::load(mtp_weights, "pre_fc_norm_embedding.weight", h, config.rms_norm_eps, norm);
+      head.pre_fc_norm_hidden = RmsNorm::load(mtp_weights, "pre_fc_norm_hidden.weight", h, config.rms_norm_eps, norm);
+      head.fc = mtp_weights.get("fc.weight", {h, 2 * h});
+      for (int64_t i = 0; i < declared_mtp_layers; ++i) {
+        const std::string prefix = "layers." + std::to_string(i) + ".";
+        // vLLM builds MTP layer i with the trunk's FFN rule for index i; a checkpoint says it directly.
+        const bool moe_ffn = weights.is_random() ? layer_is_moe(i) : mtp_weights.has(prefix + "mlp.gate.weight");
+        try {
+          head.layers.push_back(build_layer(mtp_weights, prefix, true, moe_ffn));
+        } catch (const Error& e) {
+          rethrow_with_context(e, "MTP layer {}", i);
+        }
+      }
+      head.norm = RmsNorm::load(mtp_weights, "norm.weight", h, config.rms_norm_eps, norm);
+      if (config.get_bool("mtp_use_dedicated_embeddings", false)) {
+        head.embed_tokens = mtp_weights.get("embed_tokens.weight", {config.vocab_size, h});
+      }
+      parts.mtp = std::make_unique<MtpHead>(std::move(head), mtp_weights.take_device_buffers());
+    } catch (const Error& e) {
+      METRALE_LOG_WARN("{}: the MTP head is not loaded: {}", config.source.string(), e.what());
+    }
+  }
   return std::make_unique<DecoderModel>(config, weights, std::move(parts));
 }
 

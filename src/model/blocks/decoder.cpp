@@ -6,6 +6,7 @@
 #include "kernels/embedding.h"
 #include "kernels/linear.h"
 #include "kernels/moe.h"
+#include "runtime/buffer.h"
 
 namespace metrale {
 
@@ -38,43 +39,177 @@ std::vector<LayerCacheSpec> DecoderModel::cache_specs() const {
   return specs;
 }
 
-void DecoderModel::forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& logits,
-                           Arena& workspace) {
-  METRALE_CHECK(caches.size() == parts_.layers.size(), "{} layer caches for {} layers", caches.size(),
-                parts_.layers.size());
-  const int64_t tokens = batch.num_tokens, hidden = config_.hidden_size;
+std::vector<LayerCacheSpec> DecoderModel::mtp_cache_specs() const {
+  return parts_.mtp ? parts_.mtp->cache_specs() : std::vector<LayerCacheSpec>{};
+}
+
+DType DecoderModel::activation_dtype() const {
   // The CPU is the fp32 reference; the GPU keeps bf16 activations (fp32 inside kernels), as the
   // checkpoints' own bf16 inference does.
-  const DType act = device_.is_cpu() ? DType::kF32 : DType::kBF16;
-  StepContext step{batch, workspace, act, Tensor()};
+  return device_.is_cpu() ? DType::kF32 : DType::kBF16;
+}
+
+namespace {
+
+// Regions of the verify scratch start on 256-byte boundaries (vectorised device access).
+constexpr size_t kVerifyRegionAlignment = 256;
+
+// A host i32 array as a tensor on `device`: a view on the CPU, a workspace copy on the GPU.
+Tensor device_i32(std::span<const int32_t> values, Arena& workspace, Device device) {
+  const auto count = static_cast<int64_t>(values.size());
+  if (device.is_cpu()) return Tensor(const_cast<int32_t*>(values.data()), DType::kI32, {count});
+  const Tensor copy = workspace.alloc(DType::kI32, {count});
+  if (count > 0) copy_bytes(copy.data(), device, values.data(), Device::cpu(), values.size_bytes());
+  return copy;
+}
+
+}  // namespace
+
+std::vector<size_t> DecoderModel::verify_scratch_offsets(int64_t num_tokens, int64_t num_seqs) const {
+  std::vector<size_t> offsets{0};
+  offsets.reserve(parts_.layers.size() + 1);
+  for (const auto& layer : parts_.layers) {
+    size_t bytes = layer.mixer->verify_scratch_bytes(num_tokens, num_seqs, activation_dtype());
+    bytes = (bytes + kVerifyRegionAlignment - 1) / kVerifyRegionAlignment * kVerifyRegionAlignment;
+    offsets.push_back(offsets.back() + bytes);
+  }
+  return offsets;
+}
+
+size_t DecoderModel::verify_scratch_bytes(int64_t num_tokens, int64_t num_seqs) const {
+  return verify_scratch_offsets(num_tokens, num_seqs).back();
+}
+
+void DecoderModel::compute_logits(const ForwardBatch& batch, const Tensor& final_hidden, const Tensor& logits,
+                                  Arena& workspace) const {
+  // Only the requested rows reach the LM head.
+  const int64_t rows = batch.logit_rows.numel();
+  METRALE_CHECK(logits.size(0) == rows && logits.size(1) == config_.vocab_size, "logits {} for {} rows",
+                logits.describe(), rows);
+  const Tensor selected = workspace.alloc(final_hidden.dtype(), {rows, config_.hidden_size});
+  kernels::gather_rows(final_hidden, batch.logit_rows, selected);
+  kernels::linear(selected, parts_.lm_head, logits);
+}
+
+void DecoderModel::forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& logits,
+                           Arena& workspace) {
+  METRALE_CHECK(caches.size() >= parts_.layers.size(), "{} layer caches for {} layers", caches.size(),
+                parts_.layers.size());
+  const int64_t tokens = batch.num_tokens, hidden = config_.hidden_size;
+  const DType act = activation_dtype();
+  StepContext step{batch, workspace, act, Tensor(), Tensor()};
   size_t scratch = 0;
   for (const auto& layer : parts_.layers) scratch = std::max(scratch, layer.mixer->scratch_bytes(batch, device_));
   if (scratch > 0) step.layer_scratch = workspace.alloc(DType::kU8, {static_cast<int64_t>(scratch)});
+  std::vector<size_t> verify_offsets;
+  if (batch.verify) {
+    verify_offsets = verify_scratch_offsets(tokens, batch.num_seqs);
+    METRALE_CHECK(batch.verify_scratch.nbytes() >= verify_offsets.back() && batch.verify_scratch.ndim() == 1,
+                  "verify step: verify_scratch {} for {} bytes", batch.verify_scratch.describe(),
+                  verify_offsets.back());
+    METRALE_CHECK(batch.verify_seq_index.numel() == batch.num_seqs, "verify step: verify_seq_index {} for {} sequences",
+                  batch.verify_seq_index.describe(), batch.num_seqs);
+  }
+  if (!batch.hidden_out.empty()) {
+    METRALE_CHECK(batch.hidden_out.ndim() == 2 && batch.hidden_out.size(0) == tokens &&
+                      batch.hidden_out.size(1) == hidden && batch.hidden_out.dtype() == act,
+                  "hidden_out {} for {} rows of {} ({})", batch.hidden_out.describe(), tokens, hidden, dtype_name(act));
+  }
   const Tensor residual = workspace.alloc(act, {tokens, hidden});  // [T, H] the residual stream h
   const Tensor normed = workspace.alloc(act, {tokens, hidden});    // [T, H] normalised sublayer input
   const Tensor sublayer = workspace.alloc(act, {tokens, hidden});  // [T, H] sublayer output
+  // [T, H] the final norm's output: the caller's hidden_out when asked for.
+  const Tensor final_hidden = batch.hidden_out.empty() ? normed : batch.hidden_out;
   kernels::embedding(batch.token_ids, parts_.embed_tokens, residual);
   parts_.layers.front().input_norm.apply(residual, normed);
   for (size_t i = 0; i < parts_.layers.size(); ++i) {
     DecoderLayer& layer = parts_.layers[i];
     const Arena::Scope layer_temporaries(workspace);
+    if (batch.verify) {
+      step.verify_scratch = batch.verify_scratch.slice(0, static_cast<int64_t>(verify_offsets[i]),
+                                                       static_cast<int64_t>(verify_offsets[i + 1]));
+    }
     try {
       layer.mixer->forward(step, caches[i], normed, sublayer);
       layer.post_norm.add_and_apply(residual, sublayer, normed);
       layer.ffn->forward(step, normed, sublayer);
-      const RmsNorm& next_norm = i + 1 < parts_.layers.size() ? parts_.layers[i + 1].input_norm : parts_.final_norm;
-      next_norm.add_and_apply(residual, sublayer, normed);
+      if (i + 1 < parts_.layers.size()) {
+        parts_.layers[i + 1].input_norm.add_and_apply(residual, sublayer, normed);
+      } else {
+        parts_.final_norm.add_and_apply(residual, sublayer, final_hidden);
+      }
     } catch (const Error& e) {
       rethrow_with_context(e, "layer {}", i);
     }
   }
-  // Only the requested rows reach the LM head.
-  const int64_t rows = batch.logit_rows.numel();
-  METRALE_CHECK(logits.size(0) == rows && logits.size(1) == config_.vocab_size, "logits {} for {} rows",
-                logits.describe(), rows);
-  const Tensor selected = workspace.alloc(act, {rows, hidden});
-  kernels::gather_rows(normed, batch.logit_rows, selected);
-  kernels::linear(selected, parts_.lm_head, logits);
+  compute_logits(batch, final_hidden, logits, workspace);
+}
+
+void DecoderModel::commit_verified(const ForwardBatch& batch, std::span<const int32_t> kept_rows,
+                                   std::span<const LayerCache> caches, Arena& workspace) {
+  METRALE_CHECK(batch.verify, "commit_verified needs the batch of a verify step");
+  METRALE_CHECK(caches.size() >= parts_.layers.size(), "{} layer caches for {} layers", caches.size(),
+                parts_.layers.size());
+  const int64_t seqs = batch.num_seqs;
+  if (static_cast<int64_t>(kept_rows.size()) != seqs) {
+    raise(ErrorCode::kInvalidArgument, "commit_verified: {} kept-row counts for {} sequences", kept_rows.size(), seqs);
+  }
+  const std::vector<size_t> offsets = verify_scratch_offsets(batch.num_tokens, seqs);
+  if (offsets.back() == 0) return;  // no layer keeps anything: the verify forward left every cache right
+  METRALE_CHECK(batch.verify_scratch.nbytes() >= offsets.back(), "verify_scratch {} for {} bytes",
+                batch.verify_scratch.describe(), offsets.back());
+  std::vector<int32_t> cu_rows{0}, kv_lens, rows;
+  int64_t max_rows = 0;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int32_t begin = batch.host_cu_q[static_cast<size_t>(s)];
+    const int32_t q_len = batch.host_cu_q[static_cast<size_t>(s) + 1] - begin;
+    const int32_t kept = kept_rows[static_cast<size_t>(s)];
+    if (kept < 1 || kept > q_len) {
+      raise(ErrorCode::kInvalidArgument, "commit_verified: sequence {} keeps {} of its {} rows (1..{} allowed)", s,
+            kept, q_len, q_len);
+    }
+    for (int32_t i = 0; i < kept; ++i) rows.push_back(begin + i);
+    cu_rows.push_back(cu_rows.back() + kept);
+    kv_lens.push_back(batch.host_kv_lens[static_cast<size_t>(s)] - q_len + kept);
+    max_rows = std::max<int64_t>(max_rows, kept);
+  }
+  VerifyCommit kept;
+  kept.num_rows = static_cast<int64_t>(rows.size());
+  kept.max_rows = max_rows;
+  kept.cu_rows = device_i32(cu_rows, workspace, device_);
+  kept.kv_lens = device_i32(kv_lens, workspace, device_);
+  kept.rows = device_i32(rows, workspace, device_);
+  StepContext step{batch, workspace, activation_dtype(), Tensor(), Tensor()};
+  for (size_t i = 0; i < parts_.layers.size(); ++i) {
+    if (offsets[i + 1] == offsets[i]) continue;
+    const Arena::Scope layer_temporaries(workspace);
+    step.verify_scratch =
+        batch.verify_scratch.slice(0, static_cast<int64_t>(offsets[i]), static_cast<int64_t>(offsets[i + 1]));
+    try {
+      parts_.layers[i].mixer->commit(step, caches[i], kept);
+    } catch (const Error& e) {
+      rethrow_with_context(e, "layer {} (commit)", i);
+    }
+  }
+}
+
+void DecoderModel::mtp_forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& hidden,
+                               const Tensor& logits, Arena& workspace, int64_t mtp_layer) {
+  if (!parts_.mtp) raise(ErrorCode::kUnsupported, "{}: the checkpoint has no MTP head", config_.source.string());
+  if (mtp_layer < 0 || mtp_layer >= parts_.mtp->num_layers()) {
+    raise(ErrorCode::kInvalidArgument, "MTP layer {} of {}", mtp_layer, parts_.mtp->num_layers());
+  }
+  const size_t cache_index = parts_.layers.size() + static_cast<size_t>(mtp_layer);
+  METRALE_CHECK(caches.size() > cache_index, "{} caches: the MTP layer {} reads cache {}", caches.size(), mtp_layer,
+                cache_index);
+  const DType act = activation_dtype();
+  StepContext step{batch, workspace, act, Tensor(), Tensor()};
+  const size_t scratch = parts_.mtp->scratch_bytes(mtp_layer, batch, device_);
+  if (scratch > 0) step.layer_scratch = workspace.alloc(DType::kU8, {static_cast<int64_t>(scratch)});
+  const Tensor out = batch.hidden_out.empty() ? workspace.alloc(act, {batch.num_tokens, config_.hidden_size})
+                                              : batch.hidden_out;  // [T, H] o_t
+  parts_.mtp->forward(step, caches[cache_index], mtp_layer, parts_.embed_tokens, hidden, out);
+  compute_logits(batch, out, logits, workspace);
 }
 
 }  // namespace metrale

@@ -1,30 +1,25 @@
 // DecoderModel: the pre-norm residual stack shared by the Qwen3 family:
 //   h = embed(ids); per layer: h += mixer(norm_in(h)); h += ffn(norm_post(h));
 //   logits = lm_head(norm_final(h)) for the batch's logit rows.
-// Architecture files build the layers and hand them over; this class owns the forward loop.
+// Architecture files build the layers (and the optional MTP head) and hand them over; this class
+// owns the forward loop, the MTP step and the commit of verify steps.
 #pragma once
 
 #include <memory>
 #include <vector>
 
 #include "model/blocks/layer.h"
-#include "model/blocks/norms.h"
+#include "model/blocks/mtp.h"
 #include "model/model.h"
 
 namespace metrale {
-
-struct DecoderLayer {
-  RmsNorm input_norm;
-  std::unique_ptr<Mixer> mixer;
-  RmsNorm post_norm;
-  std::unique_ptr<FeedForward> ffn;
-};
 
 struct DecoderParts {
   Tensor embed_tokens;  // [V, H]
   std::vector<DecoderLayer> layers;
   RmsNorm final_norm;
-  Tensor lm_head;       // [V, H] (the embedding when tied)
+  Tensor lm_head;                // [V, H] (the embedding when tied)
+  std::unique_ptr<MtpHead> mtp;  // optional draft head
 };
 
 class DecoderModel : public Model {
@@ -37,7 +32,24 @@ class DecoderModel : public Model {
   void forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& logits,
                Arena& workspace) override;
 
+  size_t verify_scratch_bytes(int64_t num_tokens, int64_t num_seqs) const override;
+  void commit_verified(const ForwardBatch& batch, std::span<const int32_t> kept_rows,
+                       std::span<const LayerCache> caches, Arena& workspace) override;
+
+  bool has_mtp() const override { return parts_.mtp != nullptr; }
+  int64_t num_mtp_layers() const override { return parts_.mtp ? parts_.mtp->num_layers() : 0; }
+  std::vector<LayerCacheSpec> mtp_cache_specs() const override;
+  void mtp_forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& hidden,
+                   const Tensor& logits, Arena& workspace, int64_t mtp_layer) override;
+
  private:
+  DType activation_dtype() const;
+  // Offsets of each layer's region in ForwardBatch::verify_scratch, and the total ([layers + 1]).
+  std::vector<size_t> verify_scratch_offsets(int64_t num_tokens, int64_t num_seqs) const;
+  // logits [R, V] = lm_head(final_hidden[logit_rows]); final_hidden [T, H].
+  void compute_logits(const ForwardBatch& batch, const Tensor& final_hidden, const Tensor& logits,
+                      Arena& workspace) const;
+
   ModelConfig config_;
   Device device_;
   std::shared_ptr<const WeightStore> store_;  // keeps mapped weights alive

@@ -9,6 +9,7 @@
 #include "kernels/gated_delta_rule.h"
 #include "kernels/gated_rms_norm.h"
 #include "kernels/linear.h"
+#include "kernels/moe.h"
 
 namespace metrale {
 namespace {
@@ -121,26 +122,85 @@ LayerCacheSpec GatedDeltaNet::cache_spec() const {
 }
 
 size_t GatedDeltaNet::scratch_bytes(const ForwardBatch& batch, Device device) const {
-  if (batch.all_decode()) return 0;  // the recurrent kernel needs no scratch
+  if (batch.all_decode() || batch.verify) return 0;  // the recurrent kernel needs no scratch
   return kernels::gated_delta_rule_workspace_bytes(device, batch.num_tokens, batch.num_seqs, config_.num_v_heads,
                                                    config_.head_k_dim, config_.head_v_dim);
 }
 
+namespace {
+
+constexpr size_t kKeptAlignment = 256;  // each kept tensor starts on a 256-byte boundary
+
+size_t aligned(size_t bytes) {
+  return (bytes + kKeptAlignment - 1) / kKeptAlignment * kKeptAlignment;
+}
+
+}  // namespace
+
+size_t GatedDeltaNet::verify_scratch_bytes(int64_t num_tokens, int64_t /*num_seqs*/, DType activation) const {
+  const auto rows = static_cast<size_t>(num_tokens);
+  const auto projected = static_cast<size_t>(config_.conv_dim() + config_.value_dim());
+  const auto heads = static_cast<size_t>(config_.num_v_heads);
+  return aligned(rows * projected * dtype_size(activation)) + 2 * aligned(rows * heads * sizeof(float));
+}
+
+GatedDeltaNet::KeptInputs GatedDeltaNet::kept_inputs(const StepContext& step) const {
+  const int64_t tokens = step.batch.num_tokens, hv = config_.num_v_heads;
+  const size_t needed = verify_scratch_bytes(tokens, step.batch.num_seqs, step.activation_dtype);
+  METRALE_CHECK(step.verify_scratch.nbytes() >= needed, "GDN layer: verify scratch {} for {} bytes",
+                step.verify_scratch.describe(), needed);
+  auto* base = static_cast<char*>(step.verify_scratch.data());
+  const Device device = step.verify_scratch.device();
+  KeptInputs kept;
+  kept.projected = Tensor(base, step.activation_dtype, {tokens, config_.conv_dim() + config_.value_dim()}, device);
+  base += aligned(kept.projected.nbytes());
+  kept.g = Tensor(base, DType::kF32, {tokens, hv}, device);
+  base += aligned(kept.g.nbytes());
+  kept.beta = Tensor(base, DType::kF32, {tokens, hv}, device);
+  return kept;
+}
+
+void GatedDeltaNet::delta_rule(const StepContext& step, const Tensor& conv_out, const Tensor& g, const Tensor& beta,
+                               const Tensor& state, const Tensor& cu_q, const Tensor& kv_lens, const Tensor& slots,
+                               int64_t max_q_len, bool recurrent, const Tensor& core) const {
+  const int64_t tokens = conv_out.size(0), hk = config_.num_k_heads, hv = config_.num_v_heads;
+  const int64_t dk = config_.head_k_dim, dv = config_.head_v_dim, key_dim = config_.key_dim();
+  const DType act = step.activation_dtype;
+  const int64_t row = conv_out.stride(0);
+  auto* base = static_cast<char*>(conv_out.data());
+  const auto element = static_cast<int64_t>(conv_out.element_size());
+  const Tensor q(base, act, {tokens, hk, dk}, {row, dk, 1}, conv_out.device());
+  const Tensor k(base + key_dim * element, act, {tokens, hk, dk}, {row, dk, 1}, conv_out.device());
+  const Tensor v(base + 2 * key_dim * element, act, {tokens, hv, dv}, {row, dv, 1}, conv_out.device());
+  kernels::GatedDeltaRuleParams params;
+  params.scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  params.qk_l2norm = true;
+  params.max_q_len = max_q_len;
+  if (recurrent) {
+    kernels::gated_delta_rule_recurrent(q, k, v, g, beta, state, cu_q, kv_lens, slots, core, params);
+  } else {
+    if (!step.layer_scratch.empty()) params.workspace = step.layer_scratch;
+    kernels::gated_delta_rule_chunked(q, k, v, g, beta, state, cu_q, kv_lens, slots, core, params);
+  }
+}
+
 void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) {
   const ForwardBatch& batch = step.batch;
-  const int64_t tokens = batch.num_tokens;
+  const int64_t tokens = batch.num_tokens, seqs = batch.num_seqs;
   METRALE_CHECK(cache.states.size() == 2, "GDN layer: {} state tensors, expected the conv and recurrent states",
                 cache.states.size());
-  METRALE_CHECK(batch.state_slots.numel() == batch.num_seqs, "GDN layer: state_slots {} for {} sequences",
-                batch.state_slots.describe(), batch.num_seqs);
+  METRALE_CHECK(batch.state_slots.numel() == seqs, "GDN layer: state_slots {} for {} sequences",
+                batch.state_slots.describe(), seqs);
   if (tokens == 0) return;
   Arena& ws = step.workspace;
   const DType act = step.activation_dtype;
-  const int64_t hk = config_.num_k_heads, hv = config_.num_v_heads, dk = config_.head_k_dim, dv = config_.head_v_dim;
-  const int64_t key_dim = config_.key_dim(), value_dim = config_.value_dim(), conv_dim = config_.conv_dim();
+  const int64_t hv = config_.num_v_heads, dk = config_.head_k_dim, dv = config_.head_v_dim;
+  const int64_t value_dim = config_.value_dim(), conv_dim = config_.conv_dim(), window = config_.conv_kernel - 1;
+  // A verify step keeps the projections and gates for the commit and runs on copies of the slots.
+  const KeptInputs kept = batch.verify ? kept_inputs(step) : KeptInputs{};
 
   // [T, conv_dim + value_dim]: the conv input [Q | K | V], then z; [T, 2 Hv]: b, then a.
-  const Tensor projected = ws.alloc(act, {tokens, conv_dim + value_dim});
+  const Tensor projected = batch.verify ? kept.projected : ws.alloc(act, {tokens, conv_dim + value_dim});
   const Tensor ba = ws.alloc(act, {tokens, 2 * hv});
   if (!in_proj_qkvz_.tensor.empty()) {
     kernels::linear(x, *in_proj_qkvz_, projected);
@@ -152,37 +212,61 @@ void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, co
     kernels::linear(x, in_proj_a_, ba.slice(1, hv, 2 * hv));
   }
 
+  // Verify: the step's states are [S, ...] copies of the sequences' slots, indexed 0..S-1.
+  Tensor conv_state = cache.states[0], recurrent_state = cache.states[1], slots = batch.state_slots;
+  if (batch.verify) {
+    slots = batch.verify_seq_index;
+    conv_state = ws.alloc(act, {seqs, window, conv_dim});
+    if (window > 0) {
+      kernels::gather_rows(cache.states[0].reshape({cache.states[0].size(0), window * conv_dim}), batch.state_slots,
+                           conv_state.reshape({seqs, window * conv_dim}));
+    }
+    recurrent_state = ws.alloc(DType::kF32, {seqs, hv, dk, dv});
+    kernels::gather_rows(cache.states[1].reshape({cache.states[1].size(0), hv * dk * dv}), batch.state_slots,
+                         recurrent_state.reshape({seqs, hv * dk * dv}));
+  }
+
   const Tensor conv_out = ws.alloc(act, {tokens, conv_dim});  // [T, conv_dim] silu(conv(qkv))
-  kernels::causal_conv1d(projected.slice(1, 0, conv_dim), conv_weight_, cache.states[0], batch.cu_q, batch.kv_lens,
-                         batch.state_slots, conv_out, {true, batch.max_q_len});
-  const Tensor g = ws.alloc(DType::kF32, {tokens, hv});     // [T, Hv] log decay (<= 0)
-  const Tensor beta = ws.alloc(DType::kF32, {tokens, hv});  // [T, Hv] write strength
+  kernels::causal_conv1d(projected.slice(1, 0, conv_dim), conv_weight_, conv_state, batch.cu_q, batch.kv_lens, slots,
+                         conv_out, {true, batch.max_q_len});
+  // [T, Hv] f32 log decay (<= 0) and write strength.
+  const Tensor g = batch.verify ? kept.g : ws.alloc(DType::kF32, {tokens, hv});
+  const Tensor beta = batch.verify ? kept.beta : ws.alloc(DType::kF32, {tokens, hv});
   kernels::gdn_gates(ba.slice(1, hv, 2 * hv), ba.slice(1, 0, hv), a_log_, dt_bias_, g, beta);
 
-  const int64_t row = conv_out.stride(0);
-  auto* base = static_cast<char*>(conv_out.data());
-  const auto element = static_cast<int64_t>(conv_out.element_size());
-  const Tensor q(base, act, {tokens, hk, dk}, {row, dk, 1}, conv_out.device());
-  const Tensor k(base + key_dim * element, act, {tokens, hk, dk}, {row, dk, 1}, conv_out.device());
-  const Tensor v(base + 2 * key_dim * element, act, {tokens, hv, dv}, {row, dv, 1}, conv_out.device());
+  // Decode and verify take the token-by-token form (a verify row computes exactly what decoding it
+  // would); prefill the chunked one.
   const Tensor core = ws.alloc(act, {tokens, hv, dv});  // [T, Hv, dv] delta-rule output
-  kernels::GatedDeltaRuleParams params;
-  params.scale = 1.0f / std::sqrt(static_cast<float>(dk));
-  params.qk_l2norm = true;
-  params.max_q_len = batch.max_q_len;
-  if (batch.all_decode()) {
-    kernels::gated_delta_rule_recurrent(q, k, v, g, beta, cache.states[1], batch.cu_q, batch.kv_lens, batch.state_slots,
-                                        core, params);
-  } else {
-    if (!step.layer_scratch.empty()) params.workspace = step.layer_scratch;
-    kernels::gated_delta_rule_chunked(q, k, v, g, beta, cache.states[1], batch.cu_q, batch.kv_lens, batch.state_slots,
-                                      core, params);
-  }
+  delta_rule(step, conv_out, g, beta, recurrent_state, batch.cu_q, batch.kv_lens, slots, batch.max_q_len,
+             batch.all_decode() || batch.verify, core);
 
   const Tensor z(projected.slice(1, conv_dim, conv_dim + value_dim).data(), act, {tokens, hv, dv},
                  {projected.stride(0), dv, 1}, projected.device());
   kernels::gated_rms_norm(core, z, norm_weight_, core, static_cast<float>(config_.rms_norm_eps));
   kernels::linear(core.reshape({tokens, value_dim}), out_proj_, out);
+}
+
+void GatedDeltaNet::commit(const StepContext& step, const LayerCache& cache, const VerifyCommit& kept_rows) {
+  const ForwardBatch& batch = step.batch;
+  const int64_t rows = kept_rows.num_rows;
+  if (rows == 0) return;
+  Arena& ws = step.workspace;
+  const DType act = step.activation_dtype;
+  const int64_t hv = config_.num_v_heads, dv = config_.head_v_dim, conv_dim = config_.conv_dim();
+  const KeptInputs kept = kept_inputs(step);
+  // Replays the kept rows on the real slots: the conv window and the delta rule advance exactly as
+  // the verify forward computed them on its copies (same kernels, same inputs, same order).
+  const Tensor x = ws.alloc(act, {rows, conv_dim});  // [A, conv_dim] conv inputs of the kept rows
+  kernels::gather_rows(kept.projected.slice(1, 0, conv_dim), kept_rows.rows, x);
+  const Tensor conv_out = ws.alloc(act, {rows, conv_dim});
+  kernels::causal_conv1d(x, conv_weight_, cache.states[0], kept_rows.cu_rows, kept_rows.kv_lens, batch.state_slots,
+                         conv_out, {true, kept_rows.max_rows});
+  const Tensor g = ws.alloc(DType::kF32, {rows, hv}), beta = ws.alloc(DType::kF32, {rows, hv});
+  kernels::gather_rows(kept.g, kept_rows.rows, g);
+  kernels::gather_rows(kept.beta, kept_rows.rows, beta);
+  const Tensor core = ws.alloc(act, {rows, hv, dv});  // the outputs again; only the state matters here
+  delta_rule(step, conv_out, g, beta, cache.states[1], kept_rows.cu_rows, kept_rows.kv_lens, batch.state_slots,
+             kept_rows.max_rows, true, core);
 }
 
 }  // namespace metrale

@@ -1,7 +1,10 @@
 // The seams every decoder layer is built from: a mixer (attention, GDN, ...) and a feed-forward
-// block (dense MLP, MoE), both run on the step's ragged batch.
+// block (dense MLP, MoE), both run on the step's ragged batch, joined in a pre-norm residual layer.
 #pragma once
 
+#include <memory>
+
+#include "model/blocks/norms.h"
 #include "model/cache_spec.h"
 #include "model/forward_batch.h"
 #include "runtime/arena.h"
@@ -16,6 +19,21 @@ struct StepContext {
   // Scratch shared by the layers of one step (at least the largest Mixer::scratch_bytes); its
   // contents do not survive from one layer to the next.
   Tensor layer_scratch;
+  // Verify steps only (ForwardBatch::verify): this layer's region of ForwardBatch::verify_scratch,
+  // Mixer::verify_scratch_bytes long; it must hold what Mixer::commit needs until the commit.
+  // (Initialised here so that contexts built without it need not name it.)
+  Tensor verify_scratch = Tensor();
+};
+
+// The rows of a verify step that the sequences keep: sequence s keeps the first kept_s rows of its
+// q_len_s rows (1 <= kept_s <= q_len_s), the row it was verified from plus its accepted drafts.
+// Built by DecoderModel::commit_verified; on the model's device.
+struct VerifyCommit {
+  int64_t num_rows = 0;  // A = sum of kept_s
+  int64_t max_rows = 0;  // max of kept_s
+  Tensor cu_rows;        // [S+1] i32: sequence s's kept rows are commit rows [cu_rows[s], cu_rows[s+1])
+  Tensor kv_lens;        // [S] i32: the sequence's cached length after the commit (context + kept_s)
+  Tensor rows;           // [A] i32: the verify-batch row of each commit row
 };
 
 class Mixer {
@@ -26,6 +44,16 @@ class Mixer {
   virtual size_t scratch_bytes(const ForwardBatch& /*batch*/, Device /*device*/) const { return 0; }
   // x [T, H] (normalised layer input); out [T, H] is overwritten.
   virtual void forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) = 0;
+
+  // Speculative verify. Mixers whose cache a verify step can leave exactly right (paged KV: the
+  // engine drops the rejected tail by truncating the sequence) need neither hook. A recurrent mixer
+  // leaves its state slots untouched in a verify forward, keeps its per-row inputs in
+  // StepContext::verify_scratch, and in commit advances each slot over the kept rows only.
+  virtual size_t verify_scratch_bytes(int64_t /*num_tokens*/, int64_t /*num_seqs*/, DType /*activation*/) const {
+    return 0;
+  }
+  // `step` carries the verify batch and this layer's verify_scratch, as in the verify forward.
+  virtual void commit(const StepContext& /*step*/, const LayerCache& /*cache*/, const VerifyCommit& /*kept*/) {}
 };
 
 class FeedForward {
@@ -33,6 +61,14 @@ class FeedForward {
   virtual ~FeedForward() = default;
   // x [T, H]; out [T, H] is overwritten.
   virtual void forward(const StepContext& step, const Tensor& x, const Tensor& out) = 0;
+};
+
+// One pre-norm residual layer: h += mixer(input_norm(h)); h += ffn(post_norm(h)).
+struct DecoderLayer {
+  RmsNorm input_norm;
+  std::unique_ptr<Mixer> mixer;
+  RmsNorm post_norm;
+  std::unique_ptr<FeedForward> ffn;
 };
 
 }  // namespace metrale

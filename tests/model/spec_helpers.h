@@ -1,0 +1,70 @@
+// A test driver for the model side of speculative decoding: a paged KV cache and recurrent state
+// slots for a model's layers plus, optionally, its MTP layers (appended after the trunk's, as an
+// engine would), and hand-built ragged batches for Model::forward (plain or verify),
+// Model::commit_verified and Model::mtp_forward. Blocks and slots are handed out in shuffled order.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "model/model.h"
+#include "runtime/arena.h"
+
+namespace metrale::testing {
+
+class SpecRunner {
+ public:
+  SpecRunner(Model& model, bool with_mtp, int32_t block_size = 4, int32_t num_blocks = 128, int32_t num_state_slots = 8,
+             uint64_t seed = 11);
+
+  struct Chunk {
+    int64_t seq_id;
+    std::vector<int32_t> tokens;
+  };
+  struct Rows {
+    std::vector<std::vector<float>> logits;  // [T][V], every row
+    std::vector<std::vector<float>> hidden;  // [T][H], every row (hidden_out)
+  };
+
+  // A trunk step: each chunk's tokens at the sequence's next positions. With `verify` the step is a
+  // verify step; commit() must follow before the next trunk step.
+  Rows step(const std::vector<Chunk>& chunks, bool verify = false);
+  // After a verify step: sequence s (in that step's order) keeps kept_rows[s] rows.
+  void commit(const std::vector<int32_t>& kept_rows);
+  // An MTP step: chunk tokens x_{t+1} for the sequence's next MTP positions t (from mtp_cached),
+  // `hidden` [T][H] the matching h_t rows.
+  Rows mtp_step(const std::vector<Chunk>& chunks, const std::vector<std::vector<float>>& hidden, int64_t mtp_layer = 0);
+
+  int64_t cached(int64_t seq_id) { return cached_[seq_id]; }
+  int64_t mtp_cached(int64_t seq_id) { return mtp_cached_[seq_id]; }
+  // Sets how many tokens the MTP layer holds for the sequence (e.g. to redo drafted positions).
+  void set_mtp_cached(int64_t seq_id, int64_t length) { mtp_cached_[seq_id] = length; }
+  // A copy of state tensor `which` of recurrent layer `layer` in the sequence's slot.
+  std::vector<float> state(int64_t seq_id, size_t layer, size_t which);
+
+ private:
+  struct HostBatch {
+    std::vector<int32_t> token_ids, positions, slot_mapping, cu_q{0}, kv_lens, logit_rows, state_slots, seq_index;
+    std::vector<int32_t> block_tables;
+    std::vector<int64_t> seq_ids;
+    int64_t max_blocks = 1;
+    ForwardBatch batch;
+  };
+  void build(const std::vector<Chunk>& chunks, std::map<int64_t, int64_t>& lengths, HostBatch& host);
+  int32_t state_slot(int64_t seq_id);
+
+  Model& model_;
+  int32_t block_size_;
+  std::vector<OwnedTensor> storage_;
+  std::vector<LayerCache> layers_;  // trunk layers, then the MTP layers
+  std::vector<int32_t> free_blocks_, free_slots_;
+  std::map<int64_t, std::vector<int32_t>> tables_;
+  std::map<int64_t, int32_t> slots_;
+  std::map<int64_t, int64_t> cached_, mtp_cached_;
+  HostBatch pending_verify_;
+  OwnedTensor verify_scratch_;
+  Arena arena_;
+};
+
+}  // namespace metrale::testing
