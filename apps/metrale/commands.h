@@ -20,5 +20,8 @@ void register_generate(CLI::App& root, Action& action);
 void register_score(CLI::App& root, Action& action);
 void register_tokenize(CLI::App& root, Action& action);
 void register_bench(CLI::App& root, Action& action);
+void register_serve(CLI::App& root, Action& action);
+void register_chat(CLI::App& root, Action& action);
+void register_bench_serve(CLI::App& root, Action& action);
 
 }  // namespace metrale::cli

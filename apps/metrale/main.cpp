@@ -16,6 +16,9 @@ int main(int argc, char** argv) {
   cli::register_score(app, action);
   cli::register_tokenize(app, action);
   cli::register_bench(app, action);
+  cli::register_serve(app, action);
+  cli::register_chat(app, action);
+  cli::register_bench_serve(app, action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,337 @@
+// metrale bench-serve: load on a running OpenAI-compatible server, measured the way vLLM's
+// `bench serve` does. Sends --num-prompts streaming /v1/completions requests of --input-len prompt
+// tokens and --output-len generated tokens (ignore_eos), at most --concurrency at once and/or at
+// --request-rate per second (Poisson arrivals), then reports request and token throughput and
+// TTFT / TPOT / ITL mean, median and p99, and writes them as JSON with --result-file.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "core/error.h"
+#include "options.h"
+#include "text/tokenizer.h"
+
+namespace metrale::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+struct BenchServeOptions {
+  std::string url = "http://127.0.0.1:8000";
+  std::string model;          // "": ask the server (GET /v1/models)
+  std::string api_key;
+  int concurrency = 0;        // 0: no limit (all at once, or as the rate releases them)
+  double request_rate = 0.0;  // requests per second; 0: all at once
+  int num_prompts = 100;
+  int input_len = 1024;
+  int output_len = 128;
+  bool random_tokens = false;  // prompts as token ids (exact lengths) instead of text
+  std::string tokenizer;       // model directory whose tokenizer makes the text prompts
+  uint64_t seed = 0;
+  std::string result_file;
+  int timeout_seconds = 3600;
+};
+
+struct RequestResult {
+  bool ok = false;
+  std::string error;
+  int64_t prompt_tokens = 0;
+  int64_t output_tokens = 0;
+  double latency = 0.0;     // seconds, send to the last byte
+  double ttft = 0.0;        // seconds, send to the first token
+  std::vector<double> itl;  // seconds between successive token chunks
+};
+
+struct Summary {
+  double mean = 0.0, median = 0.0, p99 = 0.0;
+};
+
+Summary summarize(std::vector<double> values) {
+  Summary summary;
+  if (values.empty()) return summary;
+  std::sort(values.begin(), values.end());
+  summary.mean = std::accumulate(values.begin(), values.end(), 0.0) / static_cast<double>(values.size());
+  const auto at = [&](double q) {  // linear interpolation between ranks, as numpy.percentile
+    const double rank = q * static_cast<double>(values.size() - 1);
+    const auto low = static_cast<size_t>(std::floor(rank));
+    const size_t high = std::min(low + 1, values.size() - 1);
+    return values[low] + (values[high] - values[low]) * (rank - static_cast<double>(low));
+  };
+  summary.median = at(0.5);
+  summary.p99 = at(0.99);
+  return summary;
+}
+
+httplib::Headers request_headers(const BenchServeOptions& options) {
+  httplib::Headers headers = {{"Content-Type", "application/json"}};
+  if (!options.api_key.empty()) headers.emplace("Authorization", "Bearer " + options.api_key);
+  return headers;
+}
+
+std::string served_model(const BenchServeOptions& options) {
+  httplib::Client client(options.url);
+  client.set_read_timeout(30, 0);
+  const auto result = client.Get("/v1/models", request_headers(options));
+  if (!result) raise(ErrorCode::kInvalidArgument, "cannot reach {}: {}", options.url, httplib::to_string(result.error()));
+  if (result->status != 200)
+    raise(ErrorCode::kInvalidArgument, "GET {}/v1/models answered {}: {}", options.url, result->status, result->body);
+  const json models = json::parse(result->body);
+  return models.at("data").at(0).at("id").get<std::string>();
+}
+
+// The prompts: random token ids (ids from the ordinary vocabulary, away from special tokens), sent
+// as ids, or those ids decoded to text. The tokenizer (the server model's) bounds the ids; token-id
+// prompts can do without one (ids below 30,000 then).
+std::vector<json> make_prompts(const BenchServeOptions& options) {
+  std::optional<Tokenizer> tokenizer;
+  const std::filesystem::path dir =
+      options.tokenizer.empty() ? default_model_dir() : std::filesystem::path(options.tokenizer);
+  if (!options.random_tokens || std::filesystem::exists(dir / "tokenizer.json")) tokenizer = Tokenizer::from_dir(dir);
+  int32_t high = 30000;
+  if (tokenizer) high = static_cast<int32_t>(std::min<int64_t>(tokenizer->vocab_size() * 9 / 10, 100000));
+  std::mt19937_64 generator(options.seed);
+  std::uniform_int_distribution<int32_t> pick(std::min(1000, high / 10), high);
+  std::vector<json> prompts;
+  for (int i = 0; i < options.num_prompts; ++i) {
+    std::vector<int32_t> ids(static_cast<size_t>(options.input_len));
+    for (int32_t& id : ids) id = pick(generator);
+    if (options.random_tokens) prompts.emplace_back(ids);
+    else prompts.emplace_back(tokenizer->decode(ids, /*skip_special_tokens=*/true));
+  }
+  return prompts;
+}
+
+// One streaming request; SSE events are parsed as the bytes arrive.
+RequestResult run_request(httplib::Client& client, const BenchServeOptions& options, const std::string& body) {
+  RequestResult result;
+  std::string buffer;
+  std::string raw;  // the whole body, for error messages
+  const Clock::time_point start = Clock::now();
+  Clock::time_point last_token = start;
+  bool seen_token = false;
+  int64_t token_chunks = 0;
+  const auto on_event = [&](std::string_view data) {
+    if (data == "[DONE]") return;
+    json event;
+    try {
+      event = json::parse(data);
+    } catch (const json::exception&) {
+      return;
+    }
+    if (event.contains("error")) {
+      result.error = event["error"].value("message", "error event");
+      return;
+    }
+    if (event.contains("usage") && event["usage"].is_object()) {
+      result.prompt_tokens = event["usage"].value("prompt_tokens", int64_t{0});
+      result.output_tokens = event["usage"].value("completion_tokens", int64_t{0});
+    }
+    if (!event.contains("choices") || event["choices"].empty()) return;
+    const Clock::time_point now = Clock::now();
+    ++token_chunks;
+    if (!seen_token) {
+      result.ttft = std::chrono::duration<double>(now - start).count();
+      seen_token = true;
+    } else {
+      result.itl.push_back(std::chrono::duration<double>(now - last_token).count());
+    }
+    last_token = now;
+  };
+  httplib::Request request;
+  request.method = "POST";
+  request.path = "/v1/completions";
+  request.headers = request_headers(options);
+  request.body = body;
+  request.content_receiver = [&](const char* data, size_t length, uint64_t, uint64_t) {
+    if (raw.size() < 4096) raw.append(data, std::min<size_t>(length, 4096));
+    buffer.append(data, length);
+    for (size_t end; (end = buffer.find("\n\n")) != std::string::npos;) {
+      const std::string event = buffer.substr(0, end);
+      buffer.erase(0, end + 2);
+      if (event.rfind("data: ", 0) == 0) on_event(std::string_view(event).substr(6));
+    }
+    return true;
+  };
+  httplib::Response response;
+  httplib::Error error = httplib::Error::Success;
+  const bool sent = client.send(request, response, error);
+  result.latency = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!sent) {
+    result.error = "request failed: " + httplib::to_string(error);
+  } else if (response.status != 200) {
+    result.error = fmt::format("HTTP {}: {}", response.status, raw);
+  } else if (result.error.empty()) {
+    if (result.output_tokens == 0) result.output_tokens = token_chunks;
+    result.ok = seen_token;
+    if (!seen_token) result.error = "no token came back";
+  }
+  return result;
+}
+
+int run_bench_serve(const BenchServeOptions& options) {
+  const std::string model = options.model.empty() ? served_model(options) : options.model;
+  const std::vector<json> prompts = make_prompts(options);
+
+  // Arrival times: all at once, or a Poisson process of the given rate.
+  std::vector<double> arrivals(prompts.size(), 0.0);
+  if (options.request_rate > 0.0) {
+    std::mt19937_64 generator(options.seed + 1);
+    std::exponential_distribution<double> gap(options.request_rate);
+    double t = 0.0;
+    for (double& arrival : arrivals) {
+      arrival = t;
+      t += gap(generator);
+    }
+  }
+  const int workers = options.concurrency > 0 ? std::min(options.concurrency, options.num_prompts)
+                                              : std::min(options.num_prompts, 4096);
+  std::vector<RequestResult> results(prompts.size());
+  std::atomic<size_t> next{0};
+  const Clock::time_point start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&] {
+      httplib::Client client(options.url);
+      client.set_read_timeout(options.timeout_seconds, 0);
+      client.set_write_timeout(options.timeout_seconds, 0);
+      client.set_connection_timeout(30, 0);
+      client.set_keep_alive(true);
+      for (size_t i; (i = next.fetch_add(1)) < prompts.size();) {
+        std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
+                                                  std::chrono::duration<double>(arrivals[i])));
+        const json body = {{"model", model},
+                           {"prompt", prompts[i]},
+                           {"max_tokens", options.output_len},
+                           {"ignore_eos", true},
+                           {"temperature", 0.0},
+                           {"stream", true},
+                           {"stream_options", {{"include_usage", true}}}};
+        results[i] = run_request(client, options, body.dump());
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  const double duration = std::chrono::duration<double>(Clock::now() - start).count();
+
+  int64_t completed = 0, input_tokens = 0, output_tokens = 0;
+  std::vector<double> ttft, tpot, itl, e2e;
+  std::vector<std::string> errors;
+  for (const RequestResult& result : results) {
+    if (!result.ok) {
+      errors.push_back(result.error);
+      continue;
+    }
+    ++completed;
+    input_tokens += result.prompt_tokens;
+    output_tokens += result.output_tokens;
+    ttft.push_back(result.ttft * 1e3);
+    e2e.push_back(result.latency * 1e3);
+    if (result.output_tokens > 1)
+      tpot.push_back((result.latency - result.ttft) * 1e3 / static_cast<double>(result.output_tokens - 1));
+    for (const double gap : result.itl) itl.push_back(gap * 1e3);
+  }
+  const Summary ttft_summary = summarize(ttft), tpot_summary = summarize(tpot), itl_summary = summarize(itl),
+                e2e_summary = summarize(e2e);
+  const double request_throughput = static_cast<double>(completed) / duration;
+  const double output_throughput = static_cast<double>(output_tokens) / duration;
+  const double total_throughput = static_cast<double>(input_tokens + output_tokens) / duration;
+
+  std::printf("============ Serving Benchmark Result ============\n");
+  std::printf("%-40s %d\n", "Concurrency limit:", options.concurrency);
+  std::printf("%-40s %s\n", "Request rate (req/s):",
+              options.request_rate > 0 ? fmt::format("{:.2f}", options.request_rate).c_str() : "inf");
+  std::printf("%-40s %lld\n", "Successful requests:", static_cast<long long>(completed));
+  std::printf("%-40s %zu\n", "Failed requests:", errors.size());
+  std::printf("%-40s %.2f\n", "Benchmark duration (s):", duration);
+  std::printf("%-40s %lld\n", "Total input tokens:", static_cast<long long>(input_tokens));
+  std::printf("%-40s %lld\n", "Total generated tokens:", static_cast<long long>(output_tokens));
+  std::printf("%-40s %.2f\n", "Request throughput (req/s):", request_throughput);
+  std::printf("%-40s %.2f\n", "Output token throughput (tok/s):", output_throughput);
+  std::printf("%-40s %.2f\n", "Total token throughput (tok/s):", total_throughput);
+  const auto section = [](const char* title, const char* name, const Summary& summary) {
+    std::printf("%s\n", title);
+    std::printf("%-40s %.2f\n", fmt::format("Mean {} (ms):", name).c_str(), summary.mean);
+    std::printf("%-40s %.2f\n", fmt::format("Median {} (ms):", name).c_str(), summary.median);
+    std::printf("%-40s %.2f\n", fmt::format("P99 {} (ms):", name).c_str(), summary.p99);
+  };
+  section("---------------Time to First Token----------------", "TTFT", ttft_summary);
+  section("-----Time per Output Token (excl. 1st token)------", "TPOT", tpot_summary);
+  section("---------------Inter-token Latency----------------", "ITL", itl_summary);
+  section("----------------End-to-end Latency----------------", "E2EL", e2e_summary);
+  std::printf("==================================================\n");
+  for (size_t i = 0; i < std::min<size_t>(errors.size(), 5); ++i) std::fprintf(stderr, "error: %s\n", errors[i].c_str());
+
+  if (!options.result_file.empty()) {
+    const auto summary_json = [](const Summary& summary) {
+      return json{{"mean", summary.mean}, {"median", summary.median}, {"p99", summary.p99}};
+    };
+    const json report = {{"url", options.url},
+                         {"model", model},
+                         {"num_prompts", options.num_prompts},
+                         {"input_len", options.input_len},
+                         {"output_len", options.output_len},
+                         {"random_tokens", options.random_tokens},
+                         {"concurrency", options.concurrency},
+                         {"request_rate", options.request_rate > 0 ? json(options.request_rate) : json("inf")},
+                         {"completed", completed},
+                         {"failed", errors.size()},
+                         {"duration_s", duration},
+                         {"total_input_tokens", input_tokens},
+                         {"total_output_tokens", output_tokens},
+                         {"request_throughput", request_throughput},
+                         {"output_throughput", output_throughput},
+                         {"total_token_throughput", total_throughput},
+                         {"ttft_ms", summary_json(ttft_summary)},
+                         {"tpot_ms", summary_json(tpot_summary)},
+                         {"itl_ms", summary_json(itl_summary)},
+                         {"e2el_ms", summary_json(e2e_summary)}};
+    std::ofstream file(options.result_file);
+    if (!file) raise(ErrorCode::kInvalidArgument, "cannot write {}", options.result_file);
+    file << report.dump(2) << "\n";
+  }
+  return errors.empty() ? kExitOk : kExitRuntimeError;
+}
+
+}  // namespace
+
+void register_bench_serve(CLI::App& root, Action& action) {
+  auto options = std::make_shared<BenchServeOptions>();
+  CLI::App* command = root.add_subcommand("bench-serve", "Benchmark a running OpenAI-compatible server (as vLLM bench serve)");
+  command->add_option("--url", options->url, "the server")->capture_default_str();
+  command->add_option("--model", options->model, "model name to send (default: the server's)");
+  command->add_option("--api-key", options->api_key, "bearer token");
+  command->add_option("--concurrency", options->concurrency, "requests in flight at most (0: no limit)")
+      ->capture_default_str()->check(CLI::Range(0, 1 << 20));
+  command->add_option("--request-rate", options->request_rate, "requests per second, Poisson (0: all at once)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  command->add_option("--num-prompts", options->num_prompts, "requests to send")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  command->add_option("--input-len", options->input_len, "prompt tokens per request")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  command->add_option("--output-len", options->output_len, "generated tokens per request")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  command->add_flag("--random-tokens", options->random_tokens,
+                    "send prompts as random token ids (exact lengths) instead of text");
+  command->add_option("--tokenizer", options->tokenizer,
+                      "the served model's directory (its tokenizer makes the text prompts and bounds random ids; "
+                      "default: the bundled default model)");
+  command->add_option("--seed", options->seed, "seed of the prompts and arrivals")->capture_default_str();
+  command->add_option("--result-file", options->result_file, "write the results as JSON here");
+  command->add_option("--timeout", options->timeout_seconds, "seconds a request may take")->capture_default_str();
+  command->callback([options, &action] { action = [options] { return run_bench_serve(*options); }; });
+}
+
+}  // namespace metrale::cli

@@ -1,0 +1,113 @@
+#include "server/choice_output.h"
+
+#include <algorithm>
+
+namespace metrale::server {
+
+std::string finish_reason_string(FinishReason reason) { return std::string(finish_reason_name(reason)); }
+
+int64_t count_code_points(std::string_view text) {
+  return std::count_if(text.begin(), text.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
+}
+
+ChoiceOutput::ChoiceOutput(const Tokenizer& tokenizer, ChoiceOptions options)
+    : tokenizer_(tokenizer),
+      options_(std::move(options)),
+      detokenizer_(tokenizer, options_.skip_special_tokens),
+      stop_(options_.stop),
+      reasoning_(options_.starts_in_reasoning) {
+  accumulated_.index = options_.index;
+  accumulated_.has_logprobs = options_.logprobs.has_value();
+}
+
+TokenAlternative ChoiceOutput::render(int32_t token, float logprob) const {
+  TokenAlternative alternative;
+  const int32_t ids[1] = {token};
+  alternative.token = tokenizer_.decode(ids, /*skip_special_tokens=*/false);
+  alternative.bytes = std::string(tokenizer_.token_bytes(token));
+  alternative.logprob = logprob;
+  return alternative;
+}
+
+void ChoiceOutput::emit(std::string text, bool final, ChoiceText& delta) {
+  if (!options_.reasoning) {
+    delta.text += text;
+    return;
+  }
+  ReasoningDelta split = reasoning_.feed(text);
+  delta.text += split.content;
+  delta.reasoning += split.reasoning;
+  if (final) {
+    split = reasoning_.finish();
+    delta.text += split.content;
+    delta.reasoning += split.reasoning;
+  }
+}
+
+std::string ChoiceOutput::end_of_text() {
+  StopStringMatcher::Result rest = stop_.feed(detokenizer_.flush());
+  if (rest.matched) return std::move(rest.text);
+  return std::move(rest.text) + stop_.flush().text;
+}
+
+void ChoiceOutput::accumulate(const ChoiceText& delta) {
+  accumulated_.text += delta.text;
+  accumulated_.reasoning += delta.reasoning;
+  accumulated_.logprobs.insert(accumulated_.logprobs.end(), delta.logprobs.begin(), delta.logprobs.end());
+  accumulated_.finish_reason = delta.finish_reason;
+}
+
+ChoiceText ChoiceOutput::on_token(const SampledToken& token, FinishReason finish, SteadyClock::time_point time) {
+  ChoiceText delta;
+  delta.index = options_.index;
+  delta.has_logprobs = options_.logprobs.has_value();
+  if (finished()) return delta;
+  ++num_tokens_;
+  if (!first_token_) first_token_ = time;
+  last_token_ = time;
+  // A token that stops by EOS or a stop token id ends the output without being part of its text.
+  const bool stop_token = finish == FinishReason::kStop;
+  const std::string piece = stop_token ? std::string() : detokenizer_.push(token.token);
+  if (options_.logprobs) {
+    LogprobEntry entry;
+    entry.chosen = render(token.token, token.logprob);
+    entry.text_offset = options_.text_offset + code_points_;
+    const auto count = std::min<size_t>(token.top_logprobs.size(), static_cast<size_t>(*options_.logprobs));
+    for (size_t i = 0; i < count; ++i)
+      entry.top.push_back(render(token.top_logprobs[i].first, token.top_logprobs[i].second));
+    delta.logprobs.push_back(std::move(entry));
+  }
+  code_points_ += count_code_points(piece);
+  StopStringMatcher::Result released = stop_.feed(piece);
+  std::string text = std::move(released.text);
+  if (released.matched) {
+    finish_reason_ = "stop";
+  } else if (finish != FinishReason::kNone) {
+    text += end_of_text();
+    finish_reason_ = stop_.matched() ? "stop" : finish_reason_string(finish);
+  }
+  emit(std::move(text), finished(), delta);
+  delta.finish_reason = finish_reason_;
+  accumulate(delta);
+  return delta;
+}
+
+ChoiceText ChoiceOutput::on_end(FinishReason reason) { return end(finish_reason_string(reason)); }
+
+ChoiceText ChoiceOutput::on_error() { return end("error"); }
+
+ChoiceText ChoiceOutput::end(const std::string& finish_reason) {
+  ChoiceText delta;
+  delta.index = options_.index;
+  delta.has_logprobs = options_.logprobs.has_value();
+  if (finished()) return delta;
+  // Text held back for a stop string that never came is still part of the output.
+  std::string text = end_of_text();
+  finish_reason_ = stop_.matched() ? "stop" : finish_reason;
+  emit(std::move(text), /*final=*/true, delta);
+  delta.finish_reason = finish_reason_;
+  accumulate(delta);
+  return delta;
+}
+
+}  // namespace metrale::server

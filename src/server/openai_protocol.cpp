@@ -1,0 +1,487 @@
+#include "server/openai_protocol.h"
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include <fmt/format.h>
+
+namespace metrale::server {
+
+using json = nlohmann::ordered_json;
+
+ApiError invalid_request(std::string message, std::string param) {
+  return ApiError(400, "invalid_request_error", std::move(message), std::move(param));
+}
+
+json error_body(const ApiError& error) {
+  json body = {{"message", error.what()},
+               {"type", error.type()},
+               {"param", error.param().empty() ? json(nullptr) : json(error.param())},
+               {"code", error.code().empty() ? json(nullptr) : json(error.code())}};
+  return json{{"error", std::move(body)}};
+}
+
+json parse_json_body(std::string_view body) {
+  json value;
+  try {
+    value = json::parse(body.begin(), body.end());
+  } catch (const json::parse_error& e) {
+    throw invalid_request(fmt::format("the request body is not valid JSON: {}", e.what()));
+  }
+  if (!value.is_object()) throw invalid_request("the request body must be a JSON object");
+  return value;
+}
+
+namespace {
+
+const char* type_name(const json& value) {
+  switch (value.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "boolean";
+    case json::value_t::string: return "string";
+    case json::value_t::array: return "array";
+    case json::value_t::object: return "object";
+    case json::value_t::number_float: return "number";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return "integer";
+    default: return "value";
+  }
+}
+
+ApiError wrong_type(const std::string& key, const char* expected, const json& got) {
+  return invalid_request(fmt::format("'{}' must be {}, got {}", key, expected, type_name(got)), key);
+}
+
+// A field that is absent or null reads as nullopt; any other type than the one asked is a 400.
+const json* field(const json& body, const std::string& key) {
+  const auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::optional<bool> get_bool(const json& body, const std::string& key) {
+  const json* value = field(body, key);
+  if (value == nullptr) return std::nullopt;
+  if (!value->is_boolean()) throw wrong_type(key, "a boolean", *value);
+  return value->get<bool>();
+}
+
+std::optional<double> get_number(const json& body, const std::string& key) {
+  const json* value = field(body, key);
+  if (value == nullptr) return std::nullopt;
+  if (!value->is_number()) throw wrong_type(key, "a number", *value);
+  return value->get<double>();
+}
+
+int64_t as_integer(const json& value, const std::string& key) {
+  if (value.is_number_integer()) return value.get<int64_t>();
+  if (value.is_number_unsigned()) {
+    const auto unsigned_value = value.get<uint64_t>();
+    if (unsigned_value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      throw invalid_request(fmt::format("'{}' is too large", key), key);
+    return static_cast<int64_t>(unsigned_value);
+  }
+  if (value.is_number_float()) {
+    const double number = value.get<double>();
+    // 2.0 is accepted as 2 (some clients send every number as a float); 2.5 is not an integer.
+    if (std::isfinite(number) && std::floor(number) == number && std::fabs(number) < 9.0e15)
+      return static_cast<int64_t>(number);
+  }
+  throw wrong_type(key, "an integer", value);
+}
+
+std::optional<int64_t> get_integer(const json& body, const std::string& key) {
+  const json* value = field(body, key);
+  if (value == nullptr) return std::nullopt;
+  return as_integer(*value, key);
+}
+
+std::optional<std::string> get_string(const json& body, const std::string& key) {
+  const json* value = field(body, key);
+  if (value == nullptr) return std::nullopt;
+  if (!value->is_string()) throw wrong_type(key, "a string", *value);
+  return value->get<std::string>();
+}
+
+void check_range(bool ok, const std::string& key, const std::string& range, double got) {
+  if (!ok) throw invalid_request(fmt::format("'{}' must be {}, got {}", key, range, got), key);
+}
+
+std::vector<int32_t> token_id_list(const json& value, const std::string& key) {
+  std::vector<int32_t> ids;
+  ids.reserve(value.size());
+  for (const json& item : value) {
+    const int64_t id = as_integer(item, key);
+    if (id < 0 || id > std::numeric_limits<int32_t>::max())
+      throw invalid_request(fmt::format("'{}' holds the token id {}, which is out of range", key, id), key);
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  return ids;
+}
+
+bool is_token_id_list(const json& value) {
+  if (!value.is_array() || value.empty()) return false;
+  for (const json& item : value) {
+    if (!item.is_number()) return false;
+  }
+  return true;
+}
+
+// The fields both endpoints share. `max_tokens_key`: the field that wins for the length limit.
+GenerationParams parse_common(const json& body, const SamplingParams& defaults, const ProtocolLimits& limits) {
+  GenerationParams params;
+  params.sampling = defaults;
+  params.sampling.seed.reset();
+  params.sampling.top_logprobs = 0;
+  if (auto model = get_string(body, "model")) params.model = *model;
+
+  if (auto n = get_integer(body, "n")) {
+    if (*n < 1 || *n > limits.max_n)
+      throw invalid_request(fmt::format("'n' must be between 1 and {}, got {}", limits.max_n, *n), "n");
+    params.n = static_cast<int32_t>(*n);
+  }
+  if (auto best_of = get_integer(body, "best_of"); best_of && *best_of != params.n)
+    throw invalid_request("'best_of' other than n is not supported", "best_of");
+  if (const json* bias = field(body, "logit_bias"); bias != nullptr && !(bias->is_object() && bias->empty()))
+    throw invalid_request("'logit_bias' is not supported", "logit_bias");
+
+  SamplingParams& sampling = params.sampling;
+  if (auto value = get_number(body, "temperature")) {
+    check_range(std::isfinite(*value) && *value >= 0.0, "temperature", "a number >= 0", *value);
+    sampling.temperature = static_cast<float>(*value);
+  }
+  if (auto value = get_number(body, "top_p")) {
+    check_range(*value > 0.0 && *value <= 1.0, "top_p", "in (0, 1]", *value);
+    sampling.top_p = static_cast<float>(*value);
+  }
+  if (auto value = get_integer(body, "top_k")) {
+    check_range(*value >= -1 && *value <= std::numeric_limits<int32_t>::max(), "top_k", "-1, 0 (off) or a positive integer",
+                static_cast<double>(*value));
+    sampling.top_k = static_cast<int32_t>(*value);
+  }
+  if (auto value = get_number(body, "min_p")) {
+    check_range(*value >= 0.0 && *value <= 1.0, "min_p", "in [0, 1]", *value);
+    sampling.min_p = static_cast<float>(*value);
+  }
+  if (auto value = get_number(body, "presence_penalty")) {
+    check_range(*value >= -2.0 && *value <= 2.0, "presence_penalty", "in [-2, 2]", *value);
+    sampling.presence_penalty = static_cast<float>(*value);
+  }
+  if (auto value = get_number(body, "frequency_penalty")) {
+    check_range(*value >= -2.0 && *value <= 2.0, "frequency_penalty", "in [-2, 2]", *value);
+    sampling.frequency_penalty = static_cast<float>(*value);
+  }
+  if (auto value = get_number(body, "repetition_penalty")) {
+    check_range(std::isfinite(*value) && *value > 0.0, "repetition_penalty", "a number > 0", *value);
+    sampling.repetition_penalty = static_cast<float>(*value);
+  }
+  if (auto seed = get_integer(body, "seed")) sampling.seed = static_cast<uint64_t>(*seed);
+
+  if (const json* stop = field(body, "stop")) {
+    if (stop->is_string()) {
+      params.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      for (const json& item : *stop) {
+        if (!item.is_string()) throw wrong_type("stop", "a string or a list of strings", item);
+        params.stop.push_back(item.get<std::string>());
+      }
+    } else {
+      throw wrong_type("stop", "a string or a list of strings", *stop);
+    }
+    if (static_cast<int32_t>(params.stop.size()) > limits.max_stop_strings)
+      throw invalid_request(fmt::format("'stop' may hold at most {} strings", limits.max_stop_strings), "stop");
+    for (const std::string& text : params.stop) {
+      if (text.empty()) throw invalid_request("'stop' strings must not be empty", "stop");
+    }
+  }
+  if (const json* ids = field(body, "stop_token_ids")) {
+    if (!ids->is_array()) throw wrong_type("stop_token_ids", "a list of integers", *ids);
+    params.stop_token_ids = token_id_list(*ids, "stop_token_ids");
+  }
+  if (auto value = get_bool(body, "ignore_eos")) params.ignore_eos = *value;
+  if (auto value = get_bool(body, "skip_special_tokens")) params.skip_special_tokens = *value;
+  if (auto value = get_bool(body, "stream")) params.stream = *value;
+  if (const json* options = field(body, "stream_options")) {
+    if (!options->is_object()) throw wrong_type("stream_options", "an object", *options);
+    if (auto include = get_bool(*options, "include_usage")) params.include_usage = *include;
+  }
+  return params;
+}
+
+void parse_max_tokens(const json& body, const std::string& key, GenerationParams& params) {
+  if (auto value = get_integer(body, key)) {
+    if (*value < 1) throw invalid_request(fmt::format("'{}' must be at least 1, got {}", key, *value), key);
+    params.max_tokens = *value;
+  }
+}
+
+// Chat content: a string, null, or a list of {type: "text", text} parts (joined).
+json normalize_content(const json& content, size_t message_index) {
+  if (content.is_null() || content.is_string()) return content;
+  const std::string param = fmt::format("messages[{}].content", message_index);
+  if (!content.is_array()) throw wrong_type(param, "a string or a list of content parts", content);
+  std::string text;
+  for (const json& part : content) {
+    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+      throw invalid_request(fmt::format("'{}' may hold only text parts ({{\"type\": \"text\", \"text\": ...}})", param),
+                            param);
+    text += part["text"].get<std::string>();
+  }
+  return text;
+}
+
+}  // namespace
+
+CompletionRequest parse_completion_request(const json& body, const SamplingParams& defaults,
+                                           const ProtocolLimits& limits) {
+  CompletionRequest request;
+  request.params = parse_common(body, defaults, limits);
+  parse_max_tokens(body, "max_tokens", request.params);
+  const json* prompt = field(body, "prompt");
+  if (prompt == nullptr) throw invalid_request("'prompt' is required", "prompt");
+  if (prompt->is_string()) {
+    request.text_prompts.push_back(prompt->get<std::string>());
+  } else if (is_token_id_list(*prompt)) {
+    request.token_prompts.push_back(token_id_list(*prompt, "prompt"));
+  } else if (prompt->is_array() && !prompt->empty()) {
+    const bool strings = (*prompt)[0].is_string();
+    for (const json& item : *prompt) {
+      if (strings && item.is_string()) {
+        request.text_prompts.push_back(item.get<std::string>());
+      } else if (!strings && is_token_id_list(item)) {
+        request.token_prompts.push_back(token_id_list(item, "prompt"));
+      } else {
+        throw invalid_request("'prompt' must be a string, a list of strings, a list of token ids or a list of such "
+                              "lists (not mixed, none empty)",
+                              "prompt");
+      }
+    }
+  } else {
+    throw invalid_request("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists "
+                          "(not mixed, none empty)",
+                          "prompt");
+  }
+  if (auto echo = get_bool(body, "echo")) request.echo = *echo;
+  if (const json* logprobs = field(body, "logprobs")) {
+    if (logprobs->is_boolean()) throw wrong_type("logprobs", "an integer", *logprobs);
+    const int64_t count = as_integer(*logprobs, "logprobs");
+    if (count < 0 || count > limits.max_top_logprobs)
+      throw invalid_request(fmt::format("'logprobs' must be between 0 and {}, got {}", limits.max_top_logprobs, count),
+                            "logprobs");
+    request.params.logprobs = static_cast<int32_t>(count);
+  }
+  if (auto suffix = get_string(body, "suffix"); suffix && !suffix->empty())
+    throw invalid_request("'suffix' is not supported", "suffix");
+  return request;
+}
+
+ChatRequest parse_chat_request(const json& body, const SamplingParams& defaults, const ProtocolLimits& limits) {
+  ChatRequest request;
+  request.params = parse_common(body, defaults, limits);
+  parse_max_tokens(body, "max_tokens", request.params);
+  parse_max_tokens(body, "max_completion_tokens", request.params);  // wins over the legacy max_tokens
+
+  const json* messages = field(body, "messages");
+  if (messages == nullptr) throw invalid_request("'messages' is required", "messages");
+  if (!messages->is_array()) throw wrong_type("messages", "a list of messages", *messages);
+  if (messages->empty()) throw invalid_request("'messages' must hold at least one message", "messages");
+  request.messages = json::array();
+  for (size_t i = 0; i < messages->size(); ++i) {
+    const json& message = (*messages)[i];
+    const std::string param = fmt::format("messages[{}]", i);
+    if (!message.is_object()) throw wrong_type(param, "an object", message);
+    if (!message.contains("role") || !message["role"].is_string())
+      throw invalid_request(fmt::format("'{}.role' must be a string", param), param + ".role");
+    json normalized = message;
+    if (message.contains("content")) normalized["content"] = normalize_content(message["content"], i);
+    request.messages.push_back(std::move(normalized));
+  }
+
+  const bool logprobs = get_bool(body, "logprobs").value_or(false);
+  const std::optional<int64_t> top_logprobs = get_integer(body, "top_logprobs");
+  if (top_logprobs) {
+    if (*top_logprobs < 0 || *top_logprobs > limits.max_top_logprobs)
+      throw invalid_request(
+          fmt::format("'top_logprobs' must be between 0 and {}, got {}", limits.max_top_logprobs, *top_logprobs),
+          "top_logprobs");
+    if (!logprobs && *top_logprobs > 0)
+      throw invalid_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs");
+  }
+  if (logprobs) request.params.logprobs = static_cast<int32_t>(top_logprobs.value_or(0));
+
+  if (const json* tools = field(body, "tools")) {
+    if (!tools->is_array()) throw wrong_type("tools", "a list of tools", *tools);
+    if (!tools->empty()) request.tools = *tools;
+  }
+  if (const json* kwargs = field(body, "chat_template_kwargs")) {
+    if (!kwargs->is_object()) throw wrong_type("chat_template_kwargs", "an object", *kwargs);
+    request.chat_template_kwargs = *kwargs;
+  }
+  if (auto value = get_bool(body, "add_generation_prompt")) request.add_generation_prompt = *value;
+  return request;
+}
+
+namespace {
+
+// JSON has no infinity: a masked token's -inf logprob is reported as -9999 (as vLLM does).
+double finite_logprob(float logprob) { return std::isfinite(logprob) ? static_cast<double>(logprob) : -9999.0; }
+
+json byte_values(const std::string& bytes) {
+  json values = json::array();
+  for (const char c : bytes) values.push_back(static_cast<int>(static_cast<unsigned char>(c)));
+  return values;
+}
+
+json completion_logprobs(const ChoiceText& choice) {
+  if (!choice.has_logprobs) return nullptr;
+  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(), offsets = json::array();
+  for (const LogprobEntry& entry : choice.logprobs) {
+    tokens.push_back(entry.chosen.token);
+    token_logprobs.push_back(finite_logprob(entry.chosen.logprob));
+    json top = json::object();
+    for (const TokenAlternative& alternative : entry.top) {
+      // Two alternatives may render to the same text (partial characters): keep the likelier one.
+      if (!top.contains(alternative.token)) top[alternative.token] = finite_logprob(alternative.logprob);
+    }
+    top_logprobs.push_back(std::move(top));
+    offsets.push_back(entry.text_offset);
+  }
+  return json{{"tokens", std::move(tokens)},
+              {"token_logprobs", std::move(token_logprobs)},
+              {"top_logprobs", std::move(top_logprobs)},
+              {"text_offset", std::move(offsets)}};
+}
+
+json chat_logprobs(const ChoiceText& choice) {
+  if (!choice.has_logprobs) return nullptr;
+  json content = json::array();
+  for (const LogprobEntry& entry : choice.logprobs) {
+    json top = json::array();
+    for (const TokenAlternative& alternative : entry.top) {
+      top.push_back({{"token", alternative.token},
+                     {"logprob", finite_logprob(alternative.logprob)},
+                     {"bytes", byte_values(alternative.bytes)}});
+    }
+    content.push_back({{"token", entry.chosen.token},
+                       {"logprob", finite_logprob(entry.chosen.logprob)},
+                       {"bytes", byte_values(entry.chosen.bytes)},
+                       {"top_logprobs", std::move(top)}});
+  }
+  return json{{"content", std::move(content)}, {"refusal", nullptr}};
+}
+
+json finish_reason_value(const ChoiceText& choice) {
+  return choice.finish_reason.empty() ? json(nullptr) : json(choice.finish_reason);
+}
+
+json usage_value(const Usage& usage) {
+  return json{{"prompt_tokens", usage.prompt_tokens},
+              {"completion_tokens", usage.completion_tokens},
+              {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
+}
+
+json envelope(const ResponseMeta& meta, const char* object) {
+  return json{{"id", meta.id}, {"object", object}, {"created", meta.created}, {"model", meta.model}};
+}
+
+}  // namespace
+
+json completion_response(const ResponseMeta& meta, const std::vector<ChoiceText>& choices, const Usage& usage) {
+  json response = envelope(meta, "text_completion");
+  json list = json::array();
+  for (const ChoiceText& choice : choices) {
+    list.push_back({{"index", choice.index},
+                    {"text", choice.text},
+                    {"logprobs", completion_logprobs(choice)},
+                    {"finish_reason", finish_reason_value(choice)}});
+  }
+  response["choices"] = std::move(list);
+  response["usage"] = usage_value(usage);
+  return response;
+}
+
+namespace {
+
+json chat_message(const ChoiceText& choice) {
+  json message = {{"role", "assistant"}, {"content", choice.text}};
+  if (!choice.reasoning.empty()) {
+    message["reasoning_content"] = choice.reasoning;
+    message["reasoning"] = choice.reasoning;
+  }
+  return message;
+}
+
+}  // namespace
+
+json chat_response(const ResponseMeta& meta, const std::vector<ChoiceText>& choices, const Usage& usage) {
+  json response = envelope(meta, "chat.completion");
+  json list = json::array();
+  for (const ChoiceText& choice : choices) {
+    list.push_back({{"index", choice.index},
+                    {"message", chat_message(choice)},
+                    {"logprobs", chat_logprobs(choice)},
+                    {"finish_reason", finish_reason_value(choice)}});
+  }
+  response["choices"] = std::move(list);
+  response["usage"] = usage_value(usage);
+  return response;
+}
+
+json completion_chunk(const ResponseMeta& meta, const ChoiceText& delta, bool usage_field) {
+  json chunk = envelope(meta, "text_completion");
+  chunk["choices"] = json::array({json{{"index", delta.index},
+                                       {"text", delta.text},
+                                       {"logprobs", completion_logprobs(delta)},
+                                       {"finish_reason", finish_reason_value(delta)}}});
+  if (usage_field) chunk["usage"] = nullptr;
+  return chunk;
+}
+
+json chat_chunk(const ResponseMeta& meta, const ChoiceText& delta, bool usage_field) {
+  json chunk = envelope(meta, "chat.completion.chunk");
+  json message = json::object();
+  if (delta.first) message["role"] = "assistant";
+  if (!delta.text.empty() || delta.first) message["content"] = delta.text;
+  if (!delta.reasoning.empty()) {
+    message["reasoning_content"] = delta.reasoning;
+    message["reasoning"] = delta.reasoning;
+  }
+  chunk["choices"] = json::array({json{{"index", delta.index},
+                                       {"delta", std::move(message)},
+                                       {"logprobs", chat_logprobs(delta)},
+                                       {"finish_reason", finish_reason_value(delta)}}});
+  if (usage_field) chunk["usage"] = nullptr;
+  return chunk;
+}
+
+json usage_chunk(const ResponseMeta& meta, bool chat, const Usage& usage) {
+  json chunk = envelope(meta, chat ? "chat.completion.chunk" : "text_completion");
+  chunk["choices"] = json::array();
+  chunk["usage"] = usage_value(usage);
+  return chunk;
+}
+
+json models_response(const std::string& model, int64_t created, int64_t max_model_len) {
+  json entry = {{"id", model},
+                {"object", "model"},
+                {"created", created},
+                {"owned_by", "metrale"},
+                {"root", model},
+                {"parent", nullptr},
+                {"max_model_len", max_model_len}};
+  return json{{"object", "list"}, {"data", json::array({std::move(entry)})}};
+}
+
+std::string dump_json(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+std::string sse_event(const json& data) { return "data: " + dump_json(data) + "\n\n"; }
+
+std::string sse_done() { return "data: [DONE]\n\n"; }
+
+std::string make_response_id(std::string_view prefix) {
+  thread_local std::mt19937_64 generator{std::random_device{}()};
+  return fmt::format("{}{:016x}{:08x}", prefix, generator(), static_cast<uint32_t>(generator()));
+}
+
+}  // namespace metrale::server
