@@ -8,7 +8,7 @@
 # Starts `metrale serve` on a random-weight model of configs/$PRESET.json (default qwen3-8b) with
 # the Qwen3 tokenizer of models/default (TOKENIZER_DIR), then runs `metrale bench-serve` with token-id prompts of INPUT_LEN
 # tokens and OUTPUT_LEN generated tokens (ignore_eos) at each concurrency of CONCURRENCIES
-# (default 1,16,64,256), NUM_PROMPTS per run (default: 2 x concurrency, at least 4). JSON results
+# (default 1,16,64,256), NUM_PROMPTS per run (default: WAVES x concurrency, WAVES 2, at least 2). JSON results
 # and the server log go to $OUT; a table is printed last. Record it in docs/perf.md with the commit.
 #
 # The same flow runs on the CPU with the tiny default model for a check of the script itself:
@@ -76,7 +76,8 @@ echo "server: $(head -1 "$out/serve.out")"
 
 status=0
 for concurrency in "${concurrencies[@]}"; do
-  prompts=${NUM_PROMPTS:-$((concurrency * 2 > 4 ? concurrency * 2 : 4))}
+  waves=${WAVES:-2}  # prompts per run: WAVES x concurrency, at least 2 (NUM_PROMPTS overrides)
+  prompts=${NUM_PROMPTS:-$((concurrency * waves > 2 ? concurrency * waves : 2))}
   echo "== concurrency $concurrency, $prompts prompts of $input_len in / $output_len out"
   "$metrale" bench-serve --url "$url" --concurrency "$concurrency" --num-prompts "$prompts" \
     --input-len "$input_len" --output-len "$output_len" --random-tokens "${tokenizer_args[@]}" \
