@@ -42,6 +42,8 @@ struct BenchOptions {
   int warmup = 3;
   int iters = 20;
   bool json = false;
+  int64_t spec_tokens = 128;  // speculative decode: tokens generated per sequence
+  int64_t spec_prompt = 64;   // speculative decode: prompt tokens per sequence
 };
 
 // Times work on one device: CUDA events on the GPU, the steady clock on the CPU.
@@ -122,6 +124,108 @@ struct Row {
   bool graph = false;
 };
 
+// End-to-end decode through Engine::step (scheduling, verify, acceptance, drafting included):
+// `batch` greedy requests of spec_prompt tokens each generate spec_tokens; the timed window starts
+// once every prompt is prefilled.
+struct GenerationResult {
+  double tokens_per_s = 0, step_ms = 0, acceptance = 0, tokens_per_step = 0;  // tokens: every sequence's
+  int64_t steps = 0;
+};
+
+GenerationResult bench_generation(std::unique_ptr<Model> model, const EngineConfig& config, int64_t batch,
+                                  const BenchOptions& options) {
+  const int64_t vocab = model->config().vocab_size;
+  Engine engine(std::move(model), config);
+  const Device device = engine.model().device();
+  for (int64_t s = 0; s < batch; ++s) {
+    Request request;
+    // Each prompt repeats a short phrase of its own (n-gram lookup has something to find, as in
+    // code or quoted text); any ids are valid input.
+    for (int64_t t = 0; t < options.spec_prompt; ++t)
+      request.prompt.push_back(static_cast<int32_t>((s * 7919 + (t % 16) * 104729) % vocab));
+    request.max_tokens = static_cast<int32_t>(options.spec_tokens);
+    request.ignore_eos = true;
+    request.sampling.temperature = 0.0f;
+    engine.add_request(std::move(request));
+  }
+  // Prefill (and warm-up): until every sequence has its first token.
+  int64_t started = 0;
+  while (engine.has_unfinished() && started < batch) {
+    for (const TokenEvent& event : engine.step()) started += engine.sequence(event.request_id).num_output() == 1 ? 1 : 0;
+  }
+  const EngineStats before = engine.stats();
+  int64_t generated = 0, steps = 0;
+  synchronize(device);
+  const auto start = std::chrono::steady_clock::now();
+  while (engine.has_unfinished()) {
+    generated += static_cast<int64_t>(engine.step().size());
+    ++steps;
+  }
+  synchronize(device);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const EngineStats after = engine.stats();
+  GenerationResult result;
+  result.steps = steps;
+  result.tokens_per_s = static_cast<double>(generated) / seconds;
+  result.step_ms = steps > 0 ? 1e3 * seconds / static_cast<double>(steps) : 0.0;
+  const auto drafted = static_cast<double>(after.drafted_tokens - before.drafted_tokens);
+  const auto accepted = static_cast<double>(after.accepted_tokens - before.accepted_tokens);
+  result.acceptance = drafted > 0 ? accepted / drafted : 0.0;
+  result.tokens_per_step = steps > 0 ? static_cast<double>(generated) / static_cast<double>(steps) : 0.0;
+  return result;
+}
+
+// `bench --speculative-method ...`: decode tokens/s with and without speculation per batch size.
+int run_speculative_bench(const BenchOptions& options, Device device) {
+  const auto batches = parse_int_list(options.batches, "--batch");
+  const auto load = [&]() -> std::unique_ptr<Model> {
+    if (options.random_weights) {
+      const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
+      return make_random_model(config, device, 1);
+    }
+    return load_model(resolve_model_dir(options.engine), device);
+  };
+  EngineConfig spec_config = engine_config_from(options.engine);
+  const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
+  spec_config.max_model_len = options.spec_prompt + options.spec_tokens + 32;
+  spec_config.scheduler.max_num_seqs = static_cast<int32_t>(max_batch);
+  spec_config.scheduler.max_num_batched_tokens =
+      static_cast<int32_t>(std::max<int64_t>(spec_config.scheduler.max_num_batched_tokens,
+                                             max_batch * (1 + spec_config.speculative.num_drafts)));
+  EngineConfig plain_config = spec_config;
+  plain_config.speculative = SpeculativeConfig{};
+  if (spec_config.speculative.replay_accept_rate >= 0.0) {
+    std::cout << fmt::format("BENCHMARK MODE: drafts accepted by a seeded Bernoulli({}), outputs are not the model's\n",
+                             spec_config.speculative.replay_accept_rate);
+  }
+  nlohmann::json results = nlohmann::json::array();
+  std::cout << fmt::format("speculative decoding: {} with up to {} drafts{}; prompt {} tokens, {} generated\n",
+                           options.engine.speculative_method, spec_config.speculative.num_drafts,
+                           spec_config.speculative.adaptive ? " (adaptive)" : "", options.spec_prompt, options.spec_tokens);
+  std::cout << fmt::format("{:>6} {:>14} {:>14} {:>9} {:>11} {:>13}\n", "batch", "plain tok/s", "spec tok/s", "speedup",
+                           "acceptance", "tok/seq/step");
+  for (const int64_t batch : batches) {
+    const GenerationResult plain = bench_generation(load(), plain_config, batch, options);
+    const GenerationResult spec = bench_generation(load(), spec_config, batch, options);
+    const double speedup = spec.tokens_per_s / plain.tokens_per_s;
+    std::cout << fmt::format("{:>6} {:>14.1f} {:>14.1f} {:>8.2f}x {:>11.3f} {:>13.2f}\n", batch, plain.tokens_per_s,
+                             spec.tokens_per_s, speedup, spec.acceptance,
+                             spec.tokens_per_step / static_cast<double>(batch));
+    results.push_back({{"batch", batch}, {"plain_tokens_per_s", plain.tokens_per_s},
+                       {"spec_tokens_per_s", spec.tokens_per_s}, {"speedup", speedup},
+                       {"acceptance", spec.acceptance}, {"plain_step_ms", plain.step_ms}, {"spec_step_ms", spec.step_ms}});
+  }
+  if (options.json) {
+    std::cout << nlohmann::json({{"speculative_method", options.engine.speculative_method},
+                                 {"num_drafts", spec_config.speculative.num_drafts},
+                                 {"replay_accept_rate", spec_config.speculative.replay_accept_rate},
+                                 {"results", results}})
+                     .dump(2)
+              << "\n";
+  }
+  return kExitOk;
+}
+
 int run_bench(const BenchOptions& options) {
   if (options.config.empty() == options.engine.model.empty()) {
     raise(ErrorCode::kInvalidArgument, "give either --model DIR or --config FILE --random-weights");
@@ -132,6 +236,7 @@ int run_bench(const BenchOptions& options) {
   if (options.engine.threads > 0) set_cpu_threads(options.engine.threads);
   const Device device = options.engine.device.empty() ? default_device() : parse_device(options.engine.device);
   if (device.is_cuda() && !cuda_available()) raise(ErrorCode::kInvalidArgument, "no CUDA device is available");
+  if (options.engine.speculative_method != "none") return run_speculative_bench(options, device);
   const auto batches = parse_int_list(options.batches, "--batch");
   const auto prefills = parse_int_list(options.prefills, "--prefill");
   const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
@@ -299,6 +404,15 @@ void register_bench(CLI::App& root, Action& action) {
   command->add_option("--iters", options->iters, "timed iterations")->capture_default_str()->check(CLI::Range(1, 100000));
   command->add_flag("--json", options->json, "print the results as JSON");
   add_engine_options(*command, options->engine);
+  command->add_option("--spec-tokens", options->spec_tokens,
+                      "with --speculative-method: tokens each sequence generates (plain vs speculative decode)")
+      ->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+  command->add_option("--spec-prompt", options->spec_prompt, "with --speculative-method: prompt tokens per sequence")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  command->add_option("--spec-accept-rate", options->engine.spec_accept_rate,
+                      "BENCHMARK MODE (random weights): accept each draft by a seeded Bernoulli(p) instead of "
+                      "comparing it with the target; outputs are then not the model's")
+      ->check(CLI::Range(0.0, 1.0));
   command->callback([options, &action] { action = [options] { return run_bench(*options); }; });
 }
 

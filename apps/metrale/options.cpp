@@ -54,6 +54,17 @@ void add_engine_options(CLI::App& command, EngineOptions& options) {
   command.add_option("--state-checkpoint-slots", options.state_checkpoint_slots,
                      "hybrid models: recurrent-state checkpoint slots for the prefix cache (default: --max-num-seqs)")
       ->check(CLI::Range(0, 1 << 20));
+  command.add_option("--speculative-method", options.speculative_method,
+                     "speculative decoding: none, ngram (prompt lookup) or mtp (the checkpoint's MTP head)")
+      ->capture_default_str()->check(CLI::IsMember({"none", "ngram", "mtp"}));
+  command.add_option("--num-drafts", options.num_drafts, "speculative decoding: draft tokens per step at most")
+      ->capture_default_str()->check(CLI::Range(1, 15));
+  command.add_option("--ngram-min", options.ngram_min, "n-gram speculation: shortest suffix matched")
+      ->capture_default_str()->check(CLI::Range(1, 64));
+  command.add_option("--ngram-max", options.ngram_max, "n-gram speculation: longest suffix matched")
+      ->capture_default_str()->check(CLI::Range(1, 64));
+  command.add_flag("--no-adaptive-speculation", options.no_adaptive_speculation,
+                   "speculative decoding: always verify --num-drafts drafts (default: fewer or none when they would not pay)");
 }
 
 uint64_t parse_byte_size(const std::string& text, const std::string& what) {
@@ -117,6 +128,12 @@ EngineConfig engine_config_from(const EngineOptions& options) {
   config.enable_prefix_caching = options.enable_prefix_caching;
   config.state_checkpoint_interval = options.state_checkpoint_interval;
   config.state_checkpoint_slots = options.state_checkpoint_slots;
+  config.speculative.method = parse_speculative_method(options.speculative_method);
+  config.speculative.num_drafts = options.num_drafts;
+  config.speculative.ngram_min = options.ngram_min;
+  config.speculative.ngram_max = options.ngram_max;
+  config.speculative.adaptive = !options.no_adaptive_speculation;
+  config.speculative.replay_accept_rate = options.spec_accept_rate;
   return config;
 }
 

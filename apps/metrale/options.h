@@ -26,6 +26,13 @@ struct EngineOptions {
   bool enable_prefix_caching = true;
   int64_t state_checkpoint_interval = 512;  // hybrid models: tokens between prefill state checkpoints
   int state_checkpoint_slots = -1;          // hybrid models: checkpoint slots; -1: --max-num-seqs
+  // Speculative decoding (engine/speculator.h).
+  std::string speculative_method = "none";  // none | ngram | mtp
+  int num_drafts = 3;
+  int ngram_min = 1;
+  int ngram_max = 4;
+  bool no_adaptive_speculation = false;     // verify num_drafts every step whatever it costs
+  double spec_accept_rate = -1.0;           // bench only: replayed acceptance (< 0: off)
 };
 
 // The EngineConfig the flags describe (limits, memory, graphs); the scheduler's chunk cap aside.

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -97,7 +98,8 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     : model_(std::move(model)), config_(config), scheduler_(config.scheduler), seed_source_(std::random_device{}()) {
   const ModelConfig& model_config = model_->config();
   const Device device = model_->device();
-  const std::vector<LayerCacheSpec> specs = model_->cache_specs();
+  std::vector<LayerCacheSpec> specs = model_->cache_specs();
+  configure_speculation(specs);
   if (config_.block_size <= 0) raise(ErrorCode::kInvalidArgument, "block size must be positive");
   if (config_.scheduler.max_num_seqs <= 0 || config_.scheduler.max_num_batched_tokens <= 0)
     raise(ErrorCode::kInvalidArgument, "max-num-seqs and max-num-batched-tokens must be positive");
@@ -113,6 +115,11 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   limits.max_num_seqs = config_.scheduler.max_num_seqs;
   limits.max_model_len = plan_.max_model_len;
   limits.block_size = config_.block_size;
+  if (speculating()) {
+    // Verify steps ask for the logits of 1 + k rows per sequence.
+    limits.max_logit_rows = std::min<int64_t>(limits.max_num_seqs * (1 + config_.speculative.num_drafts),
+                                              std::max(limits.max_num_tokens, limits.max_num_seqs));
+  }
   runner_ = std::make_unique<Runner>(*model_, limits);
 
   const DType kv_dtype = device.is_cpu() ? DType::kF32 : DType::kBF16;
@@ -353,6 +360,7 @@ std::vector<TokenEvent> Engine::step() {
   std::vector<TokenEvent> events = std::move(pending_events_);
   pending_events_.clear();
   if (!has_unfinished()) return events;
+  if (speculating()) prepare_drafts();
   const SchedulePlan plan = scheduler_.schedule(running_, waiting_, *cache_);
   stats_.num_preemptions += static_cast<int64_t>(plan.preempted.size());
   stats_.prefix_cache_queries += plan.prefix_query_tokens;
@@ -362,6 +370,7 @@ std::vector<TokenEvent> Engine::step() {
     METRALE_CHECK(running_.empty() || !waiting_.empty(), "nothing schedulable with {} running", running_.size());
     return events;
   }
+  const auto step_start = std::chrono::steady_clock::now();
   StepResult result = runner_->execute(plan);
   ++stats_.num_steps;
   const int64_t vocab = model_->config().vocab_size;
@@ -376,8 +385,12 @@ std::vector<TokenEvent> Engine::step() {
                host_logits_.size() * sizeof(float));
     result.logits = Tensor(host_logits_.data(), DType::kF32, {rows, vocab}, Device::cpu());
   }
-  std::vector<Sequence*> finished;
-  for (const LogitRowUse& use : result.uses) {
+  // Pass 1: prompt logits, then the tokens each sampling chunk emits (acceptance of its drafts).
+  const size_t num_uses = result.uses.size();
+  std::vector<std::vector<SampledToken>> emitted(num_uses);
+  std::vector<int64_t> accepted(num_uses, 0);
+  for (size_t u = 0; u < num_uses; ++u) {
+    const LogitRowUse& use = result.uses[u];
     Sequence& sequence = *use.chunk.sequence;
     // Prompt logits for scoring: rows for positions below num_prompt.
     if (sequence.request.return_prompt_logits) {
@@ -388,15 +401,50 @@ std::vector<TokenEvent> Engine::step() {
         std::copy(row, row + vocab, sequence.prompt_logits.begin() + position * vocab);
       }
     }
+    if (!use.chunk.samples || sequence.request.max_tokens == 0) continue;
+    if (sampled_on_device) {
+      emitted[u].push_back(device_sampled[static_cast<size_t>(use.first_row)]);
+    } else {
+      emitted[u] = accept_chunk(use, result.logits, accepted[u]);
+    }
+  }
+  // Verify steps: every sequence keeps its known rows and its accepted drafts; the recurrent
+  // layers' slots advance over exactly those rows.
+  std::vector<int64_t> kept_rows(num_uses);
+  for (size_t u = 0; u < num_uses; ++u) kept_rows[u] = result.uses[u].chunk.num_new + accepted[u];
+  if (plan.num_draft_rows > 0) {
+    std::vector<int32_t> kept(kept_rows.begin(), kept_rows.end());
+    runner_->commit_verified(kept);
+    ++stats_.verify_steps;
+  }
+
+  // Pass 2: bookkeeping, stop conditions and events.
+  std::vector<Sequence*> finished;
+  for (size_t u = 0; u < num_uses; ++u) {
+    const LogitRowUse& use = result.uses[u];
+    Sequence& sequence = *use.chunk.sequence;
     const int64_t computed_before = sequence.num_computed;
-    sequence.num_computed += use.chunk.num_new;
+    sequence.num_computed += kept_rows[u];
     stats_.computed_prompt_tokens +=
         std::max<int64_t>(0, std::min(sequence.num_computed, sequence.num_prompt) - computed_before);
+    if (use.chunk.num_drafts > 0) {
+      stats_.drafted_tokens += use.chunk.num_drafts;
+      stats_.accepted_tokens += accepted[u];
+      sequence.acceptance_ema = spec_controller_.record_verify(sequence.acceptance_ema, use.chunk.num_drafts, accepted[u]);
+    }
+    sequence.draft_tokens.clear();
+    sequence.draft_probs.clear();
+    sequence.draft_base = -1;
     // Full blocks become shareable; at a checkpoint point the state after them is kept too (the
-    // copy is queued after this step's forward).
+    // copy is queued after this step's forward). Accepted drafts are computed tokens: they join the
+    // sequence first; rejected drafts never do (their keys lie beyond num_computed and are
+    // overwritten later).
+    const size_t known_tokens = sequence.tokens.size();
+    for (int64_t i = 0; i < accepted[u]; ++i) sequence.tokens.push_back(emitted[u][static_cast<size_t>(i)].token);
     cache_->cache_full_blocks(sequence.id, sequence.tokens, sequence.num_computed);
     if (cache_->is_checkpoint_position(sequence.num_prompt, sequence.num_computed))
       cache_->checkpoint_state(sequence.id, sequence.num_computed);
+    sequence.tokens.resize(known_tokens);
     if (!use.chunk.samples) continue;
     if (sequence.request.max_tokens == 0) {  // scoring only
       finish(sequence, FinishReason::kLength);
@@ -407,24 +455,27 @@ std::vector<TokenEvent> Engine::step() {
       events.push_back(std::move(event));
       continue;
     }
-    TokenEvent event;
-    event.request_id = sequence.id;
-    if (sampled_on_device) {
-      event.sampled = device_sampled[static_cast<size_t>(use.first_row)];
-    } else {
-      float* row = result.logits.data_as<float>() + (use.first_row + use.num_rows - 1) * vocab;
-      event.sampled = sampler_.sample(std::span<float>(row, static_cast<size_t>(vocab)), sequence.request.sampling,
-                                      sequence.prompt(), sequence.output(), sequence.seed,
-                                      static_cast<uint64_t>(sequence.num_output()));
+    // Stop conditions apply to each emitted token in order; the rest are cut.
+    for (SampledToken& sampled : emitted[u]) {
+      TokenEvent event;
+      event.request_id = sequence.id;
+      event.sampled = std::move(sampled);
+      sequence.tokens.push_back(event.sampled.token);
+      ++stats_.generated_tokens;
+      const auto reason = stop_reason(sequence, event.sampled.token);
+      if (reason) {
+        finish(sequence, *reason);
+        finished.push_back(&sequence);
+        event.finish_reason = *reason;
+      }
+      events.push_back(std::move(event));
+      if (reason) break;
     }
-    sequence.tokens.push_back(event.sampled.token);
-    ++stats_.generated_tokens;
-    if (const auto reason = stop_reason(sequence, event.sampled.token)) {
-      finish(sequence, *reason);
-      finished.push_back(&sequence);
-      event.finish_reason = *reason;
-    }
-    events.push_back(std::move(event));
+  }
+  if (mtp_active_) run_mtp_drafter(result, kept_rows);
+  if (speculating()) {
+    const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - step_start;
+    spec_controller_.record_step(plan.num_tokens, seconds.count());
   }
   if (!finished.empty()) {
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->finished(); }),

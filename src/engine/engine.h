@@ -17,6 +17,7 @@
 #include "engine/runner.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
+#include "engine/speculator.h"
 #include "model/model.h"
 
 namespace metrale {
@@ -37,6 +38,8 @@ struct EngineConfig {
   // up to a multiple of block_size) and at the end of each prompt's last full block.
   int64_t state_checkpoint_interval = 512;
   int32_t state_checkpoint_slots = -1;   // checkpoint slots; -1: as many as max_num_seqs
+  // Speculative decoding (engine/speculator.h): method none|ngram|mtp, num_drafts, ngram_min/max.
+  SpeculativeConfig speculative;
 };
 
 struct TokenEvent {
@@ -84,6 +87,11 @@ struct EngineStats {
   int32_t kv_blocks_cached = 0;        // free but holding reusable prefix blocks
   int32_t state_slots_total = 0;
   int32_t state_slots_used = 0;
+  // Speculative decoding: draft tokens verified, those accepted, and verify steps (steps with at
+  // least one draft row). accepted / drafted is the acceptance rate; a verify emits accepted + 1.
+  int64_t drafted_tokens = 0;
+  int64_t accepted_tokens = 0;
+  int64_t verify_steps = 0;
 };
 
 class Engine {
@@ -121,6 +129,20 @@ class Engine {
   void finish(Sequence& sequence, FinishReason reason);
   std::optional<FinishReason> stop_reason(const Sequence& sequence, int32_t token) const;
 
+  // ---- Speculative decoding (engine/speculator.h, engine/engine_speculative.cpp)
+  bool speculating() const { return config_.speculative.method != SpeculativeMethod::kNone; }
+  // Validates the speculative config against the model (turning it off where the model cannot
+  // verify) and appends the MTP layers' cache specs to `specs` for method mtp.
+  void configure_speculation(std::vector<LayerCacheSpec>& specs);
+  // Before scheduling: gives each decoding sequence its drafts for this step (n-gram lookup, or
+  // the MTP drafts made after the last step), as many as the controller allows.
+  void prepare_drafts();
+  // The tokens one sampling chunk emits: for a verify chunk the accepted drafts then the
+  // replacement or bonus token; otherwise the one sampled token. Sets `accepted` (drafts kept).
+  std::vector<SampledToken> accept_chunk(const LogitRowUse& use, const Tensor& logits, int64_t& accepted);
+  // After a step's bookkeeping: MTP catch-up over the step's kept rows and the next drafts.
+  void run_mtp_drafter(const StepResult& result, std::span<const int64_t> kept_rows);
+
   std::unique_ptr<Model> model_;
   EngineConfig config_;
   EnginePlan plan_;
@@ -138,6 +160,11 @@ class Engine {
   std::deque<Sequence*> waiting_;
   std::vector<TokenEvent> pending_events_;  // events produced outside step() (aborts)
   std::vector<float> host_logits_;          // logits rows copied from the device for sampling
+  SpeculationController spec_controller_;
+  int64_t steps_without_drafts_ = 0;        // adaptivity: probe acceptance now and then when off
+  bool mtp_active_ = false;                 // this step runs the MTP head afterwards
+  std::vector<float> spec_scratch_;         // [V] rows for acceptance
+  std::vector<float> spec_probs_;           // [V] target distribution
 
   // Sampling on the device: per-row parameters and results, sized for max_num_seqs rows.
   struct DeviceSampling;

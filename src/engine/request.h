@@ -42,6 +42,16 @@ struct Sequence {
   int32_t num_preemptions = 0;
   std::vector<float> prompt_logits;  // [num_prompt, vocab] when requested
 
+  // Speculative decoding (engine/speculator.h). Drafts proposed to follow tokens.back(): verified by
+  // the next step when the scheduler gives them rows, dropped otherwise.
+  std::vector<int32_t> draft_tokens;
+  // [draft_tokens.size(), vocab] f32: the distribution each draft was sampled from (MTP drafts at
+  // temperature > 0); empty for deterministic drafts (n-gram, greedy), whose q is one-hot.
+  std::vector<float> draft_probs;
+  int64_t draft_base = -1;        // num_tokens() when the drafts were made; stale once it changes
+  double acceptance_ema = -1.0;   // accepted / drafted, per verify (< 0: no verify yet)
+  int64_t mtp_computed = 0;       // leading positions whose MTP-layer keys/values are written
+
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_output() const { return num_tokens() - num_prompt; }
   std::span<const int32_t> prompt() const { return {tokens.data(), static_cast<size_t>(num_prompt)}; }

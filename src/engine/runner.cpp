@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
+#include "kernels/moe.h"
 #include "runtime/stream.h"
 #if METRALE_WITH_CUDA
 #include "runtime/cuda/cuda_graph.h"
@@ -63,7 +64,8 @@ Runner::Runner(Model& model, const RunnerLimits& limits)
     kv_lens_ = OwnedTensor(DType::kI32, {seqs}, device);
     block_tables_ = OwnedTensor(DType::kI32, {seqs * blocks}, device);
     state_slots_ = OwnedTensor(DType::kI32, {seqs}, device);
-    logits_ = OwnedTensor(DType::kF32, {seqs, model_.config().vocab_size}, device);
+    const int64_t logit_rows = std::max(seqs, limits_.max_logit_rows);
+    logits_ = OwnedTensor(DType::kF32, {logit_rows, model_.config().vocab_size}, device);
   }
 }
 
@@ -110,15 +112,21 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
     const ScheduledChunk& chunk = plan.chunks[static_cast<size_t>(s)];
     const Sequence& sequence = *chunk.sequence;
     const auto table = cache_->block_table(sequence.id);
-    const int64_t begin = sequence.num_computed, end = begin + chunk.num_new;
+    // Rows [begin, known_end) hold known tokens, [known_end, end) the drafts being verified.
+    const int64_t begin = sequence.num_computed, known_end = begin + chunk.num_new, end = known_end + chunk.num_drafts;
+    METRALE_CHECK(chunk.num_drafts == 0 || (chunk.samples && known_end == sequence.num_tokens() &&
+                                            chunk.num_drafts <= static_cast<int64_t>(sequence.draft_tokens.size())),
+                  "sequence {}: {} draft rows after {} of {} tokens", sequence.id, chunk.num_drafts, known_end,
+                  sequence.num_tokens());
     METRALE_CHECK(static_cast<int64_t>(table.size()) * block_size >= end, "sequence {} has {} blocks for {} tokens",
                   sequence.id, table.size(), end);
-    METRALE_CHECK(t + chunk.num_new <= std::max(limits_.max_num_tokens, limits_.max_num_seqs),
+    METRALE_CHECK(t + chunk.num_rows() <= std::max(limits_.max_num_tokens, limits_.max_num_seqs),
                   "step exceeds the token limit");
     std::copy(table.begin(), table.end(), tables + s * h.block_stride);
     const int64_t first_row = t;
     for (int64_t p = begin; p < end; ++p, ++t) {
-      token_ids[t] = sequence.tokens[static_cast<size_t>(p)];
+      token_ids[t] = p < known_end ? sequence.tokens[static_cast<size_t>(p)]
+                                   : sequence.draft_tokens[static_cast<size_t>(p - known_end)];
       positions[t] = static_cast<int32_t>(p);
       slots[t] = table[static_cast<size_t>(p / block_size)] * static_cast<int32_t>(block_size) +
                  static_cast<int32_t>(p % block_size);
@@ -133,21 +141,22 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
       }
       state_slots[s] = slot;
     }
-    h.max_q_len = std::max(h.max_q_len, chunk.num_new);
+    h.max_q_len = std::max(h.max_q_len, chunk.num_rows());
     h.max_kv_len = std::max(h.max_kv_len, end);
 
-    // Rows whose logits the engine needs: every prompt position when scoring, and the last row
-    // when the chunk yields a token.
+    // Rows whose logits the engine needs: every prompt position when scoring, and the last known
+    // row and every draft row when the chunk yields tokens.
     LogitRowUse use{chunk, r, 0, 0};
     int64_t first_wanted = end;
     if (sequence.request.return_prompt_logits && begin < sequence.num_prompt) first_wanted = begin;
-    if (chunk.samples) first_wanted = std::min(first_wanted, end - 1);
+    if (chunk.samples) first_wanted = std::min(first_wanted, known_end - 1);
     const int64_t last_wanted = chunk.samples ? end : std::min(end, sequence.num_prompt);
     if (first_wanted < last_wanted) {
       use.first_position = first_wanted;
       use.num_rows = last_wanted - first_wanted;
       for (int64_t p = first_wanted; p < last_wanted; ++p) rows[r++] = static_cast<int32_t>(first_row + p - begin);
     }
+    use.first_batch_row = first_row;
     result.uses.push_back(use);
   }
   // Padding rows of a graph batch: one token at position 0 that writes nothing (slot -1) and reads
@@ -216,9 +225,13 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   const Device device = model_.device();
   const int64_t vocab = model_.config().vocab_size;
   const int64_t seqs = static_cast<int64_t>(plan.chunks.size());
-  const bool all_decode = std::all_of(plan.chunks.begin(), plan.chunks.end(), [](const ScheduledChunk& c) {
-    return c.num_new == 1 && c.samples && !c.sequence->request.return_prompt_logits;
-  });
+  METRALE_CHECK(!commit_pending_, "a step ran before the last verify step's commit");
+  const bool verify = plan.num_draft_rows > 0;
+  const bool all_decode = !verify && !keep_hidden_ &&
+                          std::all_of(plan.chunks.begin(), plan.chunks.end(), [](const ScheduledChunk& c) {
+                            return c.num_new == 1 && c.num_drafts == 0 && c.samples &&
+                                   !c.sequence->request.return_prompt_logits;
+                          });
   // The smallest captured graph that holds this decode batch.
   const auto graph = all_decode ? graphs_.lower_bound(seqs) : graphs_.end();
 #if METRALE_WITH_CUDA
@@ -235,8 +248,9 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   (void)graph;
 #endif
   build_host_step(plan, 0, result);
-  const ForwardBatch batch = upload(/*fixed_block_stride=*/false);
+  ForwardBatch batch = upload(/*fixed_block_stride=*/false);
   const int64_t rows = host_->num_rows;
+  attach_speculative_outputs(batch, verify);
   if (device.is_cpu()) {
     logits_ = OwnedTensor(DType::kF32, {rows, vocab}, device);
     run_forward(batch, logits_.tensor);
@@ -251,7 +265,125 @@ StepResult Runner::execute(const SchedulePlan& plan) {
     result.logits = score_logits_.tensor;
     run_forward(batch, result.logits);
   }
+  if (verify) {
+    last_verify_ = batch;
+    commit_pending_ = true;
+  }
   return result;
+}
+
+namespace {
+
+DType activation_dtype_of(Device device) { return device.is_cpu() ? DType::kF32 : DType::kBF16; }
+
+// Grows `buffer` to hold at least `shape` (eager steps may allocate; the device is synchronised
+// first so that no queued kernel still reads the old buffer) and returns a view of that shape.
+Tensor grown(OwnedTensor& buffer, DType dtype, Shape shape, Device device) {
+  if (buffer.tensor.empty() || buffer.tensor.nbytes() < static_cast<size_t>(shape.numel()) * dtype_size(dtype)) {
+    if (!device.is_cpu()) synchronize(device);
+    int64_t elements = std::max<int64_t>(shape.numel(), 1);
+    if (!buffer.tensor.empty()) elements = std::max<int64_t>(elements, 2 * static_cast<int64_t>(buffer.tensor.nbytes() / dtype_size(dtype)));
+    buffer = OwnedTensor(dtype, {elements}, device);
+  }
+  return Tensor(buffer.tensor.data(), dtype, shape, device);
+}
+
+}  // namespace
+
+void Runner::attach_speculative_outputs(ForwardBatch& batch, bool verify) {
+  const Device device = model_.device();
+  last_hidden_ = Tensor();
+  if (keep_hidden_) {
+    last_hidden_ = grown(hidden_, activation_dtype_of(device), {batch.num_tokens, model_.config().hidden_size}, device);
+    batch.hidden_out = last_hidden_;
+  }
+  if (!verify) return;
+  batch.verify = true;
+  const size_t bytes = model_.verify_scratch_bytes(batch.num_tokens, batch.num_seqs);
+  batch.verify_scratch = grown(verify_scratch_, DType::kU8, {static_cast<int64_t>(std::max<size_t>(bytes, 1))}, device);
+  if (verify_seq_index_.tensor.empty()) {
+    const int64_t seqs = limits_.max_num_seqs;
+    std::vector<int32_t> index(static_cast<size_t>(seqs));
+    for (int64_t s = 0; s < seqs; ++s) index[static_cast<size_t>(s)] = static_cast<int32_t>(s);
+    verify_seq_index_ = OwnedTensor(DType::kI32, {seqs}, device);
+    copy_bytes(verify_seq_index_.tensor.data(), device, index.data(), Device::cpu(), index.size() * sizeof(int32_t));
+  }
+  batch.verify_seq_index = verify_seq_index_.tensor.slice(0, 0, batch.num_seqs);
+}
+
+void Runner::commit_verified(std::span<const int32_t> kept_rows) {
+  METRALE_CHECK(commit_pending_, "commit_verified without a verify step");
+  commit_pending_ = false;
+  workspace_.reset();
+  model_.commit_verified(last_verify_, kept_rows, cache_->layer_caches(), workspace_);
+  last_verify_ = ForwardBatch();
+}
+
+Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_source, int64_t mtp_layer,
+                       Tensor& out_hidden) {
+  METRALE_CHECK(!commit_pending_, "an MTP step ran before the last verify step's commit");
+  HostStep& h = *host_;
+  const Device device = model_.device();
+  const int64_t block_size = limits_.block_size;
+  const int64_t hidden_size = model_.config().hidden_size;
+  int64_t step_blocks = 1;
+  for (const MtpRows& seq : rows) step_blocks = std::max<int64_t>(step_blocks, cache_->block_table(seq.seq_id).size());
+  h.block_stride = step_blocks;
+  int32_t* token_ids = HostStep::ints(h.token_ids);
+  int32_t* positions = HostStep::ints(h.positions);
+  int32_t* slots = HostStep::ints(h.slot_mapping);
+  int32_t* logit_rows = HostStep::ints(h.logit_rows);
+  int32_t* cu_q = HostStep::ints(h.cu_q);
+  int32_t* kv_lens = HostStep::ints(h.kv_lens);
+  int32_t* tables = HostStep::ints(h.block_tables);
+  const int64_t num_seqs = static_cast<int64_t>(rows.size());
+  METRALE_CHECK(num_seqs <= limits_.max_num_seqs, "MTP step of {} sequences", num_seqs);
+  std::fill(tables, tables + num_seqs * h.block_stride, 0);
+  std::vector<int32_t> gather;
+  int64_t t = 0, r = 0;
+  h.max_q_len = 0;
+  h.max_kv_len = 0;
+  cu_q[0] = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const MtpRows& seq = rows[static_cast<size_t>(s)];
+    const auto table = cache_->block_table(seq.seq_id);
+    const auto count = static_cast<int64_t>(seq.next_tokens.size());
+    const int64_t end = seq.first_position + count;
+    METRALE_CHECK(count > 0 && static_cast<int64_t>(table.size()) * block_size >= end,
+                  "MTP rows of sequence {}: {} rows to position {} with {} blocks", seq.seq_id, count, end, table.size());
+    METRALE_CHECK(t + count <= std::max(limits_.max_num_tokens, limits_.max_num_seqs), "MTP step exceeds the token limit");
+    std::copy(table.begin(), table.end(), tables + s * h.block_stride);
+    for (int64_t i = 0; i < count; ++i, ++t) {
+      const int64_t p = seq.first_position + i;
+      token_ids[t] = seq.next_tokens[static_cast<size_t>(i)];
+      positions[t] = static_cast<int32_t>(p);
+      slots[t] = table[static_cast<size_t>(p / block_size)] * static_cast<int32_t>(block_size) +
+                 static_cast<int32_t>(p % block_size);
+      gather.push_back(static_cast<int32_t>(seq.first_hidden_row + i));
+    }
+    cu_q[s + 1] = static_cast<int32_t>(t);
+    kv_lens[s] = static_cast<int32_t>(end);
+    if (seq.wants_logits) logit_rows[r++] = static_cast<int32_t>(t - 1);
+    h.max_q_len = std::max(h.max_q_len, count);
+    h.max_kv_len = std::max(h.max_kv_len, end);
+  }
+  h.num_tokens = t;
+  h.num_seqs = num_seqs;
+  h.num_rows = r;
+  h.has_state_slots = false;  // the MTP layers are attention only
+  ForwardBatch batch = upload(/*fixed_block_stride=*/false);
+  const DType act = activation_dtype_of(device);
+  const Tensor index = grown(mtp_gather_, DType::kI32, {t}, device);
+  copy_bytes(index.data(), device, gather.data(), Device::cpu(), gather.size() * sizeof(int32_t));
+  const Tensor hidden_in = grown(mtp_hidden_in_, act, {t, hidden_size}, device);
+  kernels::gather_rows(hidden_source, index, hidden_in);
+  mtp_flip_ ^= 1;
+  out_hidden = grown(mtp_out_[mtp_flip_], act, {t, hidden_size}, device);
+  batch.hidden_out = out_hidden;
+  const Tensor logits = grown(mtp_logits_, DType::kF32, {r, model_.config().vocab_size}, device);
+  workspace_.reset();
+  model_.mtp_forward(batch, cache_->layer_caches(), hidden_in, logits, workspace_, mtp_layer);
+  return logits;
 }
 
 size_t Runner::plan_workspace() {

@@ -10,6 +10,10 @@ namespace {
 void preempt(Sequence* sequence, CacheManager& cache) {
   cache.free_sequence(sequence->id);
   sequence->num_computed = 0;
+  sequence->mtp_computed = 0;
+  sequence->draft_tokens.clear();
+  sequence->draft_probs.clear();
+  sequence->draft_base = -1;
   sequence->status = SequenceStatus::kWaiting;
   ++sequence->num_preemptions;
 }
@@ -39,7 +43,16 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
       kept.push_back(sequence);
       continue;
     }
-    bool reserved = cache.reserve(sequence->id, sequence->num_computed + count);
+    // Drafts ride on a chunk that reaches the end of the known tokens (a decode row), under the
+    // same budget; they are the first thing given up when blocks are short.
+    int64_t drafts = 0;
+    if (sequence->num_computed + count == sequence->num_tokens() && sequence->draft_base == sequence->num_tokens())
+      drafts = std::clamp<int64_t>(budget - count, 0, static_cast<int64_t>(sequence->draft_tokens.size()));
+    bool reserved = cache.reserve(sequence->id, sequence->num_computed + count + drafts);
+    if (!reserved && drafts > 0) {
+      drafts = 0;
+      reserved = cache.reserve(sequence->id, sequence->num_computed + count);
+    }
     while (!reserved && running.size() > i + 1) {
       Sequence* victim = running.back();
       running.pop_back();
@@ -54,9 +67,10 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
       continue;
     }
     kept.push_back(sequence);
-    plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens()});
-    plan.num_tokens += count;
-    budget -= count;
+    plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens(), drafts});
+    plan.num_tokens += count + drafts;
+    plan.num_draft_rows += drafts;
+    budget -= count + drafts;
   }
   running = std::move(kept);
   // Preempted sequences go back to the front of the queue, oldest first.
@@ -90,7 +104,8 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
     waiting.pop_front();
     sequence->status = SequenceStatus::kRunning;
     running.push_back(sequence);
-    plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens()});
+    sequence->mtp_computed = sequence->num_computed;  // a prefix hit's blocks hold its MTP keys too
+    plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens(), 0});
     plan.num_tokens += count;
     budget -= count;
   }

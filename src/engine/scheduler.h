@@ -33,11 +33,16 @@ struct ScheduledChunk {
   Sequence* sequence = nullptr;
   int64_t num_new = 0;     // tokens computed this step: [num_computed, num_computed + num_new)
   bool samples = false;    // the chunk reaches the end of the known tokens: its last row yields a token
+  // Speculative verify: rows after the known tokens holding the sequence's first num_drafts
+  // draft_tokens (positions [num_tokens, num_tokens + num_drafts)); only on chunks that sample.
+  int64_t num_drafts = 0;
+  int64_t num_rows() const { return num_new + num_drafts; }
 };
 
 struct SchedulePlan {
   std::vector<ScheduledChunk> chunks;
-  int64_t num_tokens = 0;
+  int64_t num_tokens = 0;           // rows, draft rows included
+  int64_t num_draft_rows = 0;
   std::vector<Sequence*> preempted;  // moved back to waiting this step
   // Admissions of this step: tokens looked up in the prefix cache, tokens found there, and hits
   // that restored a recurrent-state checkpoint.

@@ -115,6 +115,33 @@ class FakeHybridModel : public Model {
     return specs;
   }
 
+  // Verify: (a, b) after every row, int64 each.
+  size_t verify_scratch_bytes(int64_t num_tokens, int64_t) const override {
+    return options_.recurrent ? static_cast<size_t>(num_tokens) * 2 * sizeof(int64_t) : 0;
+  }
+
+  void commit_verified(const ForwardBatch& batch, std::span<const int32_t> kept_rows, std::span<const LayerCache> caches,
+                       Arena&) override {
+    if (!options_.recurrent) return;
+    if (!batch.verify) raise(ErrorCode::kInternal, "fake model: commit of a step that was not a verify");
+    const auto* rows = batch.verify_scratch.data_as<const int64_t>();
+    for (int64_t s = 0; s < batch.num_seqs; ++s) {
+      const int64_t first = batch.host_cu_q[static_cast<size_t>(s)], last = batch.host_cu_q[static_cast<size_t>(s) + 1];
+      const int64_t kept = kept_rows[static_cast<size_t>(s)];
+      if (kept < 1 || kept > last - first) raise(ErrorCode::kInternal, "fake model: keeps {} of {} rows", kept, last - first);
+      const int64_t row = first + kept - 1;
+      const int64_t length = batch.host_kv_lens[static_cast<size_t>(s)] - (last - first) + kept;
+      const int32_t slot = batch.host_state_slots[static_cast<size_t>(s)];
+      float* state0 = caches[1].states[0].data_as<float>() + slot * 2;
+      float* state1 = caches[1].states[1].data_as<float>() + slot * options_.state_width;
+      state0[0] = static_cast<float>(rows[2 * row]);
+      state0[1] = static_cast<float>(length);
+      state1[0] = static_cast<float>(rows[2 * row + 1]);
+      state1[1] = static_cast<float>(rows[2 * row]);
+      state1[2] = static_cast<float>(length);
+    }
+  }
+
   void forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& logits, Arena&) override {
     constexpr int64_t kModA = 65521, kModB = 8191;
     const int64_t vocab = config_.vocab_size;
@@ -173,8 +200,14 @@ class FakeHybridModel : public Model {
           key_sum = (key_sum + static_cast<int64_t>(key[0]) * (j + 1)) % kModA;
         }
         targets[static_cast<size_t>(t)] = (a * 7 + b * 3 + key_sum) % vocab;
+        if (options_.recurrent && batch.verify) {
+          // Verify: the state after each row goes to the scratch; commit_verified picks the kept one.
+          auto* rows = batch.verify_scratch.data_as<int64_t>();
+          rows[2 * t] = a;
+          rows[2 * t + 1] = b;
+        }
       }
-      if (options_.recurrent) {
+      if (options_.recurrent && !batch.verify) {
         state0[0] = static_cast<float>(a);
         state0[1] = static_cast<float>(kv_len);
         state1[0] = static_cast<float>(b);

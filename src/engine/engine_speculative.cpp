@@ -1,0 +1,312 @@
+// Engine: the speculative-decoding parts of the step (engine/speculator.h has the scheme).
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/engine.h"
+#include "runtime/buffer.h"
+
+namespace metrale {
+namespace {
+
+// Independent counter-based random streams of a request, besides the Sampler's own (seed, step).
+constexpr uint64_t kAcceptStream = 0x5eca'cce9'7000'0001ull;
+constexpr uint64_t kResidualStream = 0x5eca'cce9'7000'0002ull;
+constexpr uint64_t kDraftStream = 0x5eca'cce9'7000'0003ull;
+constexpr uint64_t kReplayStream = 0x5eca'cce9'7000'0004ull;
+
+float stream_uniform(uint64_t seed, uint64_t stream, uint64_t step) {
+  return uniform_for(splitmix64_at(seed, stream), step);
+}
+
+// A sequence that decodes next step: its only uncomputed token is the last one.
+bool is_decoding(const Sequence& sequence) {
+  return sequence.num_computed == sequence.num_tokens() - 1 && sequence.num_output() > 0 &&
+         !sequence.request.return_prompt_logits;
+}
+
+// Drafts worth verifying for a sequence: the j-th draft is kept while the chance that the chain
+// reaches it stays above this.
+constexpr double kMinDraftReach = 0.15;
+
+}  // namespace
+
+void Engine::configure_speculation(std::vector<LayerCacheSpec>& specs) {
+  SpeculativeConfig& spec = config_.speculative;
+  spec.validate();
+  if (spec.method == SpeculativeMethod::kNone) return;
+  const bool recurrent = std::any_of(specs.begin(), specs.end(), [](const LayerCacheSpec& layer) {
+    return layer.kind == LayerCacheKind::kRecurrent && !layer.states.empty();
+  });
+  if (recurrent && model_->verify_scratch_bytes(2, 1) == 0) {
+    // Without the verify contract a verify step would advance the recurrent state over rejected
+    // drafts: speculation would change the output.
+    METRALE_LOG_WARN("speculative decoding is off: model '{}' has recurrent layers that cannot verify drafts",
+                     model_->config().model_type);
+    spec.method = SpeculativeMethod::kNone;
+    return;
+  }
+  if (spec.method == SpeculativeMethod::kMtp) {
+    if (!model_->has_mtp()) {
+      raise(ErrorCode::kInvalidArgument, "--speculative-method mtp: model '{}' has no MTP head (mtp.* weights)",
+            model_->config().model_type);
+    }
+    const std::vector<LayerCacheSpec> mtp = model_->mtp_cache_specs();
+    specs.insert(specs.end(), mtp.begin(), mtp.end());
+  }
+  // Priors until measured: the MTP head of a trained checkpoint accepts most drafts; n-gram lookup
+  // only where text repeats.
+  spec_controller_ = SpeculationController(spec, spec.method == SpeculativeMethod::kMtp ? 0.6 : 0.4);
+  METRALE_LOG_INFO("speculative decoding: {} with up to {} drafts{}", speculative_method_name(spec.method),
+                   spec.num_drafts, spec.replay_accept_rate >= 0.0 ? " (BENCHMARK MODE: acceptance replayed)" : "");
+}
+
+void Engine::prepare_drafts() {
+  const SpeculativeConfig& spec = config_.speculative;
+  int64_t num_decoding = 0, other_rows = 0;
+  for (const Sequence* sequence : running_) {
+    if (is_decoding(*sequence)) {
+      ++num_decoding;
+    } else {
+      other_rows += std::min<int64_t>(sequence->num_tokens() - sequence->num_computed,
+                                      config_.scheduler.max_num_batched_tokens);
+    }
+  }
+  int32_t step_drafts = spec_controller_.choose_num_drafts(num_decoding, other_rows);
+  if (spec.adaptive && step_drafts == 0 && num_decoding > 0) {
+    // Off: probe with one draft now and then so that a change in acceptance is noticed (at most
+    // one step in 64 costs extra rows).
+    if (++steps_without_drafts_ >= 64) {
+      step_drafts = 1;
+      steps_without_drafts_ = 0;
+    }
+  } else {
+    steps_without_drafts_ = 0;
+  }
+  // MTP: the head runs (catch-up and drafts, and the trunk keeps its hidden states, which also
+  // keeps decode steps off the CUDA graphs) only while drafts are wanted, and on the step before a
+  // probe. While off, the MTP keys of the skipped positions are not written: later drafts attend
+  // to stale entries there, which lowers their acceptance but never changes the output.
+  mtp_active_ = spec.method == SpeculativeMethod::kMtp &&
+                (step_drafts > 0 || !spec.adaptive || steps_without_drafts_ >= 63);
+  runner_->set_keep_hidden(mtp_active_);
+  const bool replay = spec.replay_accept_rate >= 0.0;
+  for (Sequence* sequence : running_) {
+    if (!is_decoding(*sequence)) {
+      sequence->draft_tokens.clear();
+      sequence->draft_probs.clear();
+      continue;
+    }
+    // No drafts past max_tokens (the verify emits one token more than it accepts) or the context.
+    int64_t limit = std::min<int64_t>(step_drafts, sequence->request.max_tokens - sequence->num_output() - 1);
+    limit = std::min<int64_t>(limit, plan_.max_model_len - sequence->num_tokens());
+    if (spec.adaptive && !replay) {
+      const double a = spec_controller_.acceptance(sequence->acceptance_ema);
+      int64_t worth = 0;
+      for (double reach = a; worth < limit && reach >= kMinDraftReach; reach *= a) ++worth;
+      limit = std::min(limit, worth);
+    }
+    limit = std::max<int64_t>(limit, 0);
+    if (spec.method == SpeculativeMethod::kNgram) {
+      sequence->draft_tokens = propose_ngram_drafts(sequence->tokens, spec.ngram_min, spec.ngram_max,
+                                                    static_cast<int32_t>(limit));
+      sequence->draft_probs.clear();
+      sequence->draft_base = sequence->num_tokens();
+    } else if (sequence->draft_base != sequence->num_tokens()) {
+      sequence->draft_tokens.clear();  // MTP drafts of an older state (e.g. made before a preemption)
+      sequence->draft_probs.clear();
+    }
+    if (replay) {
+      // Benchmark mode: rows matter, not what they hold; pad to the step's count.
+      sequence->draft_tokens.resize(static_cast<size_t>(limit), sequence->tokens.back());
+      sequence->draft_probs.clear();
+      sequence->draft_base = sequence->num_tokens();
+    }
+    if (static_cast<int64_t>(sequence->draft_tokens.size()) > limit) {
+      sequence->draft_tokens.resize(static_cast<size_t>(limit));
+      if (!sequence->draft_probs.empty())
+        sequence->draft_probs.resize(static_cast<size_t>(limit * model_->config().vocab_size));
+    }
+  }
+}
+
+std::vector<SampledToken> Engine::accept_chunk(const LogitRowUse& use, const Tensor& logits, int64_t& accepted) {
+  Sequence& sequence = *use.chunk.sequence;
+  const SamplingParams& params = sequence.request.sampling;
+  const int64_t vocab = model_->config().vocab_size;
+  const int64_t num_drafts = use.chunk.num_drafts;
+  METRALE_CHECK(use.num_rows >= 1 + num_drafts, "sequence {}: {} logit rows for {} drafts", sequence.id, use.num_rows,
+                num_drafts);
+  const int64_t first = use.first_row + use.num_rows - 1 - num_drafts;  // the row of the last known token
+  const bool replay = config_.speculative.replay_accept_rate >= 0.0;
+  accepted = 0;
+  std::vector<SampledToken> emitted;
+  // The output as the token being chosen sees it: accepted drafts included (penalties).
+  std::vector<int32_t> history(sequence.output().begin(), sequence.output().end());
+  spec_scratch_.resize(static_cast<size_t>(vocab));
+  for (int64_t i = 0; i <= num_drafts; ++i) {
+    float* row = logits.data_as<float>() + (first + i) * vocab;
+    const std::span<float> raw(row, static_cast<size_t>(vocab));
+    const auto step = static_cast<uint64_t>(sequence.num_output() + i);
+    const bool last = i == num_drafts;
+    const int32_t draft = last ? -1 : sequence.draft_tokens[static_cast<size_t>(i)];
+    if (replay && !last) {
+      // Benchmark mode: a seeded Bernoulli(p) stands in for the comparison with the target.
+      if (stream_uniform(config_.speculative.replay_seed ^ sequence.seed, kReplayStream, step) <
+          config_.speculative.replay_accept_rate) {
+        emitted.push_back(describe_token(raw, draft, params.top_logprobs));
+        ++accepted;
+        continue;
+      }
+    }
+    if (params.is_greedy() || last || replay) {
+      // Greedy: the target's own choice, exactly as without speculation; a draft is kept when it
+      // is that choice. The last row (bonus) samples as a plain decode row does.
+      std::copy(raw.begin(), raw.end(), spec_scratch_.begin());
+      SampledToken token = sampler_.sample(spec_scratch_, params, sequence.prompt(), history, sequence.seed, step);
+      const bool matches = !last && !replay && token.token == draft;
+      emitted.push_back(std::move(token));
+      if (!matches) break;
+      ++accepted;
+      history.push_back(draft);
+      continue;
+    }
+    // Sampling: rejection sampling against the target distribution of this row.
+    std::copy(raw.begin(), raw.end(), spec_scratch_.begin());
+    spec_probs_.resize(static_cast<size_t>(vocab));
+    target_distribution(sampler_, spec_scratch_, params, sequence.prompt(), history, spec_probs_);
+    std::span<const float> q;
+    if (!sequence.draft_probs.empty()) {
+      q = std::span<const float>(sequence.draft_probs).subspan(static_cast<size_t>(i * vocab), static_cast<size_t>(vocab));
+    }
+    bool kept = false;
+    const int32_t token = rejection_sample(spec_probs_, q, draft, stream_uniform(sequence.seed, kAcceptStream, step),
+                                           stream_uniform(sequence.seed, kResidualStream, step), kept);
+    emitted.push_back(describe_token(raw, token, params.top_logprobs));
+    if (!kept) break;
+    ++accepted;
+    history.push_back(draft);
+  }
+  return emitted;
+}
+
+void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> kept_rows) {
+  const SpeculativeConfig& spec = config_.speculative;
+  const int64_t vocab = model_->config().vocab_size;
+  const int64_t num_layers = std::max<int64_t>(model_->num_mtp_layers(), 1);
+  // Catch-up: every kept row of this step gets its MTP keys (row t with h_t and x_{t+1}); the last
+  // row of a decoding sequence also drafts the token after its new one.
+  std::vector<MtpRows> rows;
+  std::vector<Sequence*> drafting;
+  for (size_t u = 0; u < result.uses.size(); ++u) {
+    const LogitRowUse& use = result.uses[u];
+    Sequence& sequence = *use.chunk.sequence;
+    if (sequence.finished()) continue;
+    const int64_t count = kept_rows[u];
+    const int64_t first_position = sequence.num_computed - count;
+    MtpRows seq_rows;
+    seq_rows.seq_id = sequence.id;
+    seq_rows.first_position = first_position;
+    seq_rows.first_hidden_row = use.first_batch_row;
+    seq_rows.next_tokens.assign(sequence.tokens.begin() + first_position + 1,
+                                sequence.tokens.begin() + first_position + 1 + count);
+    seq_rows.wants_logits = is_decoding(sequence);
+    if (seq_rows.wants_logits) drafting.push_back(&sequence);
+    rows.push_back(std::move(seq_rows));
+    sequence.mtp_computed = sequence.num_computed;
+  }
+  if (rows.empty()) return;
+  Tensor hidden;
+  Tensor logits = runner_->run_mtp(rows, runner_->last_hidden(), 0, hidden);
+  if (drafting.empty()) return;
+  // Draft j + 1 of a sequence continues from its o_t row of the step that drafted j.
+  std::vector<int64_t> hidden_row(drafting.size());
+  {
+    int64_t t = 0;
+    size_t d = 0;
+    for (const MtpRows& seq_rows : rows) {
+      t += static_cast<int64_t>(seq_rows.next_tokens.size());
+      if (seq_rows.wants_logits) hidden_row[d++] = t - 1;
+    }
+  }
+  const auto take_drafts = [&](const Tensor& step_logits, std::span<Sequence* const> sequences) {
+    std::vector<float> host(static_cast<size_t>(step_logits.numel()));
+    copy_bytes(host.data(), Device::cpu(), step_logits.data(), step_logits.device(), host.size() * sizeof(float));
+    for (size_t d = 0; d < sequences.size(); ++d) {
+      Sequence& sequence = *sequences[d];
+      const SamplingParams& params = sequence.request.sampling;
+      const std::span<float> row(host.data() + static_cast<int64_t>(d) * vocab, static_cast<size_t>(vocab));
+      if (params.is_greedy() || spec.replay_accept_rate >= 0.0) {
+        // Argmax, lowest id on ties; NaN never wins (a draft's value only affects acceptance).
+        int32_t best = 0;
+        for (int64_t v = 1; v < vocab; ++v)
+          if (row[static_cast<size_t>(v)] > row[static_cast<size_t>(best)]) best = static_cast<int32_t>(v);
+        sequence.draft_tokens.push_back(best);
+        continue;
+      }
+      // Sampling: draw the draft from the head's distribution under the request's parameters and
+      // keep that distribution (q) for rejection sampling.
+      std::vector<int32_t> history(sequence.output().begin(), sequence.output().end());
+      history.insert(history.end(), sequence.draft_tokens.begin(), sequence.draft_tokens.end());
+      for (float& x : row) {
+        if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
+      }
+      const size_t offset = sequence.draft_probs.size();
+      sequence.draft_probs.resize(offset + static_cast<size_t>(vocab));
+      const std::span<float> q(sequence.draft_probs.data() + offset, static_cast<size_t>(vocab));
+      target_distribution(sampler_, row, params, sequence.prompt(), history, q);
+      const auto step = static_cast<uint64_t>(sequence.num_output() + static_cast<int64_t>(sequence.draft_tokens.size()) + 1);
+      const double target = static_cast<double>(stream_uniform(sequence.seed, kDraftStream, step));
+      double running = 0.0;
+      int32_t chosen = -1;
+      for (int64_t v = 0; v < vocab; ++v) {
+        if (q[static_cast<size_t>(v)] <= 0.0f) continue;
+        running += q[static_cast<size_t>(v)];
+        chosen = static_cast<int32_t>(v);
+        if (running > target) break;
+      }
+      sequence.draft_tokens.push_back(std::max(chosen, 0));
+    }
+  };
+  for (Sequence* sequence : drafting) {
+    sequence->draft_tokens.clear();
+    sequence->draft_probs.clear();
+    sequence->draft_base = sequence->num_tokens();
+  }
+  take_drafts(logits, drafting);
+  // Chained drafts: row t + j with the draft before it and the o_t of the previous MTP step.
+  const int32_t wanted = spec.adaptive ? std::max(1, spec_controller_.choose_num_drafts(
+                                                        static_cast<int64_t>(running_.size()), 0))
+                                       : spec.num_drafts;
+  std::vector<Sequence*> active = drafting;
+  for (int32_t j = 1; j < wanted && !active.empty(); ++j) {
+    std::vector<MtpRows> chain;
+    std::vector<Sequence*> next_active;
+    std::vector<int64_t> next_hidden_row;
+    for (size_t d = 0; d < active.size(); ++d) {
+      Sequence& sequence = *active[d];
+      const int64_t position = sequence.num_computed - 1 + j;
+      // Room for this row's MTP keys (the verify step reserves the same blocks anyway).
+      if (position + 1 > plan_.max_model_len || !cache_->reserve(sequence.id, position + 1)) continue;
+      MtpRows row;
+      row.seq_id = sequence.id;
+      row.first_position = position;
+      row.next_tokens = {sequence.draft_tokens.back()};
+      row.first_hidden_row = hidden_row[d];
+      row.wants_logits = true;
+      chain.push_back(std::move(row));
+      next_active.push_back(&sequence);
+      next_hidden_row.push_back(static_cast<int64_t>(next_active.size()) - 1);
+    }
+    if (chain.empty()) break;
+    Tensor next_hidden;
+    const Tensor chain_logits = runner_->run_mtp(chain, hidden, j % num_layers, next_hidden);
+    take_drafts(chain_logits, next_active);
+    hidden = next_hidden;
+    active = std::move(next_active);
+    hidden_row = std::move(next_hidden_row);
+  }
+}
+
+}  // namespace metrale
