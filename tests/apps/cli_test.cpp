@@ -1,71 +1,46 @@
 // The `metrale` command as a user runs it: exit codes (0 ok, 1 runtime error, 2 usage error), the
 // one-line error message, `score` reproducing the golden logits, and `generate --json`.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
+#include <unistd.h>
 
-#include <array>
 #include <cmath>
-#include <cstdio>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
 
+#include "apps/cli_helpers.h"
 #include "core/npy.h"
 #include "core/strings.h"
 
 namespace metrale {
 namespace {
 
-const std::string kBinary = std::string(METRALE_BINARY_DIR) + "/bin/metrale";
+using testing::join_ids;
+using testing::run_metrale;
+
 const std::filesystem::path kGoldens = std::filesystem::path(METRALE_TEST_DATA_DIR) / "goldens";
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string out;  // stdout
-  std::string err;  // stderr
-};
-
-CommandResult run(const std::string& args) {
-  const auto err_path = std::filesystem::temp_directory_path() / ("metrale_cli_err_" + std::to_string(::getpid()));
-  const std::string command = kBinary + " " + args + " 2>" + err_path.string();
-  CommandResult result;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  std::array<char, 4096> buffer{};
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.out.append(buffer.data(), n);
-  const int status = ::pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  result.err = read_file(err_path);
-  std::filesystem::remove(err_path);
-  return result;
-}
-
 std::string ids_arg(const std::filesystem::path& input_ids_json) {
-  const auto ids = nlohmann::json::parse(read_file(input_ids_json));
-  std::string text;
-  for (const auto& id : ids) {
-    if (!text.empty()) text.push_back(',');
-    text.append(std::to_string(id.get<int>()));
-  }
-  return text;
+  return join_ids(nlohmann::json::parse(read_file(input_ids_json)));
 }
 
 TEST(Cli, HelpAndVersionSucceed) {
-  EXPECT_EQ(run("--help").exit_code, 0);
-  EXPECT_EQ(run("--version").exit_code, 0);
-  EXPECT_EQ(run("generate --help").exit_code, 0);
+  EXPECT_EQ(run_metrale("--help").exit_code, 0);
+  EXPECT_EQ(run_metrale("--version").exit_code, 0);
+  EXPECT_EQ(run_metrale("generate --help").exit_code, 0);
 }
 
 TEST(Cli, UsageErrorsExitTwo) {
-  EXPECT_EQ(run("").exit_code, 2);
-  EXPECT_EQ(run("no-such-command").exit_code, 2);
-  EXPECT_EQ(run("generate --max-tokens banana").exit_code, 2);
-  const auto both = run("generate --model " + (kGoldens / "qwen3_tied" / "model").string() + " --prompt hi --prompt-ids 1");
+  EXPECT_EQ(run_metrale("").exit_code, 2);
+  EXPECT_EQ(run_metrale("no-such-command").exit_code, 2);
+  EXPECT_EQ(run_metrale("generate --max-tokens banana").exit_code, 2);
+  const auto both =
+      run_metrale("generate --model " + (kGoldens / "qwen3_tied" / "model").string() + " --prompt hi --prompt-ids 1");
   EXPECT_EQ(both.exit_code, 2);
   EXPECT_NE(both.err.find("metrale: error:"), std::string::npos) << both.err;
-  EXPECT_EQ(run("score --model " + (kGoldens / "qwen3_tied" / "model").string() + " --tokens 1,x,3").exit_code, 2);
-  EXPECT_EQ(run("score --model /nonexistent/model --tokens 1,2").exit_code, 2);
+  EXPECT_EQ(run_metrale("score --model " + (kGoldens / "qwen3_tied" / "model").string() + " --tokens 1,x,3").exit_code,
+            2);
+  EXPECT_EQ(run_metrale("score --model /nonexistent/model --tokens 1,2").exit_code, 2);
 }
 
 TEST(Cli, RuntimeErrorsExitOneWithOneLine) {
@@ -73,7 +48,7 @@ TEST(Cli, RuntimeErrorsExitOneWithOneLine) {
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "config.json") << R"({"model_type": "not_a_model", "vocab_size": 8, "hidden_size": 8,
     "num_hidden_layers": 1, "num_attention_heads": 1})";
-  const auto result = run("score --model " + dir.string() + " --tokens 1,2");
+  const auto result = run_metrale("score --model " + dir.string() + " --tokens 1,2");
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_NE(result.err.find("unknown model_type 'not_a_model'"), std::string::npos) << result.err;
   EXPECT_EQ(std::count(result.err.begin(), result.err.end(), '\n'), 1) << result.err;
@@ -85,9 +60,11 @@ TEST(Cli, ScoreReproducesGoldenLogits) {
   ASSERT_TRUE(std::filesystem::exists(case_dir / "logits.npy")) << case_dir;
   const auto reference = read_npy_f32(case_dir / "logits.npy");
   for (const char* chunk : {"0", "16", "1"}) {
-    const auto out = std::filesystem::temp_directory_path() / ("metrale_cli_score_" + std::to_string(::getpid()) + ".npy");
-    const auto result = run("score --model " + (case_dir / "model").string() + " --tokens " +
-                            ids_arg(case_dir / "input_ids.json") + " --out " + out.string() + " --chunk " + chunk);
+    const auto out =
+        std::filesystem::temp_directory_path() / ("metrale_cli_score_" + std::to_string(::getpid()) + ".npy");
+    const auto result =
+        run_metrale("score --model " + (case_dir / "model").string() + " --tokens " +
+                    ids_arg(case_dir / "input_ids.json") + " --out " + out.string() + " --chunk " + chunk);
     ASSERT_EQ(result.exit_code, 0) << result.err;
     const auto summary = nlohmann::json::parse(result.out);
     EXPECT_TRUE(summary.at("perplexity").get<double>() > 1.0);
@@ -105,15 +82,18 @@ TEST(Cli, ScoreReproducesGoldenLogits) {
 
 TEST(Cli, GenerateJsonFromTokenIds) {
   const auto model = kGoldens / "qwen3_tied" / "model";
-  const auto result = run("generate --model " + model.string() + " --prompt-ids 5,6,7 --max-tokens 5 --temperature 0 --ignore-eos --json");
+  const auto result = run_metrale("generate --model " + model.string() +
+                                  " --prompt-ids 5,6,7 --max-tokens 5 --temperature 0 --ignore-eos --json");
   ASSERT_EQ(result.exit_code, 0) << result.err;
   const auto output = nlohmann::json::parse(result.out);
   EXPECT_EQ(output.at("token_ids").size(), 5u);
   EXPECT_EQ(output.at("finish_reason"), "length");
   EXPECT_TRUE(output.contains("text"));
   // Seeded sampling is reproducible run to run.
-  const std::string sampled = "generate --model " + model.string() + " --prompt-ids 5,6,7 --max-tokens 8 --temperature 1 --seed 3 --ignore-eos --json";
-  EXPECT_EQ(nlohmann::json::parse(run(sampled).out).at("token_ids"), nlohmann::json::parse(run(sampled).out).at("token_ids"));
+  const std::string sampled = "generate --model " + model.string() +
+                              " --prompt-ids 5,6,7 --max-tokens 8 --temperature 1 --seed 3 --ignore-eos --json";
+  EXPECT_EQ(nlohmann::json::parse(run_metrale(sampled).out).at("token_ids"),
+            nlohmann::json::parse(run_metrale(sampled).out).at("token_ids"));
 }
 
 }  // namespace

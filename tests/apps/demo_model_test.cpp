@@ -2,52 +2,25 @@
 // `metrale score` reproduces the logits transformers computed for a held-out snippet, and the
 // perplexity of the held-out file the training script printed.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <cmath>
-#include <cstdio>
 #include <filesystem>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "apps/cli_helpers.h"
 #include "core/npy.h"
 #include "core/strings.h"
 
 namespace metrale {
 namespace {
 
-const std::string kBinary = std::string(METRALE_BINARY_DIR) + "/bin/metrale";
+using testing::join_ids;
+using testing::run_metrale;
+
 const std::filesystem::path kDemo = std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "demo";
-
-struct CommandResult {
-  int exit_code = -1;
-  std::string out;
-};
-
-CommandResult run(const std::string& args) {
-  const std::string command = kBinary + " " + args + " 2>&1";
-  CommandResult result;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  std::array<char, 4096> buffer{};
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.out.append(buffer.data(), n);
-  const int status = ::pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
-
-std::string join_ids(const nlohmann::json& ids) {
-  std::string text;
-  for (const auto& id : ids) {
-    if (!text.empty()) text.push_back(',');
-    text.append(std::to_string(id.get<int>()));
-  }
-  return text;
-}
 
 // The last line of `score`'s output is its JSON summary.
 nlohmann::json summary_of(const std::string& out) {
@@ -66,9 +39,9 @@ TEST(DemoModel, ScoreReproducesTransformersLogits) {
   for (const char* chunk : {"0", "7", "1"}) {
     const auto out =
         std::filesystem::temp_directory_path() / ("metrale_demo_logits_" + std::to_string(::getpid()) + ".npy");
-    const auto result = run("score --model " + kDemo.string() + " --tokens " + ids + " --out " + out.string() +
-                            " --chunk " + chunk + " --device cpu");
-    ASSERT_EQ(result.exit_code, 0) << result.out;
+    const auto result = run_metrale("score --model " + kDemo.string() + " --tokens " + ids + " --out " + out.string() +
+                                    " --chunk " + chunk + " --device cpu");
+    ASSERT_EQ(result.exit_code, 0) << result.out << result.err;
     const auto logits = read_npy_f32(out);
     std::filesystem::remove(out);
     ASSERT_EQ(logits.shape, reference.shape);
@@ -89,8 +62,8 @@ TEST(DemoModel, HeldOutPerplexityMatchesTrainingScript) {
   const auto& eval = train_log().at("heldout_eval");
   const double expected = eval.at("perplexity").get<double>();
   const auto result =
-      run("score --model " + kDemo.string() + " --tokens " + join_ids(eval.at("input_ids")) + " --device cpu");
-  ASSERT_EQ(result.exit_code, 0) << result.out;
+      run_metrale("score --model " + kDemo.string() + " --tokens " + join_ids(eval.at("input_ids")) + " --device cpu");
+  ASSERT_EQ(result.exit_code, 0) << result.out << result.err;
   const double perplexity = summary_of(result.out).at("perplexity").get<double>();
   EXPECT_NEAR(perplexity, expected, 0.01 * expected);
 }

@@ -8,12 +8,14 @@
 #include <map>
 #include <thread>
 
+#include "engine/request_helpers.h"
 #include "engine/test_models_helpers.h"
 #include "model/registry.h"
 
 namespace metrale {
 namespace {
 
+using testing::make_request;
 using testing::TinyQwen3Options;
 using testing::write_tiny_qwen3;
 using namespace std::chrono_literals;
@@ -25,17 +27,6 @@ const std::filesystem::path& model_dir() {
 
 std::unique_ptr<Engine> make_engine(EngineConfig config = {}) {
   return std::make_unique<Engine>(load_model(model_dir(), Device::cpu()), config);
-}
-
-Request make_request(std::vector<int32_t> prompt, int32_t max_tokens, float temperature = 0.0f,
-                     std::optional<uint64_t> seed = std::nullopt) {
-  Request request;
-  request.prompt = std::move(prompt);
-  request.max_tokens = max_tokens;
-  request.ignore_eos = true;
-  request.sampling.temperature = temperature;
-  request.sampling.seed = seed;
-  return request;
 }
 
 // Everything a stream delivered, per request index.

@@ -7,12 +7,14 @@
 #include <map>
 
 #include "core/error.h"
+#include "engine/request_helpers.h"
 #include "engine/test_models_helpers.h"
 #include "model/registry.h"
 
 namespace metrale {
 namespace {
 
+using testing::make_request;
 using testing::TinyQwen3Options;
 using testing::write_tiny_qwen3;
 
@@ -40,17 +42,6 @@ void expect_cache_drained(const Engine& engine) {
   EXPECT_EQ(pool.num_free() + pool.num_used(), pool.num_blocks());
   EXPECT_EQ(engine.cache().num_sequences(), 0u);
   EXPECT_NO_THROW(engine.cache().check_integrity());
-}
-
-Request make_request(std::vector<int32_t> prompt, int32_t max_tokens, float temperature = 0.0f,
-                     std::optional<uint64_t> seed = std::nullopt) {
-  Request request;
-  request.prompt = std::move(prompt);
-  request.max_tokens = max_tokens;
-  request.ignore_eos = true;
-  request.sampling.temperature = temperature;
-  request.sampling.seed = seed;
-  return request;
 }
 
 const std::vector<std::vector<int32_t>> kPrompts = {

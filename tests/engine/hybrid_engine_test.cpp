@@ -9,6 +9,7 @@
 #include <random>
 
 #include "engine/engine.h"
+#include "engine/request_helpers.h"
 #include "model/config.h"
 #include "model/registry.h"
 #include "runtime/buffer.h"
@@ -52,11 +53,7 @@ void expect_close(const std::vector<float>& actual, const std::vector<float>& ex
 }
 
 Request greedy(std::vector<int32_t> prompt, int32_t max_tokens) {
-  Request request;
-  request.prompt = std::move(prompt);
-  request.max_tokens = max_tokens;
-  request.ignore_eos = true;
-  request.sampling.temperature = 0.0f;
+  Request request = testing::make_request(std::move(prompt), max_tokens);
   request.sampling.top_logprobs = 8;
   return request;
 }

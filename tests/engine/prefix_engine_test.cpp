@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "engine/engine.h"
+#include "engine/request_helpers.h"
 #include "engine/test_models_helpers.h"
 #include "model/registry.h"
 
@@ -27,6 +28,7 @@ namespace {
 
 using testing::FakeHybridOptions;
 using testing::make_fake_hybrid_model;
+using testing::make_request;
 using testing::write_tiny_qwen3;
 
 struct ModelKind {
@@ -54,16 +56,6 @@ EngineConfig cold_config() {
   EngineConfig config;
   config.enable_prefix_caching = false;
   return config;
-}
-
-Request make_request(std::vector<int32_t> prompt, int32_t max_tokens, float temperature = 0.0f, uint64_t seed = 0) {
-  Request request;
-  request.prompt = std::move(prompt);
-  request.max_tokens = max_tokens;
-  request.ignore_eos = true;
-  request.sampling.temperature = temperature;
-  request.sampling.seed = seed;
-  return request;
 }
 
 std::vector<int32_t> random_tokens(size_t count, int64_t vocab, uint64_t seed) {

@@ -12,6 +12,7 @@
 #include <random>
 
 #include "engine/engine.h"
+#include "engine/request_helpers.h"
 #include "engine/speculator.h"
 #include "model/registry.h"
 #include "runtime/buffer.h"
@@ -50,11 +51,7 @@ std::map<int64_t, Generated> run(Engine& engine) {
 }
 
 Request greedy(std::vector<int32_t> prompt, int32_t max_tokens) {
-  Request request;
-  request.prompt = std::move(prompt);
-  request.max_tokens = max_tokens;
-  request.ignore_eos = true;
-  request.sampling.temperature = 0.0f;
+  Request request = testing::make_request(std::move(prompt), max_tokens);
   request.sampling.top_logprobs = 3;
   return request;
 }

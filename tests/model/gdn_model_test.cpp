@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 
 #include "core/test_support.h"
 #include "model/model_helpers.h"
@@ -18,6 +17,9 @@ namespace {
 using testing::CheckpointLayout;
 using testing::ExpertLayout;
 using testing::ForwardRunner;
+using testing::load_tiny;
+using testing::random_tokens;
+using testing::slice;
 using testing::TempDir;
 using testing::TinySpec;
 using testing::TinyWeights;
@@ -30,21 +32,6 @@ constexpr double kSelfTolerance = 1e-5;
 
 using Logits = std::vector<std::vector<float>>;
 
-std::vector<int32_t> random_tokens(const TinySpec& spec, size_t count, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(spec.vocab_size - 1));
-  std::vector<int32_t> tokens(count);
-  for (auto& t : tokens) t = dist(rng);
-  return tokens;
-}
-
-std::vector<int32_t> slice(const std::vector<int32_t>& v, size_t begin, size_t end) {
-  return {v.begin() + static_cast<ptrdiff_t>(begin), v.begin() + static_cast<ptrdiff_t>(end)};
-}
-template <typename T>
-std::vector<std::vector<T>> rows_of(const std::vector<std::vector<T>>& logits, size_t begin, size_t end) {
-  return {logits.begin() + static_cast<ptrdiff_t>(begin), logits.begin() + static_cast<ptrdiff_t>(end)};
-}
 std::vector<std::vector<double>> as_double(const Logits& logits) {
   std::vector<std::vector<double>> rows;
   for (const auto& row : logits) rows.emplace_back(row.begin(), row.end());
@@ -65,19 +52,6 @@ TinySpec hybrid_spec(const std::string& model_type) {
   spec.tie_word_embeddings = false;
   if (model_type == "qwen3_next") spec.mlp_only_layers = {2};
   return spec;
-}
-
-struct LoadedModel {
-  TempDir dir;
-  std::unique_ptr<Model> model;
-};
-
-std::unique_ptr<LoadedModel> load_tiny(const TinySpec& spec, const TinyWeights& weights,
-                                       const CheckpointLayout& layout = {}) {
-  auto loaded = std::make_unique<LoadedModel>();
-  testing::write_tiny_checkpoint(loaded->dir.path(), spec, weights, layout);
-  loaded->model = load_model(loaded->dir.path(), Device::cpu());
-  return loaded;
 }
 
 // Feeds `tokens` of sequence 0 in steps of `chunk` tokens (0: all at once) and returns every row.
@@ -104,12 +78,12 @@ TEST_P(HybridForward, BatchedPrefillMatchesReference) {
   ForwardRunner runner(*loaded->model);
   const Logits logits = runner.step({{0, a}, {1, b}});
   ASSERT_EQ(logits.size(), a.size() + b.size());
-  EXPECT_LE(testing::relative_l2(rows_of(logits, 0, a.size()), testing::reference_logits(spec, weights, a)),
+  EXPECT_LE(testing::relative_l2(slice(logits, 0, a.size()), testing::reference_logits(spec, weights, a)),
             kLogitTolerance);
-  EXPECT_LE(testing::relative_l2(rows_of(logits, a.size(), logits.size()), testing::reference_logits(spec, weights, b)),
+  EXPECT_LE(testing::relative_l2(slice(logits, a.size(), logits.size()), testing::reference_logits(spec, weights, b)),
             kLogitTolerance);
   // Sensitivity: b's rows are far from those of another context (a's first 9 tokens).
-  EXPECT_GT(testing::relative_l2(rows_of(logits, a.size(), logits.size()),
+  EXPECT_GT(testing::relative_l2(slice(logits, a.size(), logits.size()),
                                  testing::reference_logits(spec, weights, slice(a, 0, 9))),
             1e-2);
 }
@@ -145,12 +119,12 @@ TEST_P(HybridForward, BatchedSequencesEqualEachAlone) {
                a3 = alone_a.step({{0, slice(a, 34, 35)}});
   const Logits b1 = alone_b.step({{0, slice(b, 0, 6)}}), b2 = alone_b.step({{0, slice(b, 6, 7)}}),
                b3 = alone_b.step({{0, slice(b, 7, 8)}});
-  EXPECT_LE(distance(rows_of(t1, 0, 20), a1), 1e-6);
-  EXPECT_LE(distance(rows_of(t1, 20, 26), b1), 1e-6);
-  EXPECT_LE(distance(rows_of(t2, 0, 1), b2), 1e-6);
-  EXPECT_LE(distance(rows_of(t2, 1, 15), a2), 1e-6);
-  EXPECT_LE(distance(rows_of(t3, 0, 1), a3), 1e-6);
-  EXPECT_LE(distance(rows_of(t3, 1, 2), b3), 1e-6);
+  EXPECT_LE(distance(slice(t1, 0, 20), a1), 1e-6);
+  EXPECT_LE(distance(slice(t1, 20, 26), b1), 1e-6);
+  EXPECT_LE(distance(slice(t2, 0, 1), b2), 1e-6);
+  EXPECT_LE(distance(slice(t2, 1, 15), a2), 1e-6);
+  EXPECT_LE(distance(slice(t3, 0, 1), a3), 1e-6);
+  EXPECT_LE(distance(slice(t3, 1, 2), b3), 1e-6);
 }
 
 // A sequence forked from another's cached prefix (KV blocks and state slot copied) continues exactly as
@@ -170,7 +144,7 @@ TEST_P(HybridForward, RestartingFromACopiedStateSlotReproducesTheContinuation) {
   EXPECT_EQ(restarted, original);
   EXPECT_EQ(restarted_decode, original_decode);
   const auto reference = testing::reference_logits(spec, weights, slice(tokens, 0, 41));
-  EXPECT_LE(testing::relative_l2(restarted, rows_of(reference, 30, 40)), kLogitTolerance);
+  EXPECT_LE(testing::relative_l2(restarted, slice(reference, 30, 40)), kLogitTolerance);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, HybridForward, ::testing::Values("qwen3_next", "qwen3_5", "qwen3_5_moe"),
@@ -226,7 +200,7 @@ TEST(HybridForward, CompositeConfigsPrefixesAndExpertLayoutsGiveIdenticalLogits)
     if (spec.is_moe_model()) {
       EXPECT_EQ(run(composite, {"model.language_model.", ExpertLayout::kFused, 2, DType::kBF16}), plain) << model_type;
     }
-    EXPECT_LE(testing::relative_l2(rows_of(plain, 0, a.size()), testing::reference_logits(spec, weights, a)),
+    EXPECT_LE(testing::relative_l2(slice(plain, 0, a.size()), testing::reference_logits(spec, weights, a)),
               kLogitTolerance)
         << model_type;
   }

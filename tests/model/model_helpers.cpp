@@ -8,6 +8,8 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "model/reference_math_helpers.h"
+#include "model/registry.h"
 #include "model/safetensors.h"
 
 namespace metrale::testing {
@@ -40,73 +42,86 @@ int TinySpec::layer_window(int64_t layer) const {
 // ---------------------------------------------------------------------------------------------
 // Weights
 
+void TinyWeightMaker::add(const std::string& key, std::vector<int64_t> shape, float lo, float hi) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  HostWeight w{std::move(shape), {}};
+  const int64_t count = std::accumulate(w.shape.begin(), w.shape.end(), int64_t{1}, std::multiplies<>());
+  w.values.resize(static_cast<size_t>(count));
+  for (auto& v : w.values) {
+    do v = round_to_bf16(dist(rng_));
+    while (v == 0.0f);
+  }
+  weights_[key] = std::move(w);
+}
+
+void TinyWeightMaker::add_dense_mlp(const TinySpec& spec, const std::string& p) {
+  const int64_t h = spec.hidden_size, inter = spec.intermediate_size;
+  add(p + "mlp.gate_proj.weight", {inter, h}, -0.3f, 0.3f);
+  add(p + "mlp.up_proj.weight", {inter, h}, -0.3f, 0.3f);
+  add(p + "mlp.down_proj.weight", {h, inter}, -0.25f, 0.25f);
+}
+
+void TinyWeightMaker::add_routed_experts(const TinySpec& spec, const std::string& p) {
+  const int64_t h = spec.hidden_size, inter = spec.moe_intermediate_size;
+  add(p + "mlp.gate.weight", {spec.num_experts, h}, -0.5f, 0.5f);
+  for (int64_t e = 0; e < spec.num_experts; ++e) {
+    const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+    add(ep + "gate_proj.weight", {inter, h}, -0.3f, 0.3f);
+    add(ep + "up_proj.weight", {inter, h}, -0.3f, 0.3f);
+    add(ep + "down_proj.weight", {h, inter}, -0.3f, 0.3f);
+  }
+}
+
 TinyWeights make_tiny_weights(const TinySpec& spec, uint64_t seed) {
   if (spec.is_hybrid()) return make_hybrid_weights(spec, seed);
-  std::mt19937_64 rng(seed);
-  TinyWeights weights;
-  // Uniform values rounded to bf16, never zero. Scales keep activations of order one.
-  const auto add = [&](const std::string& key, std::vector<int64_t> shape, float lo, float hi) {
-    std::uniform_real_distribution<float> dist(lo, hi);
-    HostWeight w{std::move(shape), {}};
-    const int64_t count = std::accumulate(w.shape.begin(), w.shape.end(), int64_t{1}, std::multiplies<>());
-    w.values.resize(static_cast<size_t>(count));
-    for (auto& v : w.values) {
-      do v = round_to_bf16(dist(rng));
-      while (v == 0.0f);
-    }
-    weights[key] = std::move(w);
-  };
+  // Scales keep activations of order one.
+  TinyWeightMaker maker(seed);
   const int64_t h = spec.hidden_size, d = spec.head_dim;
-  add("embed_tokens.weight", {spec.vocab_size, h}, -1.0f, 1.0f);
+  maker.add("embed_tokens.weight", {spec.vocab_size, h}, -1.0f, 1.0f);
   for (int64_t i = 0; i < spec.num_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
-    add(p + "input_layernorm.weight", {h}, 0.7f, 1.3f);
-    add(p + "post_attention_layernorm.weight", {h}, 0.7f, 1.3f);
-    add(p + "self_attn.q_proj.weight", {spec.num_heads * d, h}, -0.3f, 0.3f);
-    add(p + "self_attn.k_proj.weight", {spec.num_kv_heads * d, h}, -0.3f, 0.3f);
-    add(p + "self_attn.v_proj.weight", {spec.num_kv_heads * d, h}, -0.3f, 0.3f);
-    add(p + "self_attn.o_proj.weight", {h, spec.num_heads * d}, -0.25f, 0.25f);
-    add(p + "self_attn.q_norm.weight", {d}, 0.7f, 1.3f);
-    add(p + "self_attn.k_norm.weight", {d}, 0.7f, 1.3f);
+    maker.add(p + "input_layernorm.weight", {h}, 0.7f, 1.3f);
+    maker.add(p + "post_attention_layernorm.weight", {h}, 0.7f, 1.3f);
+    maker.add(p + "self_attn.q_proj.weight", {spec.num_heads * d, h}, -0.3f, 0.3f);
+    maker.add(p + "self_attn.k_proj.weight", {spec.num_kv_heads * d, h}, -0.3f, 0.3f);
+    maker.add(p + "self_attn.v_proj.weight", {spec.num_kv_heads * d, h}, -0.3f, 0.3f);
+    maker.add(p + "self_attn.o_proj.weight", {h, spec.num_heads * d}, -0.25f, 0.25f);
+    maker.add(p + "self_attn.q_norm.weight", {d}, 0.7f, 1.3f);
+    maker.add(p + "self_attn.k_norm.weight", {d}, 0.7f, 1.3f);
     if (spec.layer_is_moe(i)) {
-      const int64_t e_count = spec.num_experts, inter = spec.moe_intermediate_size;
-      add(p + "mlp.gate.weight", {e_count, h}, -0.5f, 0.5f);
-      for (int64_t e = 0; e < e_count; ++e) {
-        const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
-        add(ep + "gate_proj.weight", {inter, h}, -0.3f, 0.3f);
-        add(ep + "up_proj.weight", {inter, h}, -0.3f, 0.3f);
-        add(ep + "down_proj.weight", {h, inter}, -0.3f, 0.3f);
-      }
+      maker.add_routed_experts(spec, p);
     } else {
-      add(p + "mlp.gate_proj.weight", {spec.intermediate_size, h}, -0.3f, 0.3f);
-      add(p + "mlp.up_proj.weight", {spec.intermediate_size, h}, -0.3f, 0.3f);
-      add(p + "mlp.down_proj.weight", {h, spec.intermediate_size}, -0.25f, 0.25f);
+      maker.add_dense_mlp(spec, p);
     }
   }
-  add("norm.weight", {h}, 0.7f, 1.3f);
-  if (!spec.tie_word_embeddings) add("lm_head.weight", {spec.vocab_size, h}, -0.3f, 0.3f);
-  return weights;
+  maker.add("norm.weight", {h}, 0.7f, 1.3f);
+  if (!spec.tie_word_embeddings) maker.add("lm_head.weight", {spec.vocab_size, h}, -0.3f, 0.3f);
+  return maker.take();
+}
+
+nlohmann::json common_config_json(const TinySpec& spec) {
+  return {{"vocab_size", spec.vocab_size},
+          {"hidden_size", spec.hidden_size},
+          {"num_hidden_layers", spec.num_layers},
+          {"num_attention_heads", spec.num_heads},
+          {"num_key_value_heads", spec.num_kv_heads},
+          {"head_dim", spec.head_dim},
+          {"rms_norm_eps", spec.rms_norm_eps},
+          {"hidden_act", "silu"},
+          {"dtype", "bfloat16"},
+          {"bos_token_id", 1},
+          {"eos_token_id", 2}};
 }
 
 nlohmann::json tiny_config_json(const TinySpec& spec) {
   if (spec.is_hybrid()) return hybrid_config_json(spec);
-  nlohmann::json config = {{"model_type", spec.model_type},
-                           {"architectures", {spec.is_moe_model() ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"}},
-                           {"vocab_size", spec.vocab_size},
-                           {"hidden_size", spec.hidden_size},
-                           {"num_hidden_layers", spec.num_layers},
-                           {"num_attention_heads", spec.num_heads},
-                           {"num_key_value_heads", spec.num_kv_heads},
-                           {"head_dim", spec.head_dim},
-                           {"intermediate_size", spec.intermediate_size},
-                           {"rms_norm_eps", spec.rms_norm_eps},
-                           {"rope_theta", spec.rope_theta},
-                           {"max_position_embeddings", 256},
-                           {"tie_word_embeddings", spec.tie_word_embeddings},
-                           {"hidden_act", "silu"},
-                           {"dtype", "bfloat16"},
-                           {"bos_token_id", 1},
-                           {"eos_token_id", 2}};
+  nlohmann::json config = common_config_json(spec);
+  config["model_type"] = spec.model_type;
+  config["architectures"] = nlohmann::json::array({spec.is_moe_model() ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"});
+  config["intermediate_size"] = spec.intermediate_size;
+  config["rope_theta"] = spec.rope_theta;
+  config["max_position_embeddings"] = 256;
+  config["tie_word_embeddings"] = spec.tie_word_embeddings;
   if (spec.sliding_window > 0) {
     config["use_sliding_window"] = true;
     config["sliding_window"] = spec.sliding_window;
@@ -199,136 +214,39 @@ void write_tiny_checkpoint(const std::filesystem::path& dir, const TinySpec& spe
 // ---------------------------------------------------------------------------------------------
 // Reference forward (double precision, one sequence at positions 0..T-1)
 
-namespace {
-
-using Matrix = std::vector<std::vector<double>>;  // [rows][cols]
-
-const std::vector<float>& param(const TinyWeights& weights, const std::string& key) {
-  return weights.at(key).values;
-}
-
-// y = x W^T with W [out, in] row-major.
-std::vector<double> matvec(const std::vector<float>& w, const std::vector<double>& x, int64_t out) {
-  const size_t in = x.size();
-  std::vector<double> y(static_cast<size_t>(out), 0.0);
-  for (size_t o = 0; o < y.size(); ++o)
-    for (size_t i = 0; i < in; ++i) y[o] += static_cast<double>(w[o * in + i]) * x[i];
-  return y;
-}
-
-// Plain RMSNorm over `width` consecutive values starting at `begin`.
-void rms_norm_in_place(std::vector<double>& x, size_t begin, size_t width, const std::vector<float>& w, double eps) {
-  double sum = 0.0;
-  for (size_t i = 0; i < width; ++i) sum += x[begin + i] * x[begin + i];
-  const double inv = 1.0 / std::sqrt(sum / static_cast<double>(width) + eps);
-  for (size_t i = 0; i < width; ++i) x[begin + i] = x[begin + i] * inv * w[i];
-}
-
-// Rotate-half RoPE over a whole head at `begin`: channel j pairs with j + d/2, inv_freq = 1/theta^(2j/d).
-void rope_in_place(std::vector<double>& x, size_t begin, size_t d, int64_t position, double theta) {
-  const size_t half = d / 2;
-  for (size_t j = 0; j < half; ++j) {
-    const double inv_freq = 1.0 / std::pow(theta, static_cast<double>(2 * j) / static_cast<double>(d));
-    const double angle = static_cast<double>(position) * inv_freq;
-    const double c = std::cos(angle), s = std::sin(angle);
-    const double a = x[begin + j], b = x[begin + j + half];
-    x[begin + j] = a * c - b * s;
-    x[begin + j + half] = b * c + a * s;
-  }
-}
-
-double silu(double v) {
-  return v / (1.0 + std::exp(-v));
-}
-
-std::vector<double> swiglu(const std::vector<float>& gate, const std::vector<float>& up, const std::vector<float>& down,
-                           const std::vector<double>& x, int64_t inter) {
-  const std::vector<double> g = matvec(gate, x, inter), u = matvec(up, x, inter);
-  std::vector<double> act(g.size());
-  for (size_t i = 0; i < g.size(); ++i) act[i] = silu(g[i]) * u[i];
-  return matvec(down, act, static_cast<int64_t>(x.size()));
-}
-
-std::vector<double> moe(const TinySpec& spec, const TinyWeights& weights, const std::string& p,
-                        const std::vector<double>& x) {
-  const std::vector<double> logits = matvec(param(weights, p + "mlp.gate.weight"), x, spec.num_experts);
-  const double max_logit = *std::max_element(logits.begin(), logits.end());
-  std::vector<double> probs(logits.size());
-  double sum = 0.0;
-  for (size_t e = 0; e < probs.size(); ++e) sum += (probs[e] = std::exp(logits[e] - max_logit));
-  for (auto& prob : probs) prob /= sum;
-  std::vector<int64_t> order(probs.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return probs[static_cast<size_t>(a)] > probs[static_cast<size_t>(b)]; });
-  double selected = 0.0;
-  for (int64_t j = 0; j < spec.top_k; ++j) selected += probs[static_cast<size_t>(order[static_cast<size_t>(j)])];
-  std::vector<double> out(x.size(), 0.0);
-  for (int64_t j = 0; j < spec.top_k; ++j) {
-    const int64_t e = order[static_cast<size_t>(j)];
-    const double weight = probs[static_cast<size_t>(e)] / (spec.norm_topk_prob ? selected : 1.0);
-    const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
-    const std::vector<double> y = swiglu(param(weights, ep + "gate_proj.weight"), param(weights, ep + "up_proj.weight"),
-                                         param(weights, ep + "down_proj.weight"), x, spec.moe_intermediate_size);
-    for (size_t c = 0; c < out.size(); ++c) out[c] += weight * y[c];
-  }
-  return out;
-}
-
-}  // namespace
-
 std::vector<std::vector<double>> reference_logits(const TinySpec& spec, const TinyWeights& weights,
                                                   const std::vector<int32_t>& tokens) {
+  using reference::Matrix, reference::matvec, reference::param, reference::rms_norm_in_place, reference::rope_in_place;
   if (spec.is_hybrid()) return hybrid_reference_logits(spec, weights, tokens);
   const size_t t_count = tokens.size(), h = static_cast<size_t>(spec.hidden_size),
                d = static_cast<size_t>(spec.head_dim);
   const size_t heads = static_cast<size_t>(spec.num_heads), kv_heads = static_cast<size_t>(spec.num_kv_heads);
-  const size_t group = heads / kv_heads;
-  const double eps = spec.rms_norm_eps, scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const double eps = spec.rms_norm_eps;
+  constexpr double kPlainNorm = 0.0;  // qwen3's RMSNorms scale by w, not 1 + w
 
-  Matrix hidden(t_count, std::vector<double>(h));
-  const auto& embed = param(weights, "embed_tokens.weight");
-  for (size_t t = 0; t < t_count; ++t)
-    for (size_t c = 0; c < h; ++c) hidden[t][c] = embed[static_cast<size_t>(tokens[t]) * h + c];
-
+  Matrix hidden = reference::embed(spec, weights, tokens);
   for (int64_t layer = 0; layer < spec.num_layers; ++layer) {
     const std::string p = "layers." + std::to_string(layer) + ".";
-    const int window = spec.layer_window(layer);
     // Attention: q/k/v projections, per-head q/k RMSNorm, RoPE, causal GQA softmax attention, o_proj.
     Matrix q(t_count), k(t_count), v(t_count);
     for (size_t t = 0; t < t_count; ++t) {
       std::vector<double> x = hidden[t];
-      rms_norm_in_place(x, 0, h, param(weights, p + "input_layernorm.weight"), eps);
+      rms_norm_in_place(x, 0, h, param(weights, p + "input_layernorm.weight"), eps, kPlainNorm);
       q[t] = matvec(param(weights, p + "self_attn.q_proj.weight"), x, static_cast<int64_t>(heads * d));
       k[t] = matvec(param(weights, p + "self_attn.k_proj.weight"), x, static_cast<int64_t>(kv_heads * d));
       v[t] = matvec(param(weights, p + "self_attn.v_proj.weight"), x, static_cast<int64_t>(kv_heads * d));
       for (size_t head = 0; head < heads; ++head) {
-        rms_norm_in_place(q[t], head * d, d, param(weights, p + "self_attn.q_norm.weight"), eps);
+        rms_norm_in_place(q[t], head * d, d, param(weights, p + "self_attn.q_norm.weight"), eps, kPlainNorm);
         rope_in_place(q[t], head * d, d, static_cast<int64_t>(t), spec.rope_theta);
       }
       for (size_t head = 0; head < kv_heads; ++head) {
-        rms_norm_in_place(k[t], head * d, d, param(weights, p + "self_attn.k_norm.weight"), eps);
+        rms_norm_in_place(k[t], head * d, d, param(weights, p + "self_attn.k_norm.weight"), eps, kPlainNorm);
         rope_in_place(k[t], head * d, d, static_cast<int64_t>(t), spec.rope_theta);
       }
     }
     for (size_t t = 0; t < t_count; ++t) {
-      std::vector<double> attn(heads * d, 0.0);
-      const size_t first = window > 0 && t + 1 > static_cast<size_t>(window) ? t + 1 - static_cast<size_t>(window) : 0;
-      for (size_t head = 0; head < heads; ++head) {
-        const size_t kvh = head / group;
-        std::vector<double> scores;
-        double max_score = -INFINITY;
-        for (size_t j = first; j <= t; ++j) {
-          double dot = 0.0;
-          for (size_t c = 0; c < d; ++c) dot += q[t][head * d + c] * k[j][kvh * d + c];
-          scores.push_back(dot * scale);
-          max_score = std::max(max_score, dot * scale);
-        }
-        double denom = 0.0;
-        for (auto& s : scores) denom += (s = std::exp(s - max_score));
-        for (size_t j = first; j <= t; ++j)
-          for (size_t c = 0; c < d; ++c) attn[head * d + c] += scores[j - first] / denom * v[j][kvh * d + c];
-      }
+      const std::vector<double> attn =
+          reference::causal_attention(q, k, v, t, heads, kv_heads, d, spec.layer_window(layer));
       const std::vector<double> o =
           matvec(param(weights, p + "self_attn.o_proj.weight"), attn, static_cast<int64_t>(h));
       for (size_t c = 0; c < h; ++c) hidden[t][c] += o[c];
@@ -336,55 +254,43 @@ std::vector<std::vector<double>> reference_logits(const TinySpec& spec, const Ti
     // FFN: SwiGLU MLP or MoE on the post-attention-normalised residual.
     for (size_t t = 0; t < t_count; ++t) {
       std::vector<double> x = hidden[t];
-      rms_norm_in_place(x, 0, h, param(weights, p + "post_attention_layernorm.weight"), eps);
-      const std::vector<double> y =
-          spec.layer_is_moe(layer)
-              ? moe(spec, weights, p, x)
-              : swiglu(param(weights, p + "mlp.gate_proj.weight"), param(weights, p + "mlp.up_proj.weight"),
-                       param(weights, p + "mlp.down_proj.weight"), x, spec.intermediate_size);
+      rms_norm_in_place(x, 0, h, param(weights, p + "post_attention_layernorm.weight"), eps, kPlainNorm);
+      const std::vector<double> y = spec.layer_is_moe(layer)
+                                        ? reference::routed_experts(spec, weights, p, x, spec.norm_topk_prob)
+                                        : reference::dense_mlp(spec, weights, p, x);
       for (size_t c = 0; c < h; ++c) hidden[t][c] += y[c];
     }
   }
-  const auto& head = param(weights, spec.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
-  Matrix logits(t_count);
-  for (size_t t = 0; t < t_count; ++t) {
-    std::vector<double> x = hidden[t];
-    rms_norm_in_place(x, 0, h, param(weights, "norm.weight"), eps);
-    logits[t] = matvec(head, x, spec.vocab_size);
-  }
-  return logits;
+  return reference::output_logits(spec, weights, hidden, kPlainNorm);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Runner
 
-ForwardRunner::ForwardRunner(Model& model, int32_t block_size, int32_t num_blocks, uint64_t seed,
-                             int32_t num_state_slots)
-    : model_(model), block_size_(block_size), arena_(model.device(), 1 << 20) {
-  const std::vector<LayerCacheSpec> specs = model.cache_specs();
+TestCache::TestCache(const std::vector<LayerCacheSpec>& specs, Device device, int32_t block_size, int32_t num_blocks,
+                     int32_t num_state_slots, uint64_t seed)
+    : block_size_(block_size) {
   layers_.resize(specs.size());
-  storage_.reserve(4 * specs.size());
   for (size_t i = 0; i < specs.size(); ++i) {
     if (specs[i].kind == LayerCacheKind::kRecurrent) {
-      // [slots, ...per_slot] per state, NaN everywhere: a fresh sequence must not read its slot.
+      // [slots, ...per_slot] per state.
       for (const StateTensorSpec& state : specs[i].states) {
         std::vector<int64_t> dims{num_state_slots};
         dims.insert(dims.end(), state.per_slot_shape.begin(), state.per_slot_shape.end());
         const Shape shape{std::span<const int64_t>(dims)};
-        storage_.emplace_back(DType::kF32, shape, model.device());
+        storage_.emplace_back(DType::kF32, shape, device);
         std::fill_n(storage_.back()->data_as<float>(), shape.numel(), std::nanf(""));
         layers_[i].states.push_back(storage_.back().tensor);
       }
-      continue;
+    } else if (specs[i].kind == LayerCacheKind::kPagedKv) {
+      const Shape shape{num_blocks, block_size, specs[i].num_kv_heads, specs[i].head_dim};
+      for (int kv = 0; kv < 2; ++kv) {
+        storage_.emplace_back(DType::kF32, shape, device);
+        std::fill_n(storage_.back()->data_as<float>(), shape.numel(), std::nanf(""));
+      }
+      layers_[i].k_cache = storage_[storage_.size() - 2].tensor;
+      layers_[i].v_cache = storage_.back().tensor;
     }
-    if (specs[i].kind != LayerCacheKind::kPagedKv) continue;
-    const Shape shape{num_blocks, block_size, specs[i].num_kv_heads, specs[i].head_dim};
-    for (int kv = 0; kv < 2; ++kv) {
-      storage_.emplace_back(DType::kF32, shape, model.device());
-      // NaN everywhere: a read of a slot that was never written poisons the logits.
-      std::fill_n(storage_.back()->data_as<float>(), shape.numel(), std::nanf(""));
-    }
-    layers_[i] = {storage_[storage_.size() - 2].tensor, storage_.back().tensor, {}};
   }
   free_blocks_.resize(static_cast<size_t>(num_blocks));
   std::iota(free_blocks_.begin(), free_blocks_.end(), 0);
@@ -395,7 +301,7 @@ ForwardRunner::ForwardRunner(Model& model, int32_t block_size, int32_t num_block
   std::shuffle(free_slots_.begin(), free_slots_.end(), rng);
 }
 
-int32_t ForwardRunner::state_slot(int64_t seq_id) {
+int32_t TestCache::state_slot(int64_t seq_id) {
   const auto it = slots_.find(seq_id);
   if (it != slots_.end()) return it->second;
   if (free_slots_.empty()) raise(ErrorCode::kOutOfMemory, "test runner has no free state slot");
@@ -405,15 +311,19 @@ int32_t ForwardRunner::state_slot(int64_t seq_id) {
   return slot;
 }
 
-void ForwardRunner::fork(int64_t from, int64_t to) {
-  METRALE_CHECK(cached_.count(to) == 0 || cached_[to] == 0, "fork: sequence {} already has tokens", to);
+int32_t TestCache::take_block() {
+  if (free_blocks_.empty()) raise(ErrorCode::kOutOfMemory, "test cache too small");
+  const int32_t block = free_blocks_.back();
+  free_blocks_.pop_back();
+  return block;
+}
+
+void TestCache::copy_sequence(int64_t from, int64_t to) {
   const std::vector<int32_t> source = tables_[from];
   auto& table = tables_[to];
   table.clear();
   for (const int32_t block : source) {
-    if (free_blocks_.empty()) raise(ErrorCode::kOutOfMemory, "test cache too small");
-    table.push_back(free_blocks_.back());
-    free_blocks_.pop_back();
+    table.push_back(take_block());
     for (const LayerCache& layer : layers_) {
       for (const Tensor* cache : {&layer.k_cache, &layer.v_cache}) {
         if (cache->empty()) continue;
@@ -424,76 +334,109 @@ void ForwardRunner::fork(int64_t from, int64_t to) {
   const int32_t from_slot = state_slot(from), to_slot = state_slot(to);
   for (const LayerCache& layer : layers_)
     for (const Tensor& state : layer.states) copy_tensor(state.select(0, to_slot), state.select(0, from_slot));
+}
+
+void TestCache::build(const std::vector<SeqChunk>& chunks, std::map<int64_t, int64_t>& lengths, bool last_rows_only,
+                      HostBatch& host) {
+  host = HostBatch{};
+  const auto seqs = static_cast<int64_t>(chunks.size());
+  for (const SeqChunk& chunk : chunks) {
+    const int64_t total = lengths[chunk.seq_id] + static_cast<int64_t>(chunk.tokens.size());
+    auto& table = tables_[chunk.seq_id];
+    while (static_cast<int64_t>(table.size()) * block_size_ < total) table.push_back(take_block());
+    host.max_blocks = std::max<int64_t>(host.max_blocks, static_cast<int64_t>(table.size()));
+  }
+  host.block_tables.assign(static_cast<size_t>(seqs * host.max_blocks), 0);
+  for (int64_t s = 0; s < seqs; ++s) {
+    const SeqChunk& chunk = chunks[static_cast<size_t>(s)];
+    const auto& table = tables_[chunk.seq_id];
+    std::copy(table.begin(), table.end(), host.block_tables.begin() + s * host.max_blocks);
+    const int64_t begin = lengths[chunk.seq_id];
+    for (size_t i = 0; i < chunk.tokens.size(); ++i) {
+      const int64_t position = begin + static_cast<int64_t>(i);
+      if (!last_rows_only || i + 1 == chunk.tokens.size())
+        host.logit_rows.push_back(static_cast<int32_t>(host.token_ids.size()));
+      host.token_ids.push_back(chunk.tokens[i]);
+      host.positions.push_back(static_cast<int32_t>(position));
+      host.slot_mapping.push_back(table[static_cast<size_t>(position / block_size_)] * block_size_ +
+                                  static_cast<int32_t>(position % block_size_));
+    }
+    lengths[chunk.seq_id] = begin + static_cast<int64_t>(chunk.tokens.size());
+    host.cu_q.push_back(static_cast<int32_t>(host.token_ids.size()));
+    host.kv_lens.push_back(static_cast<int32_t>(lengths[chunk.seq_id]));
+    host.state_slots.push_back(state_slot(chunk.seq_id));
+    host.seq_index.push_back(static_cast<int32_t>(s));
+    host.seq_ids.push_back(chunk.seq_id);
+  }
+  const auto tokens = static_cast<int64_t>(host.token_ids.size());
+  const auto rows = static_cast<int64_t>(host.logit_rows.size());
+  ForwardBatch& batch = host.batch;
+  batch.num_tokens = tokens;
+  batch.num_seqs = seqs;
+  batch.block_size = block_size_;
+  for (int64_t s = 0; s < seqs; ++s) {
+    batch.max_q_len =
+        std::max<int64_t>(batch.max_q_len, host.cu_q[static_cast<size_t>(s) + 1] - host.cu_q[static_cast<size_t>(s)]);
+    batch.max_kv_len = std::max<int64_t>(batch.max_kv_len, host.kv_lens[static_cast<size_t>(s)]);
+  }
+  batch.token_ids = Tensor(host.token_ids.data(), DType::kI32, {tokens});
+  batch.positions = Tensor(host.positions.data(), DType::kI32, {tokens});
+  batch.cu_q = Tensor(host.cu_q.data(), DType::kI32, {seqs + 1});
+  batch.kv_lens = Tensor(host.kv_lens.data(), DType::kI32, {seqs});
+  batch.block_tables = Tensor(host.block_tables.data(), DType::kI32, {seqs, host.max_blocks});
+  batch.slot_mapping = Tensor(host.slot_mapping.data(), DType::kI32, {tokens});
+  batch.logit_rows = Tensor(host.logit_rows.data(), DType::kI32, {rows});
+  batch.state_slots = Tensor(host.state_slots.data(), DType::kI32, {seqs});
+  batch.host_cu_q = host.cu_q;
+  batch.host_kv_lens = host.kv_lens;
+  batch.host_logit_rows = host.logit_rows;
+  batch.host_state_slots = host.state_slots;
+}
+
+ForwardRunner::ForwardRunner(Model& model, int32_t block_size, int32_t num_blocks, uint64_t seed,
+                             int32_t num_state_slots)
+    : model_(model),
+      cache_(model.cache_specs(), model.device(), block_size, num_blocks, num_state_slots, seed),
+      arena_(model.device(), 1 << 20) {}
+
+void ForwardRunner::fork(int64_t from, int64_t to) {
+  METRALE_CHECK(cached_.count(to) == 0 || cached_[to] == 0, "fork: sequence {} already has tokens", to);
+  cache_.copy_sequence(from, to);
   cached_[to] = cached_[from];
 }
 
 std::vector<std::vector<float>> ForwardRunner::step(const std::vector<Chunk>& chunks, bool last_rows_only) {
-  const int64_t block_size = block_size_;
-  const auto num_seqs = static_cast<int64_t>(chunks.size());
-  std::vector<int32_t> token_ids, positions, slot_mapping, cu_q = {0}, kv_lens, logit_rows, state_slots;
-  int64_t max_blocks = 1;
-  for (const auto& chunk : chunks) {
-    const int64_t total = cached_[chunk.seq_id] + static_cast<int64_t>(chunk.tokens.size());
-    auto& table = tables_[chunk.seq_id];
-    while (static_cast<int64_t>(table.size()) * block_size < total) {
-      if (free_blocks_.empty()) raise(ErrorCode::kOutOfMemory, "test cache too small");
-      table.push_back(free_blocks_.back());
-      free_blocks_.pop_back();
-    }
-    max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(table.size()));
-  }
-  // Padding entries of the table are never read by a correct kernel.
-  std::vector<int32_t> block_tables(static_cast<size_t>(num_seqs * max_blocks), 0);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const Chunk& chunk = chunks[static_cast<size_t>(s)];
-    const auto& table = tables_[chunk.seq_id];
-    std::copy(table.begin(), table.end(), block_tables.begin() + s * max_blocks);
-    const int64_t begin = cached_[chunk.seq_id];
-    for (size_t i = 0; i < chunk.tokens.size(); ++i) {
-      const int64_t position = begin + static_cast<int64_t>(i);
-      if (!last_rows_only || i + 1 == chunk.tokens.size()) logit_rows.push_back(static_cast<int32_t>(token_ids.size()));
-      token_ids.push_back(chunk.tokens[i]);
-      positions.push_back(static_cast<int32_t>(position));
-      slot_mapping.push_back(table[static_cast<size_t>(position / block_size)] * static_cast<int32_t>(block_size) +
-                             static_cast<int32_t>(position % block_size));
-    }
-    cached_[chunk.seq_id] = begin + static_cast<int64_t>(chunk.tokens.size());
-    cu_q.push_back(static_cast<int32_t>(token_ids.size()));
-    kv_lens.push_back(static_cast<int32_t>(cached_[chunk.seq_id]));
-    state_slots.push_back(state_slot(chunk.seq_id));
-  }
-  const auto tokens = static_cast<int64_t>(token_ids.size());
-  ForwardBatch batch;
-  batch.num_tokens = tokens;
-  batch.num_seqs = num_seqs;
-  batch.block_size = block_size;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    batch.max_q_len =
-        std::max<int64_t>(batch.max_q_len, cu_q[static_cast<size_t>(s + 1)] - cu_q[static_cast<size_t>(s)]);
-    batch.max_kv_len = std::max<int64_t>(batch.max_kv_len, kv_lens[static_cast<size_t>(s)]);
-  }
-  batch.token_ids = Tensor(token_ids.data(), DType::kI32, {tokens});
-  batch.positions = Tensor(positions.data(), DType::kI32, {tokens});
-  batch.cu_q = Tensor(cu_q.data(), DType::kI32, {num_seqs + 1});
-  batch.kv_lens = Tensor(kv_lens.data(), DType::kI32, {num_seqs});
-  batch.block_tables = Tensor(block_tables.data(), DType::kI32, {num_seqs, max_blocks});
-  batch.slot_mapping = Tensor(slot_mapping.data(), DType::kI32, {tokens});
-  const auto rows = static_cast<int64_t>(logit_rows.size());
-  batch.logit_rows = Tensor(logit_rows.data(), DType::kI32, {rows});
-  batch.host_cu_q = cu_q;
-  batch.host_kv_lens = kv_lens;
-  batch.host_logit_rows = logit_rows;
-  batch.state_slots = Tensor(state_slots.data(), DType::kI32, {num_seqs});
-  batch.host_state_slots = state_slots;
-
+  HostBatch host;
+  cache_.build(chunks, cached_, last_rows_only, host);
+  const auto rows = static_cast<int64_t>(host.logit_rows.size());
   const int64_t vocab = model_.config().vocab_size;
   std::vector<float> logits(static_cast<size_t>(rows * vocab), std::nanf(""));  // unwritten rows stay NaN
   arena_.reset();
-  model_.forward(batch, layers_, Tensor(logits.data(), DType::kF32, {rows, vocab}), arena_);
+  model_.forward(host.batch, cache_.layers(), Tensor(logits.data(), DType::kF32, {rows, vocab}), arena_);
+  return split_rows(logits, rows, vocab);
+}
+
+std::vector<std::vector<float>> split_rows(const std::vector<float>& values, int64_t rows, int64_t width) {
   std::vector<std::vector<float>> result(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r)
-    result[static_cast<size_t>(r)].assign(logits.begin() + r * vocab, logits.begin() + (r + 1) * vocab);
+    result[static_cast<size_t>(r)].assign(values.begin() + r * width, values.begin() + (r + 1) * width);
   return result;
+}
+
+std::unique_ptr<LoadedTinyModel> load_tiny(const TinySpec& spec, const TinyWeights& weights,
+                                           const CheckpointLayout& layout) {
+  auto loaded = std::make_unique<LoadedTinyModel>();
+  write_tiny_checkpoint(loaded->dir.path(), spec, weights, layout);
+  loaded->model = load_model(loaded->dir.path(), Device::cpu());
+  return loaded;
+}
+
+std::vector<int32_t> random_tokens(const TinySpec& spec, size_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(spec.vocab_size - 1));
+  std::vector<int32_t> tokens(count);
+  for (auto& t : tokens) t = dist(rng);
+  return tokens;
 }
 
 double relative_l2(const std::vector<std::vector<float>>& actual, const std::vector<std::vector<double>>& expected) {

@@ -4,7 +4,8 @@
 // ForwardBatches (no engine floor involved). The model tests link floors 1-4 only, so the runner owns
 // a minimal paged KV cache and recurrent-state slots of its own (the CacheManager of floor 5 is tested
 // in tests/cache); it hands out blocks and slots in shuffled order so that every sequence's blocks are
-// scattered and out of order. The hybrid parts live in hybrid_helpers.cpp.
+// scattered and out of order. The hybrid parts live in hybrid_helpers.cpp, the math that both reference
+// forwards use in reference_math_helpers.h.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/test_support.h"
 #include "model/model.h"
 #include "runtime/arena.h"
 
@@ -78,11 +80,32 @@ struct HostWeight {
 // produced when writing.
 using TinyWeights = std::map<std::string, HostWeight>;
 
+// Draws the parameters of make_tiny_weights and make_hybrid_weights: uniform values in [lo, hi)
+// rounded to bf16, never zero, from one generator in call order, so that a spec and a seed always
+// give the same weights.
+class TinyWeightMaker {
+ public:
+  explicit TinyWeightMaker(uint64_t seed) : rng_(seed) {}
+  void add(const std::string& key, std::vector<int64_t> shape, float lo, float hi);
+  // The dense SwiGLU MLP of the layer with key prefix `p` (p + "mlp.gate_proj.weight", ...).
+  void add_dense_mlp(const TinySpec& spec, const std::string& p);
+  // The router and the per-expert SwiGLU weights of an MoE layer (p + "mlp.gate.weight",
+  // p + "mlp.experts.<e>.gate_proj.weight", ...).
+  void add_routed_experts(const TinySpec& spec, const std::string& p);
+  TinyWeights take() { return std::move(weights_); }
+
+ private:
+  std::mt19937_64 rng_;
+  TinyWeights weights_;
+};
+
 TinyWeights make_tiny_weights(const TinySpec& spec, uint64_t seed);
 // Hybrid models (hybrid_helpers.cpp). Weights are kept in Qwen3.5's split GDN layout
 // (linear_attn.in_proj_{qkv,z,b,a}.weight); qwen3_next checkpoints are written grouped by key head.
 TinyWeights make_hybrid_weights(const TinySpec& spec, uint64_t seed);
 nlohmann::json hybrid_config_json(const TinySpec& spec);
+// The keys that the config.json (or text_config) of every tiny model holds, qwen3 and hybrid alike.
+nlohmann::json common_config_json(const TinySpec& spec);
 // A tensor to write: its full name, shape and values (converted to the storage dtype when written).
 struct NamedValues {
   std::string name;
@@ -113,29 +136,45 @@ void write_tiny_checkpoint(const std::filesystem::path& dir, const TinySpec& spe
 std::vector<std::vector<double>> reference_logits(const TinySpec& spec, const TinyWeights& weights,
                                                   const std::vector<int32_t>& tokens);
 
-// Drives Model::forward with hand-built ragged batches over a paged KV cache, tracking how many
-// tokens each sequence has in the cache.
-class ForwardRunner {
- public:
-  explicit ForwardRunner(Model& model, int32_t block_size = 4, int32_t num_blocks = 64, uint64_t seed = 5,
-                         int32_t num_state_slots = 8);
+// One step's chunk of a sequence.
+struct SeqChunk {
+  int64_t seq_id;
+  std::vector<int32_t> tokens;  // this step's new tokens of the sequence
+};
 
-  struct Chunk {
-    int64_t seq_id;
-    std::vector<int32_t> tokens;  // this step's new tokens of the sequence
-  };
-  // Runs one step over the chunks (in batch order) and returns the logits of every row, [T][V], or
-  // with `last_rows_only` of each chunk's last row, [S][V] (what a generating engine asks for).
-  std::vector<std::vector<float>> step(const std::vector<Chunk>& chunks, bool last_rows_only = false);
+// The host arrays of a hand-built ragged batch and the ForwardBatch that views them. Moving keeps the
+// views valid: a moved vector keeps its buffer.
+struct HostBatch {
+  std::vector<int32_t> token_ids, positions, slot_mapping, cu_q{0}, kv_lens, logit_rows, state_slots, seq_index;
+  std::vector<int32_t> block_tables;  // [seqs][max_blocks], padding entries 0 (a correct kernel never reads them)
+  std::vector<int64_t> seq_ids;
+  int64_t max_blocks = 1;
+  ForwardBatch batch;
+};
+
+// The paged KV cache and recurrent state slots of the test runners (ForwardRunner, SpecRunner), fp32
+// and NaN everywhere: a read of a slot that was never written poisons the logits, and a fresh sequence
+// must not read its state slot. Blocks and slots are handed out in shuffled order, so that every
+// sequence's blocks are scattered and out of order.
+class TestCache {
+ public:
+  TestCache(const std::vector<LayerCacheSpec>& specs, Device device, int32_t block_size, int32_t num_blocks,
+            int32_t num_state_slots, uint64_t seed);
+
+  std::vector<LayerCache>& layers() { return layers_; }
   const std::vector<int32_t>& block_table(int64_t seq_id) { return tables_[seq_id]; }
-  // A new sequence `to` with a copy of everything `from` has cached: its KV blocks (copied into blocks
-  // of its own) and its recurrent state slot. `to` then continues exactly as `from` would.
-  void fork(int64_t from, int64_t to);
+  int32_t state_slot(int64_t seq_id);  // assigned on first use
+  // Builds the batch of `chunks` (in batch order): each sequence's tokens at its next positions, from
+  // lengths[seq_id] on, which it advances. Logit rows: every row, or with `last_rows_only` each chunk's
+  // last row (what a generating engine asks for).
+  void build(const std::vector<SeqChunk>& chunks, std::map<int64_t, int64_t>& lengths, bool last_rows_only,
+             HostBatch& host);
+  // Gives `to` copies of the KV blocks and the state slot of `from`.
+  void copy_sequence(int64_t from, int64_t to);
 
  private:
-  int32_t state_slot(int64_t seq_id);  // assigned on first use
+  int32_t take_block();
 
-  Model& model_;
   int32_t block_size_;
   std::vector<OwnedTensor> storage_;  // K and V of every paged layer, the states of every recurrent layer
   std::vector<LayerCache> layers_;    // one per layer
@@ -143,9 +182,51 @@ class ForwardRunner {
   std::vector<int32_t> free_slots_;   // shuffled; taken from the back
   std::map<int64_t, std::vector<int32_t>> tables_;
   std::map<int64_t, int32_t> slots_;
+};
+
+// Drives Model::forward with hand-built ragged batches over a TestCache, tracking how many tokens
+// each sequence has in the cache.
+class ForwardRunner {
+ public:
+  explicit ForwardRunner(Model& model, int32_t block_size = 4, int32_t num_blocks = 64, uint64_t seed = 5,
+                         int32_t num_state_slots = 8);
+
+  using Chunk = SeqChunk;
+  // Runs one step over the chunks (in batch order) and returns the logits of every row, [T][V], or
+  // with `last_rows_only` of each chunk's last row, [S][V] (what a generating engine asks for).
+  std::vector<std::vector<float>> step(const std::vector<Chunk>& chunks, bool last_rows_only = false);
+  const std::vector<int32_t>& block_table(int64_t seq_id) { return cache_.block_table(seq_id); }
+  // A new sequence `to` with a copy of everything `from` has cached: its KV blocks (copied into blocks
+  // of its own) and its recurrent state slot. `to` then continues exactly as `from` would.
+  void fork(int64_t from, int64_t to);
+
+ private:
+  Model& model_;
+  TestCache cache_;
   std::map<int64_t, int64_t> cached_;  // tokens each sequence has in the cache
   Arena arena_;
 };
+
+// The rows of `values` [rows * width], one vector each.
+std::vector<std::vector<float>> split_rows(const std::vector<float>& values, int64_t rows, int64_t width);
+
+// A checkpoint written into a temporary directory and the model loaded from it (on the CPU); the
+// directory lives as long as the model.
+struct LoadedTinyModel {
+  TempDir dir;
+  std::unique_ptr<Model> model;
+};
+std::unique_ptr<LoadedTinyModel> load_tiny(const TinySpec& spec, const TinyWeights& weights,
+                                           const CheckpointLayout& layout = {});
+
+// `count` token ids drawn uniformly from the whole vocabulary.
+std::vector<int32_t> random_tokens(const TinySpec& spec, size_t count, uint64_t seed);
+
+// Elements [begin, end) of `v`: token ranges, rows of logit matrices.
+template <typename T>
+std::vector<T> slice(const std::vector<T>& v, size_t begin, size_t end) {
+  return {v.begin() + static_cast<ptrdiff_t>(begin), v.begin() + static_cast<ptrdiff_t>(end)};
+}
 
 // Relative L2 distance of two logit matrices.
 double relative_l2(const std::vector<std::vector<float>>& actual, const std::vector<std::vector<double>>& expected);

@@ -5,8 +5,6 @@
 // dtype) give identical logits.
 #include <gtest/gtest.h>
 
-#include <random>
-
 #include "core/test_support.h"
 #include "model/model_helpers.h"
 #include "model/registry.h"
@@ -17,40 +15,14 @@ namespace {
 using testing::CheckpointLayout;
 using testing::ExpertLayout;
 using testing::ForwardRunner;
-using testing::TempDir;
+using testing::load_tiny;
+using testing::random_tokens;
+using testing::slice;
 using testing::TinySpec;
 using testing::TinyWeights;
 
 // fp32 activations against a double reference through two layers: errors of a few 1e-7.
 constexpr double kLogitTolerance = 1e-5;
-
-std::vector<int32_t> random_tokens(const TinySpec& spec, size_t count, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(spec.vocab_size - 1));
-  std::vector<int32_t> tokens(count);
-  for (auto& t : tokens) t = dist(rng);
-  return tokens;
-}
-
-std::vector<std::vector<double>> rows_of(const std::vector<std::vector<double>>& logits, size_t begin, size_t end) {
-  return {logits.begin() + static_cast<ptrdiff_t>(begin), logits.begin() + static_cast<ptrdiff_t>(end)};
-}
-std::vector<std::vector<float>> rows_of(const std::vector<std::vector<float>>& logits, size_t begin, size_t end) {
-  return {logits.begin() + static_cast<ptrdiff_t>(begin), logits.begin() + static_cast<ptrdiff_t>(end)};
-}
-
-struct LoadedModel {
-  TempDir dir;
-  std::unique_ptr<Model> model;
-};
-
-std::unique_ptr<LoadedModel> load_tiny(const TinySpec& spec, const TinyWeights& weights,
-                                       const CheckpointLayout& layout = {}) {
-  auto loaded = std::make_unique<LoadedModel>();
-  testing::write_tiny_checkpoint(loaded->dir.path(), spec, weights, layout);
-  loaded->model = load_model(loaded->dir.path(), Device::cpu());
-  return loaded;
-}
 
 // Prefills two sequences of different lengths in one step and compares every row with the reference.
 void expect_matches_reference(const TinySpec& spec, uint64_t seed) {
@@ -60,15 +32,14 @@ void expect_matches_reference(const TinySpec& spec, uint64_t seed) {
   ForwardRunner runner(*loaded->model);
   const auto logits = runner.step({{0, a}, {1, b}});
   ASSERT_EQ(logits.size(), a.size() + b.size());
-  const double error_a =
-      testing::relative_l2(rows_of(logits, 0, a.size()), testing::reference_logits(spec, weights, a));
+  const double error_a = testing::relative_l2(slice(logits, 0, a.size()), testing::reference_logits(spec, weights, a));
   const double error_b =
-      testing::relative_l2(rows_of(logits, a.size(), logits.size()), testing::reference_logits(spec, weights, b));
+      testing::relative_l2(slice(logits, a.size(), logits.size()), testing::reference_logits(spec, weights, b));
   EXPECT_LE(error_a, kLogitTolerance);
   EXPECT_LE(error_b, kLogitTolerance);
   // The reference is sensitive: a model that ignored attention or the second sequence's own context
   // would be far away (guards against a vacuous comparison).
-  EXPECT_GT(testing::relative_l2(rows_of(logits, a.size(), logits.size()),
+  EXPECT_GT(testing::relative_l2(slice(logits, a.size(), logits.size()),
                                  testing::reference_logits(spec, weights, {a.begin(), a.begin() + 4})),
             1e-2);
 }
@@ -130,24 +101,21 @@ TEST(Qwen3Forward, ChunkedPrefillAndDecodeMatchReference) {
   const auto ref_a = testing::reference_logits(spec, weights, a);
   const auto ref_b = testing::reference_logits(spec, weights, b);
   const auto ref_c = testing::reference_logits(spec, weights, c);
-  const auto slice = [](const std::vector<int32_t>& v, size_t begin, size_t end) {
-    return std::vector<int32_t>(v.begin() + static_cast<ptrdiff_t>(begin), v.begin() + static_cast<ptrdiff_t>(end));
-  };
   ForwardRunner runner(*loaded->model, /*block_size=*/4);
   // Step 1: a[0:6) (crosses a block boundary), b[0:3).
   auto logits = runner.step({{0, slice(a, 0, 6)}, {1, slice(b, 0, 3)}});
-  EXPECT_LE(testing::relative_l2(rows_of(logits, 0, 6), rows_of(ref_a, 0, 6)), kLogitTolerance);
-  EXPECT_LE(testing::relative_l2(rows_of(logits, 6, 9), rows_of(ref_b, 0, 3)), kLogitTolerance);
+  EXPECT_LE(testing::relative_l2(slice(logits, 0, 6), slice(ref_a, 0, 6)), kLogitTolerance);
+  EXPECT_LE(testing::relative_l2(slice(logits, 6, 9), slice(ref_b, 0, 3)), kLogitTolerance);
   // Step 2: b decodes one token, c arrives, a continues with a chunk of 3.
   logits = runner.step({{1, slice(b, 3, 4)}, {2, c}, {0, slice(a, 6, 9)}});
-  EXPECT_LE(testing::relative_l2(rows_of(logits, 0, 1), rows_of(ref_b, 3, 4)), kLogitTolerance);
-  EXPECT_LE(testing::relative_l2(rows_of(logits, 1, 4), ref_c), kLogitTolerance);
-  EXPECT_LE(testing::relative_l2(rows_of(logits, 4, 7), rows_of(ref_a, 6, 9)), kLogitTolerance);
+  EXPECT_LE(testing::relative_l2(slice(logits, 0, 1), slice(ref_b, 3, 4)), kLogitTolerance);
+  EXPECT_LE(testing::relative_l2(slice(logits, 1, 4), ref_c), kLogitTolerance);
+  EXPECT_LE(testing::relative_l2(slice(logits, 4, 7), slice(ref_a, 6, 9)), kLogitTolerance);
   // Step 3: decode only, asking for the last rows as a generating engine does.
   logits = runner.step({{0, slice(a, 9, 10)}, {1, slice(b, 4, 5)}}, /*last_rows_only=*/true);
   ASSERT_EQ(logits.size(), 2u);
-  EXPECT_LE(testing::relative_l2(rows_of(logits, 0, 1), rows_of(ref_a, 9, 10)), kLogitTolerance);
-  EXPECT_LE(testing::relative_l2(rows_of(logits, 1, 2), rows_of(ref_b, 4, 5)), kLogitTolerance);
+  EXPECT_LE(testing::relative_l2(slice(logits, 0, 1), slice(ref_a, 9, 10)), kLogitTolerance);
+  EXPECT_LE(testing::relative_l2(slice(logits, 1, 2), slice(ref_b, 4, 5)), kLogitTolerance);
 }
 
 TEST(Qwen3Forward, LastRowsOnlyMatchTheFullRows) {
@@ -176,7 +144,7 @@ TEST(Qwen3Forward, ASequenceDoesNotDependOnItsBatchNeighbours) {
     for (const auto& row : alone) rows.emplace_back(row.begin(), row.end());
     return rows;
   }();
-  EXPECT_LE(testing::relative_l2(rows_of(together, b.size(), together.size()), alone_d), 1e-6);
+  EXPECT_LE(testing::relative_l2(slice(together, b.size(), together.size()), alone_d), 1e-6);
 }
 
 // Logits of one model under several checkpoint layouts that hold the same weights.
@@ -197,7 +165,7 @@ TEST(Qwen3Forward, BothKeyPrefixesGiveIdenticalLogits) {
   const auto language_model =
       logits_for(spec, weights, {"model.language_model.", ExpertLayout::kPerExpert, 1, DType::kBF16}, a, b);
   EXPECT_EQ(plain, language_model);
-  EXPECT_LE(testing::relative_l2(rows_of(plain, 0, a.size()), testing::reference_logits(spec, weights, a)),
+  EXPECT_LE(testing::relative_l2(slice(plain, 0, a.size()), testing::reference_logits(spec, weights, a)),
             kLogitTolerance);
 }
 
@@ -224,7 +192,7 @@ TEST(Qwen3MoeForward, BothExpertLayoutsAndPrefixesGiveIdenticalLogits) {
   EXPECT_EQ(per_expert, fused);
   EXPECT_EQ(per_expert, fused_lm);
   EXPECT_EQ(per_expert, per_expert_lm);
-  EXPECT_LE(testing::relative_l2(rows_of(per_expert, 0, a.size()), testing::reference_logits(spec, weights, a)),
+  EXPECT_LE(testing::relative_l2(slice(per_expert, 0, a.size()), testing::reference_logits(spec, weights, a)),
             kLogitTolerance);
 }
 

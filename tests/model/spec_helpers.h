@@ -1,7 +1,7 @@
 // A test driver for the model side of speculative decoding: a paged KV cache and recurrent state
 // slots for a model's layers plus, optionally, its MTP layers (appended after the trunk's, as an
 // engine would), and hand-built ragged batches for Model::forward (plain or verify),
-// Model::commit_verified and Model::mtp_forward. Blocks and slots are handed out in shuffled order.
+// Model::commit_verified and Model::mtp_forward, over a TestCache (model_helpers.h).
 #pragma once
 
 #include <cstdint>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "model/model_helpers.h"
 #include "runtime/arena.h"
 
 namespace metrale::testing {
@@ -18,10 +19,7 @@ class SpecRunner {
   SpecRunner(Model& model, bool with_mtp, int32_t block_size = 4, int32_t num_blocks = 128, int32_t num_state_slots = 8,
              uint64_t seed = 11);
 
-  struct Chunk {
-    int64_t seq_id;
-    std::vector<int32_t> tokens;
-  };
+  using Chunk = SeqChunk;
   struct Rows {
     std::vector<std::vector<float>> logits;  // [T][V], every row
     std::vector<std::vector<float>> hidden;  // [T][H], every row (hidden_out)
@@ -44,23 +42,8 @@ class SpecRunner {
   std::vector<float> state(int64_t seq_id, size_t layer, size_t which);
 
  private:
-  struct HostBatch {
-    std::vector<int32_t> token_ids, positions, slot_mapping, cu_q{0}, kv_lens, logit_rows, state_slots, seq_index;
-    std::vector<int32_t> block_tables;
-    std::vector<int64_t> seq_ids;
-    int64_t max_blocks = 1;
-    ForwardBatch batch;
-  };
-  void build(const std::vector<Chunk>& chunks, std::map<int64_t, int64_t>& lengths, HostBatch& host);
-  int32_t state_slot(int64_t seq_id);
-
   Model& model_;
-  int32_t block_size_;
-  std::vector<OwnedTensor> storage_;
-  std::vector<LayerCache> layers_;  // trunk layers, then the MTP layers
-  std::vector<int32_t> free_blocks_, free_slots_;
-  std::map<int64_t, std::vector<int32_t>> tables_;
-  std::map<int64_t, int32_t> slots_;
+  TestCache cache_;  // trunk layers, then the MTP layers
   std::map<int64_t, int64_t> cached_, mtp_cached_;
   HostBatch pending_verify_;
   OwnedTensor verify_scratch_;

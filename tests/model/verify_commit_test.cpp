@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 
 #include "core/test_support.h"
 #include "model/model_helpers.h"
@@ -16,6 +15,7 @@
 namespace metrale {
 namespace {
 
+using testing::random_tokens;
 using testing::SpecRunner;
 using testing::TinySpec;
 using Rows = std::vector<std::vector<float>>;
@@ -24,14 +24,6 @@ using Rows = std::vector<std::vector<float>>;
 // bit for bit.
 constexpr double kStateTolerance = 1e-6;
 constexpr double kLogitTolerance = 1e-5;
-
-std::vector<int32_t> random_tokens(const TinySpec& spec, size_t count, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(spec.vocab_size - 1));
-  std::vector<int32_t> tokens(count);
-  for (auto& t : tokens) t = dist(rng);
-  return tokens;
-}
 
 double max_abs_difference(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
