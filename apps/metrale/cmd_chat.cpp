@@ -49,13 +49,7 @@ int run_chat(const ChatOptions& options) {
   const ChatTemplate chat_template = ChatTemplate::from_tokenizer(tokenizer);
   const bool uses_think = tokenizer.chat_template().find("<think>") != std::string::npos;
 
-  SamplingParams sampling = load_generation_defaults(model_dir);
-  const auto given = [&](const char* flag) { return options.command->count(flag) > 0; };
-  if (given("--temperature")) sampling.temperature = options.sampling.temperature;
-  if (given("--top-p")) sampling.top_p = options.sampling.top_p;
-  if (given("--top-k")) sampling.top_k = options.sampling.top_k;
-  if (given("--min-p")) sampling.min_p = options.sampling.min_p;
-  if (given("--repetition-penalty")) sampling.repetition_penalty = options.sampling.repetition_penalty;
+  SamplingParams sampling = sampling_from_flags(*options.command, options.sampling, model_dir);
   sampling.seed = options.seed;
 
   auto engine = make_engine(options.engine);
@@ -155,11 +149,7 @@ void register_chat(CLI::App& root, Action& action) {
   command->add_option("--system", options->system, "a system message that opens the conversation");
   command->add_option("--max-tokens,-n", options->max_tokens, "tokens per reply at most")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
-  command->add_option("--temperature,-t", options->sampling.temperature, "sampling temperature (0: greedy)");
-  command->add_option("--top-p", options->sampling.top_p, "nucleus sampling mass");
-  command->add_option("--top-k", options->sampling.top_k, "keep the k most likely tokens (0: off)");
-  command->add_option("--min-p", options->sampling.min_p, "drop tokens below min-p x the top probability");
-  command->add_option("--repetition-penalty", options->sampling.repetition_penalty);
+  add_sampling_options(*command, options->sampling);
   command->add_option("--seed", options->seed, "random seed (same seed, same replies)");
   command->add_flag("--hide-reasoning", options->hide_reasoning, "do not print the model's <think> reasoning");
   command->add_flag("--no-thinking", options->no_thinking, "ask the template to turn thinking off (enable_thinking=false)");

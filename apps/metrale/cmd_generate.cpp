@@ -45,17 +45,7 @@ int run_generate(const GenerateOptions& options) {
   }
   for (const auto& text : options.prompts) prompts.push_back(tokenizer->encode(text, /*add_special_tokens=*/true));
 
-  // Sampling flags the user did not give take the model's generation_config.json defaults, as the
-  // model's authors intend (vLLM's --generation-config auto).
-  SamplingParams sampling = load_generation_defaults(model_dir);
-  const auto given = [&](const char* flag) { return options.command->count(flag) > 0; };
-  if (given("--temperature")) sampling.temperature = options.sampling.temperature;
-  if (given("--top-p")) sampling.top_p = options.sampling.top_p;
-  if (given("--top-k")) sampling.top_k = options.sampling.top_k;
-  if (given("--min-p")) sampling.min_p = options.sampling.min_p;
-  if (given("--repetition-penalty")) sampling.repetition_penalty = options.sampling.repetition_penalty;
-  if (given("--presence-penalty")) sampling.presence_penalty = options.sampling.presence_penalty;
-  if (given("--frequency-penalty")) sampling.frequency_penalty = options.sampling.frequency_penalty;
+  const SamplingParams sampling = sampling_from_flags(*options.command, options.sampling, model_dir);
 
   auto engine = make_engine(options.engine);
   std::vector<int64_t> ids;
@@ -125,16 +115,7 @@ void register_generate(CLI::App& root, Action& action) {
   command->add_option("--prompt-ids", options->prompt_ids, "prompt as comma-separated token ids");
   command->add_option("--max-tokens,-n", options->max_tokens, "tokens to generate")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
-  command->add_option("--temperature,-t", options->sampling.temperature, "sampling temperature (0: greedy)")
-      ->capture_default_str();
-  command->add_option("--top-p", options->sampling.top_p, "nucleus sampling mass")->capture_default_str();
-  command->add_option("--top-k", options->sampling.top_k, "keep the k most likely tokens (0: off)")
-      ->capture_default_str();
-  command->add_option("--min-p", options->sampling.min_p, "drop tokens below min-p x the top probability")
-      ->capture_default_str();
-  command->add_option("--repetition-penalty", options->sampling.repetition_penalty)->capture_default_str();
-  command->add_option("--presence-penalty", options->sampling.presence_penalty)->capture_default_str();
-  command->add_option("--frequency-penalty", options->sampling.frequency_penalty)->capture_default_str();
+  add_sampling_options(*command, options->sampling);
   command->add_option("--seed", options->seed, "random seed (same seed, same tokens)");
   command->add_flag("--ignore-eos", options->ignore_eos, "keep generating after an end-of-sequence token");
   command->add_option("--stop-token-ids", options->stop_token_ids, "comma-separated ids that end generation");

@@ -86,6 +86,32 @@ uint64_t parse_byte_size(const std::string& text, const std::string& what) {
   return static_cast<uint64_t>(value * scale);
 }
 
+void add_sampling_options(CLI::App& command, SamplingParams& sampling) {
+  command.add_option("--temperature,-t", sampling.temperature, "sampling temperature (0: greedy)")->capture_default_str();
+  command.add_option("--top-p", sampling.top_p, "nucleus sampling mass")->capture_default_str();
+  command.add_option("--top-k", sampling.top_k, "keep the k most likely tokens (0: off)")->capture_default_str();
+  command.add_option("--min-p", sampling.min_p, "drop tokens below min-p x the top probability")->capture_default_str();
+  command.add_option("--repetition-penalty", sampling.repetition_penalty)->capture_default_str();
+  command.add_option("--presence-penalty", sampling.presence_penalty)->capture_default_str();
+  command.add_option("--frequency-penalty", sampling.frequency_penalty)->capture_default_str();
+}
+
+SamplingParams sampling_from_flags(const CLI::App& command, const SamplingParams& flags,
+                                   const std::filesystem::path& model_dir) {
+  // Flags the user did not give take the model's generation_config.json defaults, as the model's
+  // authors intend (vLLM's --generation-config auto).
+  SamplingParams sampling = load_generation_defaults(model_dir);
+  const auto given = [&](const char* flag) { return command.count(flag) > 0; };
+  if (given("--temperature")) sampling.temperature = flags.temperature;
+  if (given("--top-p")) sampling.top_p = flags.top_p;
+  if (given("--top-k")) sampling.top_k = flags.top_k;
+  if (given("--min-p")) sampling.min_p = flags.min_p;
+  if (given("--repetition-penalty")) sampling.repetition_penalty = flags.repetition_penalty;
+  if (given("--presence-penalty")) sampling.presence_penalty = flags.presence_penalty;
+  if (given("--frequency-penalty")) sampling.frequency_penalty = flags.frequency_penalty;
+  return sampling;
+}
+
 SamplingParams load_generation_defaults(const std::filesystem::path& model_dir) {
   SamplingParams params;
   const auto path = model_dir / "generation_config.json";

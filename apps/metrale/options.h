@@ -45,6 +45,11 @@ std::filesystem::path default_model_dir();
 // `--model` and the engine flags. `model_required`: whether --model may be omitted.
 void add_model_option(CLI::App& command, EngineOptions& options);
 void add_engine_options(CLI::App& command, EngineOptions& options);
+// The sampling flags (--temperature, --top-p, --top-k, --min-p and the three penalties) into `sampling`.
+void add_sampling_options(CLI::App& command, SamplingParams& sampling);
+// The model's generation_config.json defaults, overridden by the sampling flags the user gave.
+SamplingParams sampling_from_flags(const CLI::App& command, const SamplingParams& flags,
+                                   const std::filesystem::path& model_dir);
 // Only --device and --threads (commands that load no model accept them too).
 void add_device_options(CLI::App& command, EngineOptions& options);
 
