@@ -2,72 +2,138 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "core/error.h"
 
 namespace metrale::cli {
 
+namespace {
+
+// Chunk length of the chunked delta rule (qwen.md §6.6).
+constexpr double kGdnChunk = 64.0;
+
+bool is_hybrid(const std::string& type) { return type == "qwen3_next" || type == "qwen3_5" || type == "qwen3_5_moe"; }
+
+// Whether layer `i` is a full-attention layer of a hybrid model: config.layer_types when given
+// (legacy "attention" counts too), else every full_attention_interval-th layer.
+bool hybrid_attention_layer(const ModelConfig& config, int64_t i) {
+  const auto types = config.get_string_list("layer_types");
+  if (!types.empty()) {
+    const std::string& type = types.at(static_cast<size_t>(i));
+    return type == "full_attention" || type == "attention";
+  }
+  const int64_t interval = config.get_int("full_attention_interval", 4);
+  return interval > 0 && (i + 1) % interval == 0;
+}
+
+}  // namespace
+
 CostModel::CostModel(const ModelConfig& config) {
+  std::string type = config.model_type;
+  if (type.size() > 5 && type.ends_with("_text")) type.resize(type.size() - 5);
+  if (type != "qwen3" && type != "qwen3_moe" && !is_hybrid(type))
+    raise(ErrorCode::kUnsupported, "bench has no cost model for model_type '{}'", config.model_type);
+  const bool hybrid = is_hybrid(type);
+
   const double h = static_cast<double>(config.hidden_size), d = static_cast<double>(config.head_dim);
   const double heads = static_cast<double>(config.num_heads), kv = static_cast<double>(config.num_kv_heads);
   hidden_ = h;
   q_dim_ = heads * d;
-  kv_row_elements_ = 2.0 * kv * d;  // K and V per token per layer
-  attention_params_ = h * heads * d + 2.0 * h * kv * d + heads * d * h + 2.0 * d + 2.0 * h;
+  kv_row_elements_ = 2.0 * kv * d;  // K and V per token per attention layer
+  // Gated attention (hybrids) projects a query and a gate per head.
+  const double q_proj = (hybrid ? 2.0 : 1.0) * h * heads * d;
+  attention_params_ = q_proj + 2.0 * h * kv * d + heads * d * h + 2.0 * d + 2.0 * h;
   num_layers_ = config.num_layers;
   head_params_ = static_cast<double>(config.vocab_size) * h;
-  dense_ffn_params_ = 3.0 * h * static_cast<double>(config.intermediate_size);
-  if (config.model_type == "qwen3_moe") {
+  dense_ffn_params_ = 3.0 * h * static_cast<double>(config.get_int("intermediate_size", 0));
+
+  if (hybrid) {
+    gdn_value_heads_ = static_cast<double>(config.get_int("linear_num_value_heads", 32));
+    gdn_key_dim_ = static_cast<double>(config.get_int("linear_key_head_dim", 128));
+    gdn_value_dim_ = static_cast<double>(config.get_int("linear_value_head_dim", 128));
+    const double key_heads = static_cast<double>(config.get_int("linear_num_key_heads", 16));
+    const double conv_kernel = static_cast<double>(config.get_int("linear_conv_kernel_dim", 4));
+    const double key_dim = key_heads * gdn_key_dim_, value_dim = gdn_value_heads_ * gdn_value_dim_;
+    const double conv_dim = 2.0 * key_dim + value_dim;
+    // in_proj (q, k, v, z, b, a), the depthwise conv, out_proj, A_log, dt_bias and the gated norm.
+    gdn_params_ = h * (conv_dim + value_dim + 2.0 * gdn_value_heads_) + conv_dim * conv_kernel + value_dim * h +
+                  2.0 * gdn_value_heads_ + gdn_value_dim_ + 2.0 * h;
+    // Per sequence: the fp32 state matrices and the bf16 conv window, read and written once per step.
+    gdn_state_bytes_ = 4.0 * gdn_value_heads_ * gdn_key_dim_ * gdn_value_dim_ + 2.0 * (conv_kernel - 1.0) * conv_dim;
+    for (int64_t i = 0; i < num_layers_; ++i) (hybrid_attention_layer(config, i) ? num_attention_layers_ : num_gdn_layers_)++;
+  } else {
+    num_attention_layers_ = num_layers_;
+  }
+
+  if (type == "qwen3_moe" || type == "qwen3_next" || type == "qwen3_5_moe") {
     num_experts_ = config.get_int("num_experts", config.get_int("num_local_experts", 128));
     top_k_ = config.get_int("num_experts_per_tok", 8);
     expert_params_ = 3.0 * h * static_cast<double>(config.get_int("moe_intermediate_size", 768));
     router_params_ = static_cast<double>(num_experts_) * h;
-    const int64_t step = config.get_int("decoder_sparse_step", 1);
-    const auto mlp_only = config.get_int_list("mlp_only_layers");
-    for (int64_t i = 0; i < num_layers_; ++i) {
-      if (std::find(mlp_only.begin(), mlp_only.end(), i) == mlp_only.end() && step > 0 && (i + 1) % step == 0)
-        ++num_moe_layers_;
+    const double shared = static_cast<double>(config.get_int("shared_expert_intermediate_size", 0));
+    if (shared > 0) shared_expert_params_ = 3.0 * h * shared + h;  // + its sigmoid gate
+    if (type == "qwen3_5_moe") {
+      num_moe_layers_ = num_layers_;  // every layer, whatever the config says
+    } else {
+      const int64_t step = config.get_int("decoder_sparse_step", 1);
+      const auto mlp_only = config.get_int_list("mlp_only_layers");
+      for (int64_t i = 0; i < num_layers_; ++i) {
+        if (std::find(mlp_only.begin(), mlp_only.end(), i) == mlp_only.end() && step > 0 && (i + 1) % step == 0)
+          ++num_moe_layers_;
+      }
     }
-  } else if (config.model_type != "qwen3") {
-    raise(ErrorCode::kUnsupported, "bench has no cost model for model_type '{}'", config.model_type);
   }
-  const double dense_layers = static_cast<double>(num_layers_ - num_moe_layers_);
-  weight_bytes_ = 2.0 * (static_cast<double>(num_layers_) * attention_params_ + dense_layers * dense_ffn_params_ +
-                         static_cast<double>(num_moe_layers_) * (router_params_ + static_cast<double>(num_experts_) * expert_params_) +
-                         head_params_);
+  weight_bytes_ = 2.0 * (mixer_params() + ffn_params(static_cast<double>(num_experts_)) + head_params_);
+}
+
+double CostModel::mixer_params() const {
+  return static_cast<double>(num_attention_layers_) * attention_params_ + static_cast<double>(num_gdn_layers_) * gdn_params_;
+}
+
+double CostModel::ffn_params(double experts_per_layer) const {
+  const double moe_layers = static_cast<double>(num_moe_layers_);
+  return static_cast<double>(num_layers_ - num_moe_layers_) * dense_ffn_params_ +
+         moe_layers * (router_params_ + experts_per_layer * expert_params_ + shared_expert_params_);
 }
 
 StepCost CostModel::decode(int64_t batch, int64_t context) const {
   StepCost cost;
   const double b = static_cast<double>(batch);
-  const double layers = static_cast<double>(num_layers_), moe_layers = static_cast<double>(num_moe_layers_);
+  const double attention_layers = static_cast<double>(num_attention_layers_);
+  const double gdn_layers = static_cast<double>(num_gdn_layers_);
   // Experts a batch touches per MoE layer: E * (1 - (1 - k/E)^b) in expectation for uniform routing.
   double experts_read = 0;
   if (num_experts_ > 0) {
     const double e = static_cast<double>(num_experts_);
     experts_read = e * (1.0 - std::pow(1.0 - static_cast<double>(top_k_) / e, b));
   }
-  const double weight_elements = layers * attention_params_ + (layers - moe_layers) * dense_ffn_params_ +
-                                 moe_layers * (router_params_ + experts_read * expert_params_) + head_params_;
-  const double kv_elements = b * static_cast<double>(context + 1) * layers * kv_row_elements_;
-  cost.bytes = 2.0 * (weight_elements + kv_elements + b * hidden_);
-  const double active = layers * attention_params_ + (layers - moe_layers) * dense_ffn_params_ +
-                        moe_layers * (router_params_ + static_cast<double>(top_k_) * expert_params_) + head_params_;
-  cost.flops = 2.0 * b * active + b * layers * 4.0 * q_dim_ * static_cast<double>(context + 1);
+  const double weight_elements = mixer_params() + ffn_params(experts_read) + head_params_;
+  const double kv_elements = b * static_cast<double>(context + 1) * attention_layers * kv_row_elements_;
+  cost.bytes = 2.0 * (weight_elements + kv_elements + b * hidden_) + 2.0 * b * gdn_layers * gdn_state_bytes_;
+  const double active = mixer_params() + ffn_params(static_cast<double>(top_k_)) + head_params_;
+  // Recurrent decode per value head: decay, S^T k, the rank-1 update and S^T q, about 6 dk dv FLOPs.
+  const double gdn_flops = gdn_layers * gdn_value_heads_ * 6.0 * gdn_key_dim_ * gdn_value_dim_;
+  cost.flops = 2.0 * b * active + b * attention_layers * 4.0 * q_dim_ * static_cast<double>(context + 1) + b * gdn_flops;
   return cost;
 }
 
 StepCost CostModel::prefill(int64_t tokens) const {
   StepCost cost;
   const double t = static_cast<double>(tokens);
-  const double layers = static_cast<double>(num_layers_), moe_layers = static_cast<double>(num_moe_layers_);
+  const double attention_layers = static_cast<double>(num_attention_layers_);
+  const double gdn_layers = static_cast<double>(num_gdn_layers_);
   // Every row runs the per-token layers; only the last row reaches the LM head.
-  const double per_token = layers * attention_params_ + (layers - moe_layers) * dense_ffn_params_ +
-                           moe_layers * (router_params_ + static_cast<double>(top_k_) * expert_params_);
+  const double per_token = mixer_params() + ffn_params(static_cast<double>(top_k_));
   // Causal attention: QK^T and PV over t(t+1)/2 query-key pairs, 2 FLOPs per multiply-add each.
-  const double attention = layers * 4.0 * q_dim_ * t * (t + 1.0) / 2.0;
-  cost.flops = 2.0 * t * per_token + 2.0 * head_params_ + attention;
-  cost.bytes = weight_bytes_ + 2.0 * t * layers * kv_row_elements_;
+  const double attention = attention_layers * 4.0 * q_dim_ * t * (t + 1.0) / 2.0;
+  // Chunked delta rule per token and value head: the intra-chunk products (K K^T, Q K^T and the
+  // two products with the chunk's values, 2 C (dk + dv) each pair) and the state terms (Q S, W S,
+  // K'^T V': 6 dk dv).
+  const double gdn = gdn_layers * t * gdn_value_heads_ *
+                     (4.0 * kGdnChunk * (gdn_key_dim_ + gdn_value_dim_) + 6.0 * gdn_key_dim_ * gdn_value_dim_);
+  cost.flops = 2.0 * t * per_token + 2.0 * head_params_ + attention + gdn;
+  cost.bytes = weight_bytes_ + 2.0 * t * attention_layers * kv_row_elements_ + gdn_layers * gdn_state_bytes_;
   return cost;
 }
 

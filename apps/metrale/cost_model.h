@@ -1,7 +1,8 @@
 // What a step must move and compute at minimum, from the model's shapes: the numerators of the
 // roofline fractions `metrale bench` reports. Bytes count each weight read once per step (the
 // embedding only for the rows gathered) and the keys/values each decode row reads; FLOPs count
-// the matrix products (2 per multiply-add) and causal attention.
+// the matrix products (2 per multiply-add), causal attention and, for hybrid models, the Gated
+// DeltaNet recurrence with its per-sequence state traffic (fp32 state read and written each step).
 #pragma once
 
 #include <cstdint>
@@ -28,11 +29,19 @@ class CostModel {
 
  private:
   // Parameters per layer kind (elements), bf16 weights (2 bytes each).
-  double attention_params_ = 0;  // per layer: q, k, v, o projections and norms
+  double mixer_params() const;                          // every layer's attention or GDN weights
+  double ffn_params(double experts_per_moe_layer) const;  // every layer's FFN weights
+
+  double attention_params_ = 0;  // per attention layer: q (+ gate), k, v, o projections and norms
+  double gdn_params_ = 0;        // per GDN layer: in/out projections, conv, gates, norms
+  double gdn_state_bytes_ = 0;   // per GDN layer and sequence
+  double gdn_value_heads_ = 0, gdn_key_dim_ = 0, gdn_value_dim_ = 0;
   double dense_ffn_params_ = 0;  // per dense layer
   double expert_params_ = 0;     // one expert
+  double shared_expert_params_ = 0;
   double router_params_ = 0;
-  int64_t num_layers_ = 0, num_moe_layers_ = 0, num_experts_ = 0, top_k_ = 0;
+  int64_t num_layers_ = 0, num_attention_layers_ = 0, num_gdn_layers_ = 0;
+  int64_t num_moe_layers_ = 0, num_experts_ = 0, top_k_ = 0;
   double head_params_ = 0;       // lm_head
   double hidden_ = 0, kv_row_elements_ = 0, q_dim_ = 0;
   double weight_bytes_ = 0;
