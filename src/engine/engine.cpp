@@ -475,7 +475,7 @@ std::vector<TokenEvent> Engine::step() {
   if (mtp_active_) run_mtp_drafter(result, kept_rows);
   if (speculating()) {
     const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - step_start;
-    spec_controller_.record_step(plan.num_tokens, seconds.count());
+    spec_controller_.record_step(plan.num_tokens, seconds.count(), plan.num_draft_rows > 0);
   }
   if (!finished.empty()) {
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->finished(); }),

@@ -105,7 +105,10 @@ void Engine::prepare_drafts() {
       const double a = spec_controller_.acceptance(sequence->acceptance_ema);
       int64_t worth = 0;
       for (double reach = a; worth < limit && reach >= kMinDraftReach; reach *= a) ++worth;
-      limit = std::min(limit, worth);
+      // While the step speculates every decoding sequence verifies at least one draft: its own
+      // acceptance only trims longer chains. A sequence cut to none would never verify again and
+      // its estimate could never recover (the global estimate decides whether drafting pays).
+      limit = std::min(limit, std::max<int64_t>(worth, 1));
     }
     limit = std::max<int64_t>(limit, 0);
     if (spec.method == SpeculativeMethod::kNgram) {

@@ -181,22 +181,23 @@ int32_t SpeculationController::choose_num_drafts(int64_t num_decoding, int64_t o
   if (config_.method == SpeculativeMethod::kNone || num_decoding <= 0) return 0;
   if (!config_.adaptive) return config_.num_drafts;
   const double a = std::clamp(global_acceptance_, 0.0, 0.99);
-  const auto throughput = [&](int32_t k) {
-    const double rows = static_cast<double>(other_rows + num_decoding * (1 + k));
-    return static_cast<double>(num_decoding) * expected_tokens(a, k) / (fixed_ + per_row_ * rows);
-  };
-  const double plain = throughput(0);
+  // Until a verify step has been timed, assume it costs what a plain step of as many rows costs:
+  // the first verify steps then measure the truth.
+  const StepCostFit& plain = plain_.measured() ? plain_ : verify_;
+  const StepCostFit& verify = verify_.measured() ? verify_ : plain_;
+  const auto rows = [&](int32_t k) { return static_cast<double>(other_rows + num_decoding * (1 + k)); };
+  const double plain_rate = static_cast<double>(num_decoding) / plain.predict(rows(0));
   int32_t best = 0;
-  double best_rate = plain;
+  double best_rate = plain_rate;
   for (int32_t k = 1; k <= config_.num_drafts; ++k) {
-    const double rate = throughput(k);
+    const double rate = static_cast<double>(num_decoding) * expected_tokens(a, k) / verify.predict(rows(k));
     if (rate > best_rate) {
       best = k;
       best_rate = rate;
     }
   }
   // Speculate only for a clear predicted gain: the model of cost is approximate.
-  return best_rate >= 1.05 * plain ? best : 0;
+  return best_rate >= 1.05 * plain_rate ? best : 0;
 }
 
 double SpeculationController::record_verify(double sequence_ema, int64_t drafted, int64_t accepted) {
@@ -207,12 +208,18 @@ double SpeculationController::record_verify(double sequence_ema, int64_t drafted
   const double rate = static_cast<double>(accepted) / (static_cast<double>(accepted) + rejected);
   const double weight = std::min(1.0, static_cast<double>(accepted) + rejected);
   constexpr double kSequenceDecay = 0.3, kGlobalDecay = 0.05;
+  // A sequence's first verify starts from the global estimate rather than from its one sample, so
+  // that one early rejection does not write the sequence off.
+  const double start = sequence_ema < 0.0 ? global_acceptance_ : sequence_ema;
   global_acceptance_ += kGlobalDecay * weight * (rate - global_acceptance_);
-  if (sequence_ema < 0.0) return rate;
-  return sequence_ema + kSequenceDecay * weight * (rate - sequence_ema);
+  return start + kSequenceDecay * weight * (rate - start);
 }
 
-void SpeculationController::record_step(int64_t rows, double seconds) {
+void SpeculationController::record_step(int64_t rows, double seconds, bool verify) {
+  (verify ? verify_ : plain_).add(rows, seconds);
+}
+
+void StepCostFit::add(int64_t rows, double seconds) {
   if (rows <= 0 || !(seconds > 0.0)) return;
   constexpr double kDecay = 0.98;
   const auto x = static_cast<double>(rows);
@@ -228,7 +235,7 @@ void SpeculationController::record_step(int64_t rows, double seconds) {
     fixed_ = std::max(mean_y - per_row_ * mean_x, 0.05 * mean_y);
   } else {
     // One batch size only so far: the rows cannot be told from the fixed part. Assume the step is
-    // fixed cost until a verify step (more rows) shows otherwise.
+    // fixed cost until steps of other sizes show otherwise.
     fixed_ = mean_y;
     per_row_ = 0.0;
   }

@@ -76,6 +76,21 @@ SampledToken describe_token(std::span<const float> logits, int32_t token, int32_
 int32_t rejection_sample(std::span<const float> p, std::span<const float> q, int32_t draft, float accept_uniform,
                          float residual_uniform, bool& accepted);
 
+// Exponentially weighted least squares of a step's wall time against its rows:
+// time = fixed + per_row * rows (seconds).
+class StepCostFit {
+ public:
+  void add(int64_t rows, double seconds);
+  bool measured() const { return w_ > 0.0; }
+  double predict(double rows) const { return fixed_ + per_row_ * rows; }
+  double fixed() const { return fixed_; }
+  double per_row() const { return per_row_; }
+
+ private:
+  double w_ = 0.0, sx_ = 0.0, sy_ = 0.0, sxx_ = 0.0, sxy_ = 0.0;
+  double fixed_ = 1.0, per_row_ = 0.0;  // until measured: rows cost nothing next to the step
+};
+
 // Acceptance statistics and the per-step choice of k.
 class SpeculationController {
  public:
@@ -89,20 +104,20 @@ class SpeculationController {
   double acceptance(double sequence_ema) const { return sequence_ema >= 0.0 ? sequence_ema : global_acceptance_; }
   // After a verify: a sequence accepted `accepted` of `drafted` drafts; returns its updated EMA.
   double record_verify(double sequence_ema, int64_t drafted, int64_t accepted);
-  // After each step: its rows and wall time (seconds), for the cost model.
-  void record_step(int64_t rows, double seconds);
+  // After each step: its rows, wall time (seconds) and whether it verified drafts. Plain and verify
+  // steps are fitted apart: a verify step can cost more than its rows suggest (it runs eagerly,
+  // without the decode graphs, and its logits go to the host for acceptance), and k > 0 is chosen
+  // only when the verify fit predicts a gain over the plain one.
+  void record_step(int64_t rows, double seconds, bool verify);
 
   double global_acceptance() const { return global_acceptance_; }
-  // Fitted step time = fixed + per_row * rows (seconds).
-  double fixed_cost() const { return fixed_; }
-  double per_row_cost() const { return per_row_; }
+  const StepCostFit& plain_cost() const { return plain_; }
+  const StepCostFit& verify_cost() const { return verify_; }
 
  private:
   SpeculativeConfig config_;
   double global_acceptance_ = 0.5;
-  // Exponentially weighted least squares of time against rows.
-  double w_ = 0.0, sx_ = 0.0, sy_ = 0.0, sxx_ = 0.0, sxy_ = 0.0;
-  double fixed_ = 1.0, per_row_ = 0.0;  // until measured: rows cost nothing next to the step
+  StepCostFit plain_, verify_;
 };
 
 }  // namespace metrale
