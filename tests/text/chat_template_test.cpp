@@ -5,7 +5,6 @@
 
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
@@ -187,7 +186,8 @@ TEST(ChatTemplate, HostileTemplatesAreBounded) {
   EXPECT_NE(error_of(deep_ifs).find("nested too deeply"), std::string::npos);
 }
 
-TEST(ChatTemplate, RendersAConversationWellUnderAMillisecond) {
+// Rendering speed is measured by bench/chat_template_bench.cpp, not here.
+TEST(ChatTemplate, RendersALongConversationTheSameEveryTime) {
   const std::string source = read_file(std::filesystem::path(METRALE_TEST_DATA_DIR) / "text/chat_templates/qwen3.jinja");
   const ChatTemplate chat(source, "", "<|im_end|>");
   ChatTemplateInputs inputs;
@@ -199,13 +199,7 @@ TEST(ChatTemplate, RendersAConversationWellUnderAMillisecond) {
   }
   const std::string first = chat.render(inputs);
   EXPECT_NE(first.find("Message number 18"), std::string::npos);
-  constexpr int kRuns = 200;
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < kRuns; ++i) EXPECT_EQ(chat.render(inputs).size(), first.size());
-  const double micros =
-      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / kRuns;
-  std::printf("20-message Qwen3 render: %.1f us\n", micros);
-  EXPECT_LT(micros, 1000.0);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(chat.render(inputs), first);
 }
 
 TEST(ChatTemplate, FromTokenizerUsesTheModelTemplateAndTokens) {
