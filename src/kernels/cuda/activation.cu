@@ -15,11 +15,6 @@ constexpr int kThreads = 256;
 constexpr int kMaxGridRows = 65535;
 
 template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
-
-template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) silu_mul_kernel(const T* __restrict__ gate, int64_t gate_stride,
                                                             const T* __restrict__ up, int64_t up_stride,
                                                             T* __restrict__ out, int64_t out_stride, int64_t rows,

@@ -23,8 +23,6 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kPrefillRows = 32;
 
-enum class WeightType : int { kF32, kBF16, kF16 };
-
 struct ConvArgs {
   const void* x;  // [T, C] rows strided
   int64_t x_row;
@@ -41,19 +39,6 @@ struct ConvArgs {
   int channels;
   int rows_per_thread;
   bool silu;
-};
-
-__device__ __forceinline__ float load_weight(const ConvArgs& a, int64_t i) {
-  switch (a.weight_type) {
-    case WeightType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(a.weight)[i]);
-    case WeightType::kF16: return __half2float(static_cast<const __half*>(a.weight)[i]);
-    default: return static_cast<const float*>(a.weight)[i];
-  }
-}
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
 };
 
 template <typename T, int N>
@@ -115,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) conv_kernel(ConvArgs a) {
 #pragma unroll
   for (int e = 0; e < N; ++e) {
 #pragma unroll
-    for (int j = 0; j < K; ++j) w[j][e] = load_weight(a, static_cast<int64_t>(c + e) * K + j);
+    for (int j = 0; j < K; ++j) w[j][e] = load_weight(a.weight, a.weight_type, static_cast<int64_t>(c + e) * K + j);
   }
 
   int s = sequence_of(a.cu_q, a.num_seqs, row_begin);
@@ -244,14 +229,7 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
   a.out = out.data();
   a.out_row = out.stride(0);
   a.weight = weight.data();
-  switch (weight.dtype()) {
-    case DType::kF32: a.weight_type = WeightType::kF32; break;
-    case DType::kBF16: a.weight_type = WeightType::kBF16; break;
-    case DType::kF16: a.weight_type = WeightType::kF16; break;
-    default:
-      raise_message(ErrorCode::kUnsupported,
-                    "causal_conv1d: weight dtype " + std::string(dtype_name(weight.dtype())) + " is not supported");
-  }
+  a.weight_type = weight_type_of(weight, "causal_conv1d");
   a.conv_state = conv_state.data();
   a.cu_q = cu_q.data_as<const int32_t>();
   a.kv_lens = kv_lens.data_as<const int32_t>();

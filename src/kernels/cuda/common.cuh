@@ -64,6 +64,36 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
   return warp_sum(value);
 }
 
+// N elements of T as one aligned vector, for 8- and 16-byte loads and stores.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// The float dtype of a weight vector (norm weights, conv taps), for kernels that accept any of them.
+enum class WeightType : int { kF32, kBF16, kF16 };
+
+// Host: the WeightType of `weight`; kUnsupported (naming `op`) for other dtypes.
+inline WeightType weight_type_of(const Tensor& weight, const char* op) {
+  switch (weight.dtype()) {
+    case DType::kF32: return WeightType::kF32;
+    case DType::kBF16: return WeightType::kBF16;
+    case DType::kF16: return WeightType::kF16;
+    default:
+      raise_message(ErrorCode::kUnsupported, std::string(op) + ": weight dtype " +
+                                                 std::string(dtype_name(weight.dtype())) + " is not supported on CUDA");
+  }
+}
+
+// Element i of a weight vector of type `type`, as fp32.
+__device__ __forceinline__ float load_weight(const void* weight, WeightType type, int64_t i) {
+  switch (type) {
+    case WeightType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(weight)[i]);
+    case WeightType::kF16: return __half2float(static_cast<const __half*>(weight)[i]);
+    default: return static_cast<const float*>(weight)[i];
+  }
+}
+
 }  // namespace metrale::kernels::cuda
 
 // Dispatches on a floating storage dtype: runs `body` with `scalar_t` bound to the C++ type.

@@ -11,11 +11,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 132 * 16;
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
-
 // mode kAdd: dst[i] = D(dst[i] + src[i]); mode kConvert: dst[i] = D(src[i]).
 enum class Mode { kAdd, kConvert };
 

@@ -15,8 +15,6 @@ namespace {
 
 constexpr int kRowsPerBlock = 4;
 
-enum class WeightType : int { kF32, kBF16, kF16 };
-
 struct GatedNormArgs {
   const void* x;
   const void* z;
@@ -27,19 +25,6 @@ struct GatedNormArgs {
   int64_t rows;
   int heads, width;
   float eps;
-};
-
-__device__ __forceinline__ float load_weight(const GatedNormArgs& a, int i) {
-  switch (a.weight_type) {
-    case WeightType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(a.weight)[i]);
-    case WeightType::kF16: return __half2float(static_cast<const __half*>(a.weight)[i]);
-    default: return static_cast<const float*>(a.weight)[i];
-  }
-}
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
 };
 
 template <typename T, int N>
@@ -67,7 +52,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) gated_rms_norm_kernel(Gate
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       const float normalized = to_f32(from_f32<T>(to_f32(xv.v[e]) * inv_rms));
-      const float weighted = to_f32(from_f32<T>(load_weight(a, i + e) * normalized));
+      const float weighted = to_f32(from_f32<T>(load_weight(a.weight, a.weight_type, i + e) * normalized));
       const float gate = to_f32(zv.v[e]);
       o.v[e] = from_f32<T>(weighted * (gate / (1.0f + expf(-gate))));
     }
@@ -108,14 +93,7 @@ void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, cons
   a.out_row = out.stride(0);
   a.out_head = out.stride(1);
   a.weight = weight.data();
-  switch (weight.dtype()) {
-    case DType::kF32: a.weight_type = WeightType::kF32; break;
-    case DType::kBF16: a.weight_type = WeightType::kBF16; break;
-    case DType::kF16: a.weight_type = WeightType::kF16; break;
-    default:
-      raise_message(ErrorCode::kUnsupported,
-                    "gated_rms_norm: weight dtype " + std::string(dtype_name(weight.dtype())) + " is not supported");
-  }
+  a.weight_type = weight_type_of(weight, "gated_rms_norm");
   a.rows = tokens * heads;
   a.heads = static_cast<int>(heads);
   a.width = static_cast<int>(width);

@@ -19,21 +19,6 @@ namespace {
 constexpr int kMaxWarps = 16;
 constexpr size_t kMaxSharedBytes = 48 * 1024;
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
-
-enum class WeightType : int { kF32, kBF16, kF16 };
-
-__device__ __forceinline__ float load_weight(const void* weight, WeightType type, int i) {
-  switch (type) {
-    case WeightType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(weight)[i]);
-    case WeightType::kF16: return __half2float(static_cast<const __half*>(weight)[i]);
-    default: return static_cast<const float*>(weight)[i];
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ float round_to(float value) {
   return to_f32(from_f32<T>(value));
@@ -152,17 +137,6 @@ __global__ void __launch_bounds__(32 * kMaxWarps) qk_norm_rope_kv_write_kernel(Q
   }
 }
 
-WeightType weight_type_of(const Tensor& weight) {
-  switch (weight.dtype()) {
-    case DType::kF32: return WeightType::kF32;
-    case DType::kBF16: return WeightType::kBF16;
-    case DType::kF16: return WeightType::kF16;
-    default:
-      raise_message(ErrorCode::kUnsupported, "qk_norm_rope_kv_write: weight dtype " +
-                                                 std::string(dtype_name(weight.dtype())) + " is not supported on CUDA");
-  }
-}
-
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 template <typename T, int N>
@@ -198,14 +172,14 @@ void run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_norm
                        (q_norm_weight.ndim() != 1 || q_norm_weight.stride(0) == 1),
                    "qk_norm_rope_kv_write q_norm_weight " + q_norm_weight.describe());
     a.q_weight = q_norm_weight.data();
-    a.q_weight_type = weight_type_of(q_norm_weight);
+    a.q_weight_type = weight_type_of(q_norm_weight, "qk_norm_rope_kv_write");
   }
   if (params.k_norm) {
     METRALE_EXPECT(k_norm_weight.device().is_cuda() && k_norm_weight.numel() == head_dim &&
                        (k_norm_weight.ndim() != 1 || k_norm_weight.stride(0) == 1),
                    "qk_norm_rope_kv_write k_norm_weight " + k_norm_weight.describe());
     a.k_weight = k_norm_weight.data();
-    a.k_weight_type = weight_type_of(k_norm_weight);
+    a.k_weight_type = weight_type_of(k_norm_weight, "qk_norm_rope_kv_write");
   }
   a.positions = positions.data_as<const int32_t>();
   a.inv_freq = inv_freq.data_as<const float>();

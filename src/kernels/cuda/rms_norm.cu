@@ -22,11 +22,6 @@ namespace {
 constexpr int kWarpRowsPerBlock = 4;
 constexpr int kCachedVectors = 4;  // per thread
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
-
 // Row r of a [A, B, width] view starts at (r / B) * outer_stride + (r % B) * inner_stride elements.
 struct RowLayout {
   int64_t inner = 1;
@@ -36,8 +31,6 @@ struct RowLayout {
     return inner == 1 ? row * outer_stride : (row / inner) * outer_stride + (row % inner) * inner_stride;
   }
 };
-
-enum class WeightType : int { kF32, kBF16, kF16 };
 
 struct NormArgs {
   const void* x;
@@ -51,14 +44,6 @@ struct NormArgs {
   float eps;
   bool zero_centered;
 };
-
-__device__ __forceinline__ float load_weight(const NormArgs& a, int i) {
-  switch (a.weight_type) {
-    case WeightType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(a.weight)[i]);
-    case WeightType::kF16: return __half2float(static_cast<const __half*>(a.weight)[i]);
-    default: return static_cast<const float*>(a.weight)[i];
-  }
-}
 
 struct WarpReduce {
   __device__ float operator()(float value) const { return warp_sum(value); }
@@ -130,7 +115,7 @@ __device__ __forceinline__ void normalize_row(const NormArgs& a, int64_t row, in
     V o;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      const float w = load_weight(a, j * N + e);
+      const float w = load_weight(a.weight, a.weight_type, j * N + e);
       const float normalized = values[e] * inv_rms;
       // Plain: the normalised value is rounded to D before the weight multiply; zero-centred: one rounding.
       o.v[e] = a.zero_centered ? from_f32<T>(normalized * (1.0f + w)) : from_f32<T>(w * to_f32(from_f32<T>(normalized)));
@@ -191,17 +176,6 @@ bool vector_aligned(const void* pointer, const RowLayout& layout, int64_t elemen
          (layout.inner_stride * element_size) % 16 == 0;
 }
 
-WeightType weight_type_of(const Tensor& weight) {
-  switch (weight.dtype()) {
-    case DType::kF32: return WeightType::kF32;
-    case DType::kBF16: return WeightType::kBF16;
-    case DType::kF16: return WeightType::kF16;
-    default:
-      raise_message(ErrorCode::kUnsupported, "rms_norm: weight dtype " + std::string(dtype_name(weight.dtype())) +
-                                                 " is not supported on CUDA");
-  }
-}
-
 template <typename T, int N, bool kAdd>
 void launch(const NormArgs& a, cudaStream_t stream) {
   const int vectors = a.width / N;
@@ -236,7 +210,7 @@ void run_norm(const Tensor* residual, const Tensor& x, const Tensor& weight, con
   a.residual = residual ? residual->data() : nullptr;
   a.out = out.data();
   a.weight = weight.data();
-  a.weight_type = weight_type_of(weight);
+  a.weight_type = weight_type_of(weight, "rms_norm");
   a.x_rows = row_layout(x, what);
   a.out_rows = row_layout(out, what);
   if (residual) a.residual_rows = row_layout(*residual, what);

@@ -16,11 +16,6 @@ namespace {
 
 constexpr int kThreads = 128;
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
-
 template <typename T>
 __device__ __forceinline__ float round_to(float value) {
   return to_f32(from_f32<T>(value));
