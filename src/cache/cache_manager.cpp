@@ -42,10 +42,14 @@ CacheManager::CacheManager(std::span<const LayerCacheSpec> specs, const CacheCon
     const LayerCacheSpec& spec = specs[i];
     if (spec.kind == LayerCacheKind::kPagedKv) {
       const Shape shape{config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim};
+      // GPU: zeros, so that padding rows of graph layouts (which read keys nobody wrote) stay
+      // finite. (CPU caches come from fresh zero pages, and zeroing would commit all of them.)
       kv_storage_.emplace_back(config.kv_dtype, shape, device);
       layers_[i].k_cache = kv_storage_.back().tensor;
+      if (device.is_cuda()) kv_storage_.back().buffer.zero();
       kv_storage_.emplace_back(config.kv_dtype, shape, device);
       layers_[i].v_cache = kv_storage_.back().tensor;
+      if (device.is_cuda()) kv_storage_.back().buffer.zero();
     } else if (spec.kind == LayerCacheKind::kRecurrent) {
       for (const StateTensorSpec& state : spec.states) {
         if (static_cast<int>(state.per_slot_shape.size()) + 1 > Shape::kMaxDims)

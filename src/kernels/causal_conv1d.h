@@ -7,7 +7,8 @@
 // and output row i (of the sequence) is
 //   out[c] = act( sum_{j<K} weight[c, j] * W_s[i + j][c] )
 // After the call conv_state[state_slots[s]] holds the last K-1 rows of W_s (oldest first), also
-// when q_len_s < K-1.
+// when q_len_s < K-1 (unless params.write_state is false). A slot of -1 has no state: the sequence
+// starts from K-1 zero rows and its window is not kept (rows a speculative commit discards).
 #pragma once
 
 #include "kernels/dispatch.h"
@@ -17,6 +18,8 @@ namespace metrale::kernels {
 struct CausalConv1dParams {
   bool silu = true;       // act = silu (true) or identity
   int64_t max_q_len = 0;  // host upper bound of q_len over the batch (0: not given), for planning
+  // false: the slots are read, never updated (a speculative verify keeps them for its commit).
+  bool write_state = true;
 };
 
 // x [T, C] activations (rows may be strided, channels contiguous); weight [C, K] (conv1d.weight

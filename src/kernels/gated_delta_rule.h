@@ -32,12 +32,16 @@ struct GatedDeltaRuleParams {
   // token t (speculative verify keeps the state of every draft row). The slot still receives the
   // state after the last row.
   Tensor row_states;
+  // Recurrent form only: false reads the slots and leaves them as they were (a speculative verify
+  // keeps them for its commit). The chunked form requires true.
+  bool write_state = true;
 };
 
 // q, k [T, Hk, dk] and v [T, Hv, dv] activations (strided rows allowed, e.g. column slices of the
 // conv output; the last dim contiguous); g, beta [T, Hv] f32; state [num_slots, Hv, dk, dv] f32,
 // contiguous; cu_q [S+1], kv_lens [S], state_slots [S] i32 on the device; out [T, Hv, dv]
-// activation dtype (contiguous). Outputs are rounded to the activation dtype once.
+// activation dtype (contiguous). Outputs are rounded to the activation dtype once. Recurrent form
+// only: a slot of -1 has no state (the sequence starts from zero, its final state is discarded).
 METRALE_DECLARE_OP_IMPLS(gated_delta_rule_chunked,
                          (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                           const Tensor& state, const Tensor& cu_q, const Tensor& kv_lens, const Tensor& state_slots,

@@ -51,6 +51,21 @@ struct Batch {
   int64_t num_seqs() const { return static_cast<int64_t>(kv_lens.size()); }
 };
 
+// Speculative commit and verify layouts: sequences without a slot (-1, rows computed from zero
+// state and never kept) and steps that read the slots without writing them.
+struct SlotUse {
+  int64_t no_slot_every = 0;  // > 0: every n-th sequence (n - 1, 2n - 1, ...) has slot -1
+  bool write_state = true;
+};
+
+void apply_slot_use(Batch& b, const SlotUse& use) {
+  for (int64_t s = 0; s < b.num_seqs(); ++s) {
+    const bool no_slot = use.no_slot_every > 0 && s % use.no_slot_every == use.no_slot_every - 1;
+    if (no_slot || !use.write_state) b.owned[static_cast<size_t>(b.slots[static_cast<size_t>(s)])] = false;
+    if (no_slot) b.slots[static_cast<size_t>(s)] = -1;
+  }
+}
+
 Batch make_batch(const std::vector<SeqSpec>& specs, int64_t spare_slots, uint64_t seed) {
   Batch b;
   b.num_slots = static_cast<int64_t>(specs.size()) + spare_slots;
@@ -99,7 +114,10 @@ void expect_states(const Tensor& got, const Tensor& expected, const Tensor& befo
           << "slot " << slot << " belongs to no sequence and must stay untouched";
     }
   }
-  EXPECT_TRUE(testing::close_rel_l2(got_owned, expected_owned, tolerance)) << "final states";
+  // (Steps that only read the slots own none.)
+  if (!expected_owned.empty()) {
+    EXPECT_TRUE(testing::close_rel_l2(got_owned, expected_owned, tolerance)) << "final states";
+  }
 }
 
 // ---- causal_conv1d ----
@@ -109,6 +127,7 @@ struct ConvCase {
   int64_t channels;
   int64_t column_offset;  // x is a column slice of a wider row (odd offsets: element-wise path)
   bool silu = true;
+  SlotUse slot_use = {};
 };
 
 void check_conv(const ConvCase& c, uint64_t seed) {
@@ -116,7 +135,8 @@ void check_conv(const ConvCase& c, uint64_t seed) {
                                     << c.seqs.size());
   constexpr int64_t kKernel = 4;
   Random rng(seed);
-  const Batch b = make_batch(c.seqs, 3, seed);
+  Batch b = make_batch(c.seqs, 3, seed);
+  apply_slot_use(b, c.slot_use);
   const int64_t width = c.channels + c.column_offset + 8;
   const OwnedTensor x_wide = testing::random_tensor(DType::kBF16, {b.tokens, width}, rng);
   const Tensor x = x_wide->slice(1, c.column_offset, c.column_offset + c.channels);
@@ -132,6 +152,7 @@ void check_conv(const ConvCase& c, uint64_t seed) {
   kernels::CausalConv1dParams params;
   params.silu = c.silu;
   params.max_q_len = b.max_q;
+  params.write_state = c.slot_use.write_state;
   kernels::causal_conv1d(x_dev->slice(1, c.column_offset, c.column_offset + c.channels), *weight_dev, *state_dev,
                          *meta.cu_q, *meta.kv_lens, *meta.slots, *out_dev, params);
   const OwnedTensor cu = int_tensor(b.cu_q), lens = int_tensor(b.kv_lens), slots = int_tensor(b.slots);
@@ -140,6 +161,13 @@ void check_conv(const ConvCase& c, uint64_t seed) {
   EXPECT_TRUE(testing::close_rel_l2(*to_host(*out_dev), testing::to_doubles(*out_cpu), 1e-2)) << "conv output";
   // New conv states are copies of inputs: exact.
   EXPECT_EQ(testing::element_bytes(*to_host(*state_dev)), testing::element_bytes(*state_cpu)) << "conv states";
+  // Slots of sequences without a slot, and every slot when states are only read, stay as they were.
+  for (int64_t slot = 0; slot < b.num_slots; ++slot) {
+    if (b.owned[static_cast<size_t>(slot)]) continue;
+    EXPECT_EQ(testing::element_bytes(to_host(*state_dev)->select(0, slot)),
+              testing::element_bytes(state->select(0, slot)))
+        << "conv slot " << slot;
+  }
 }
 
 TEST(CudaGdnConv, MatchesCpuTwin) {
@@ -151,6 +179,10 @@ TEST(CudaGdnConv, MatchesCpuTwin) {
   std::vector<SeqSpec> decode;
   for (int i = 0; i < 64; ++i) decode.push_back({i % 7 == 0 ? 0 : 3 + i, 1});
   check_conv({decode, 2048, 0}, 14);
+  // Speculative verify (slots read, not written) and commit (rejected rows without a slot).
+  check_conv({mixed, 1024, 0, true, {0, false}}, 15);
+  check_conv({mixed, 1024, 0, true, {2, true}}, 16);
+  check_conv({decode, 2048, 0, true, {3, true}}, 17);
 }
 
 // ---- gdn_gates ----
@@ -217,6 +249,7 @@ struct DeltaCase {
   bool chunked;
   bool row_states = false;
   bool l2norm = true;
+  SlotUse slot_use = {};
 };
 
 struct DeltaInputs {
@@ -237,7 +270,8 @@ void check_delta_rule(const DeltaCase& c, uint64_t seed) {
                                     << c.v_heads << " dk " << c.dk << " dv " << c.dv << " seqs " << c.seqs.size()
                                     << " l2norm " << c.l2norm);
   Random rng(seed);
-  const Batch b = make_batch(c.seqs, 2, seed);
+  Batch b = make_batch(c.seqs, 2, seed);
+  apply_slot_use(b, c.slot_use);
   const int64_t key_dim = c.k_heads * c.dk, width = 2 * key_dim + c.v_heads * c.dv;
   const float qk_range = c.l2norm ? 1.0f : 0.08f;
   OwnedTensor qkv(DType::kBF16, {b.tokens, width});
@@ -259,6 +293,7 @@ void check_delta_rule(const DeltaCase& c, uint64_t seed) {
   params.scale = 1.0f / std::sqrt(static_cast<float>(c.dk));
   params.qk_l2norm = c.l2norm;
   params.max_q_len = b.max_q;
+  params.write_state = c.slot_use.write_state;
 
   // CPU twin: f32 output (the fp32 reference), same bf16 inputs.
   const OwnedTensor state_cpu = to_host(*to_device(*state));
@@ -347,6 +382,12 @@ TEST(CudaGdnDeltaRule, RecurrentMatchesCpuTwin) {
   check_delta_rule({{{12, 3}, {0, 4}, {5, 1}, {2, 0}}, 4, 8, 128, 128, false, true}, 63);  // verify rows
   check_delta_rule({decode, 2, 4, 64, 64, false, true}, 64);
   check_delta_rule({{{0, 40}}, 2, 4, 128, 128, false}, 65);  // a prompt through the recurrent form
+  // Speculative verify (slots read, not written) and commit (rejected parts without a slot).
+  const std::vector<SeqSpec> verify = {{12, 4}, {0, 4}, {5, 4}, {9, 4}, {3, 4}};
+  check_delta_rule({verify, 4, 8, 128, 128, false, false, true, {0, false}}, 66);
+  const std::vector<SeqSpec> commit = {{12, 2}, {0, 2}, {5, 4}, {0, 0}, {3, 1}, {0, 3}};
+  check_delta_rule({commit, 4, 8, 128, 128, false, false, true, {2, true}}, 67);
+  check_delta_rule({commit, 2, 4, 64, 64, false, false, true, {2, true}}, 68);
 }
 
 // The chunked and recurrent CUDA kernels agree with each other on the same prompt.

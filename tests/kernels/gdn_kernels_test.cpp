@@ -306,10 +306,11 @@ std::vector<double> reference_delta(const DeltaView& in, int64_t r0, int64_t r1,
 enum class Form { kChunked, kRecurrent };
 
 void run_delta(Form form, const DeltaView& in, RaggedBatch& batch, const Tensor& state, const Tensor& out, float scale,
-               const Tensor& row_states = Tensor()) {
+               const Tensor& row_states = Tensor(), bool write_state = true) {
   kernels::GatedDeltaRuleParams params;
   params.scale = scale;
   params.row_states = row_states;
+  params.write_state = write_state;
   if (form == Form::kChunked) {
     kernels::gated_delta_rule_chunked(in.q, in.k, in.v, in.g, in.beta, state, batch.cu(), batch.lens(),
                                       batch.state_slots(), out, params);
@@ -465,6 +466,33 @@ TEST(DeltaRule, RecurrentRowStatesHoldTheStateAfterEveryRow) {
   EXPECT_TRUE(testing::close_rel_l2(*row_states, expected_rows, 1e-5));
   EXPECT_TRUE(testing::close_rel_l2(slot_values(*state, 1), S, 1e-5));
   EXPECT_TRUE(testing::close_rel_l2(slot_values(*state, 0), S0, 1e-5));
+}
+
+// Speculative verify reads the slots without writing them; its commit runs the rejected rows of a
+// sequence as a part without a slot (-1): from zero state, nothing kept.
+TEST(DeltaRule, RecurrentReadOnlySlotsAndSlotlessParts) {
+  Random rng(26);
+  const int64_t hk = 1, hv = 2, dk = 8, dv = 4;
+  RaggedBatch batch;
+  batch.add(3, 5, 1);
+  batch.add(2, 2, -1);
+  const DeltaInputs inputs(batch.tokens(), hk, hv, dk, dv, rng);
+  const DeltaView& in = inputs.view;
+  OwnedTensor state = testing::random_tensor(DType::kF32, {2, hv, dk, dv}, rng, -0.5f, 0.5f);
+  const std::vector<double> before = testing::to_doubles(*state);
+  OwnedTensor out(DType::kF32, {batch.tokens(), hv, dv});
+  run_delta(Form::kRecurrent, in, batch, *state, *out, 0.5f, Tensor(), /*write_state=*/false);
+  EXPECT_EQ(testing::to_doubles(*state), before) << "read-only slots changed";
+  std::vector<double> S = slot_values(*state, 1);
+  std::vector<double> expected_rows;
+  reference_delta(in, 0, 3, S, 0.5f, &expected_rows);
+  // The outputs (not the states) of the same rows, written again by a writing call: equal.
+  OwnedTensor again(DType::kF32, {batch.tokens(), hv, dv});
+  run_delta(Form::kRecurrent, in, batch, *state, *again, 0.5f);
+  EXPECT_EQ(testing::to_doubles(*again), testing::to_doubles(*out));
+  EXPECT_TRUE(testing::close_rel_l2(slot_values(*state, 1), S, 1e-5)) << "slot 1 advanced over its rows";
+  EXPECT_EQ(slot_values(*state, 0), std::vector<double>(before.begin(), before.begin() + hv * dk * dv))
+      << "slot 0 belongs to no sequence (the slotless part writes nowhere)";
 }
 
 TEST(DeltaRule, WorkspaceIsZeroOnTheCpu) {

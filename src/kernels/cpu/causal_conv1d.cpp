@@ -57,7 +57,7 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
     const int64_t q_len = cu[s + 1] - cu[s];
     METRALE_CHECK(q_len >= 0 && lens[s] >= q_len, "causal_conv1d: sequence {} has q_len {} and kv_len {}", s, q_len,
                   lens[s]);
-    METRALE_CHECK(slots[s] >= 0 && slots[s] < conv_state.size(0), "causal_conv1d: state slot {} of {}", slots[s],
+    METRALE_CHECK(slots[s] >= -1 && slots[s] < conv_state.size(0), "causal_conv1d: state slot {} of {}", slots[s],
                   conv_state.size(0));
     if (params.max_q_len > 0) {
       METRALE_CHECK(q_len <= params.max_q_len, "causal_conv1d: q_len {} above max_q_len {}", q_len, params.max_q_len);
@@ -83,9 +83,10 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
       const int64_t width = std::min(kChannelBlock, channels - c0);
       const int64_t first = cu[s], q_len = cu[s + 1] - cu[s];
       if (q_len == 0) continue;
-      const bool fresh = lens[s] == q_len;  // no cached tokens: zero history whatever the slot holds
-      char* slot_base = static_cast<char*>(conv_state.data()) +
-                        static_cast<int64_t>(slots[s]) * history * channels * static_cast<int64_t>(state_size);
+      // No cached tokens (or no slot): zero history whatever the slot holds.
+      const bool fresh = lens[s] == q_len || slots[s] < 0;
+      char* slot_base = static_cast<char*>(conv_state.data()) + static_cast<int64_t>(std::max(slots[s], 0)) * history *
+                                                                    channels * static_cast<int64_t>(state_size);
       // window [K-1 + 1][width]: the K-1 previous inputs (oldest first), then the current row.
       float* window = scratch_a(kernel * width);
       float* result = scratch_b(width);
@@ -121,7 +122,7 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
       }
       // The window's first K-1 rows are now the last K-1 inputs of the sequence (zero-padded on the left when
       // fewer were seen).
-      for (int64_t j = 0; j < history; ++j) {
+      for (int64_t j = 0; j < history && params.write_state && slots[s] >= 0; ++j) {
         store_f32(state_dtype, window + j * width, slot_base + (j * channels + c0) * static_cast<int64_t>(state_size),
                   width);
       }

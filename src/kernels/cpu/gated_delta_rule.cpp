@@ -69,7 +69,7 @@ DeltaRuleBatch check_delta_rule(const char* op, const Tensor& q, const Tensor& k
     const int64_t q_len = b.cu[s + 1] - b.cu[s];
     METRALE_CHECK(q_len >= 0 && b.lens[s] >= q_len, "{}: sequence {} has q_len {} and kv_len {}", op, s, q_len,
                   b.lens[s]);
-    METRALE_CHECK(b.slots[s] >= 0 && b.slots[s] < b.num_slots, "{}: state slot {} of {}", op, b.slots[s], b.num_slots);
+    METRALE_CHECK(b.slots[s] >= -1 && b.slots[s] < b.num_slots, "{}: state slot {} of {}", op, b.slots[s], b.num_slots);
     if (params.max_q_len > 0) {
       METRALE_CHECK(q_len <= params.max_q_len, "{}: q_len {} above max_q_len {}", op, q_len, params.max_q_len);
     }
@@ -99,7 +99,7 @@ void l2norm_scale(float* x, int64_t n, bool normalize, float scale) {
 // The slot's state (or zeros for a sequence without cached tokens) into `S` [dk * dv].
 void load_state(const Tensor& state, const DeltaRuleBatch& b, int64_t s, int64_t head, float* S) {
   const int64_t size = b.dk * b.dv;
-  if (b.lens[s] == b.cu[s + 1] - b.cu[s]) {
+  if (b.lens[s] == b.cu[s + 1] - b.cu[s] || b.slots[s] < 0) {  // fresh, or no state (slot -1)
     std::fill_n(S, size, 0.0f);
     return;
   }
@@ -109,6 +109,7 @@ void load_state(const Tensor& state, const DeltaRuleBatch& b, int64_t s, int64_t
 
 void store_state(const Tensor& state, const DeltaRuleBatch& b, int64_t s, int64_t head, const float* S) {
   const int64_t size = b.dk * b.dv;
+  if (b.slots[s] < 0) return;  // no state to keep
   std::copy_n(S, size, state.data_as<float>() + (static_cast<int64_t>(b.slots[s]) * b.v_heads + head) * size);
 }
 
@@ -265,7 +266,7 @@ void recurrent_head(const Tensor& q, const Tensor& k, const Tensor& v, const flo
       std::copy_n(S, dk * dv, params.row_states.data_as<float>() + (t * hv + head) * dk * dv);
     }
   }
-  store_state(state, b, s, head, S);
+  if (params.write_state) store_state(state, b, s, head, S);
 }
 
 }  // namespace
@@ -310,6 +311,7 @@ void gated_delta_rule_chunked(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const GatedDeltaRuleParams& params) {
   const DeltaRuleBatch b =
       check_delta_rule("gated_delta_rule_chunked", q, k, v, g, beta, state, cu_q, kv_lens, state_slots, out, params);
+  METRALE_CHECK(params.write_state, "gated_delta_rule_chunked always writes the final state");
   const float* gates = g.data_as<const float>();
   const float* betas = beta.data_as<const float>();
   cpu_pool().parallel_for(b.num_seqs * b.v_heads, 1, [&](int64_t begin, int64_t end) {

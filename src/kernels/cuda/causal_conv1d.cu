@@ -38,6 +38,7 @@ struct ConvArgs {
   int64_t tokens;
   int channels;
   int rows_per_thread;
+  bool write_state;
   bool silu;
 };
 
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) conv_kernel(ConvArgs a) {
     }
     const int pos = static_cast<int>(row - seq_begin);
     if (!window_valid) {
-      const bool fresh = a.kv_lens[s] == seq_end - seq_begin;
+      const bool fresh = a.kv_lens[s] == seq_end - seq_begin || a.slots[s] < 0;
       const int slot = a.slots[s];
 #pragma unroll
       for (int j = 0; j < K - 1; ++j) fetch_input<T, K, N>(a, seq_begin, fresh, slot, pos - (K - 1) + j, c, window[j]);
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) state_kernel(ConvArgs a) {
   const int s = blockIdx.x;
   if (c >= a.channels) return;
   const int seq_begin = a.cu_q[s], q_len = a.cu_q[s + 1] - seq_begin;
-  if (q_len == 0) return;  // nothing new: the slot keeps its rows
+  if (q_len == 0 || a.slots[s] < 0) return;  // nothing new, or no slot to keep it in
   const bool fresh = a.kv_lens[s] == q_len;
   const int slot = a.slots[s];
   float rows[K > 1 ? K - 1 : 1][N];
@@ -176,7 +177,8 @@ void launch(const ConvArgs& a, cudaStream_t stream) {
   const auto row_blocks = static_cast<unsigned>((a.tokens + a.rows_per_thread - 1) / a.rows_per_thread);
   if (row_blocks > 0) conv_kernel<T, K, N><<<dim3(row_blocks, channel_blocks), kThreads, 0, stream>>>(a);
   if constexpr (K > 1) {
-    state_kernel<T, K, N><<<dim3(static_cast<unsigned>(a.num_seqs), channel_blocks), kThreads, 0, stream>>>(a);
+    if (a.write_state)
+      state_kernel<T, K, N><<<dim3(static_cast<unsigned>(a.num_seqs), channel_blocks), kThreads, 0, stream>>>(a);
   }
 }
 
@@ -242,6 +244,7 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
   // all sequences are in flight together; prefill: a run of rows shares the sliding window.
   const int64_t q_bound = params.max_q_len > 0 ? params.max_q_len : tokens;
   a.rows_per_thread = (q_bound <= 4 || tokens <= 4 * num_seqs) ? 1 : kPrefillRows;
+  a.write_state = params.write_state;
   const auto element = static_cast<int64_t>(x.element_size());
   const int64_t vector = 16 / element;
   const bool vectorised = channels % vector == 0 && reinterpret_cast<uintptr_t>(x.data()) % 16 == 0 &&

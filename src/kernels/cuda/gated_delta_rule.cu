@@ -90,6 +90,7 @@ struct RecurrentArgs {
   void* out;  // [T, Hv, dv]
   int64_t out_row, out_head;
   float* row_states;  // [T, Hv, dk, dv] or null
+  bool write_state;   // false: the slot is only read
   int k_heads, v_heads, dv;
   float scale;
   bool l2norm;
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(kRecurrentThreads) recurrent_kernel(RecurrentA
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int cg = tid % kColGroups, rg = tid / kColGroups;
   const int row_begin = a.cu_q[s], row_end = a.cu_q[s + 1];
-  const bool fresh = a.kv_lens[s] == row_end - row_begin;
+  const bool fresh = a.kv_lens[s] == row_end - row_begin || a.slots[s] < 0;  // slot -1: no state
   const int hk = h / (a.v_heads / a.k_heads);
   const int64_t head_rows = (static_cast<int64_t>(a.slots[s]) * a.v_heads + h) * kDk;  // first state row
   const int col = v0 + 4 * cg;
@@ -236,6 +237,7 @@ __global__ void __launch_bounds__(kRecurrentThreads) recurrent_kernel(RecurrentA
     }
     __syncthreads();  // kq_s, sums_s and partial_s are rewritten by the next token
   }
+  if (!a.write_state || a.slots[s] < 0) return;
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
     __stcs(reinterpret_cast<float4*>(a.state + (head_rows + rg + kRowGroups * j) * a.dv + col), st[j]);
@@ -339,6 +341,7 @@ void run_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   args.out_row = out.stride(0);
   args.out_head = out.stride(1);
   args.row_states = params.row_states.empty() ? nullptr : params.row_states.data_as<float>();
+  args.write_state = params.write_state;
   args.k_heads = static_cast<int>(d.k_heads);
   args.v_heads = static_cast<int>(d.v_heads);
   args.dv = static_cast<int>(d.dv);
@@ -445,6 +448,9 @@ void gated_delta_rule_chunked(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const GatedDeltaRuleParams& params) {
   const char* op = "gated_delta_rule_chunked";
   const DeltaRuleShape d = check_delta_rule(op, q, k, v, g, beta, state, cu_q, kv_lens, state_slots, out);
+  if (!params.write_state) {
+    raise_message(ErrorCode::kInvalidArgument, "gated_delta_rule_chunked always writes the final state");
+  }
   if (!tensor_core_path(d, q, k, v, out)) {
     // Shapes outside the tensor-core path (dk != 128, small test models, unaligned rows): row by row.
     GatedDeltaRuleParams recurrent = params;

@@ -97,6 +97,12 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
         best_expert = other_expert;
       }
     }
+    if (best_expert >= experts) {
+      // No finite probability left (a NaN row: padding rows of graph layouts may read keys nobody
+      // wrote): any valid expert with weight 0, so that the grouping downstream stays in bounds.
+      best_expert = j;
+      best = 0.0f;
+    }
     if ((best_expert & 31) == lane) {
 #pragma unroll
       for (int q = 0; q < kPerLane; ++q) {
