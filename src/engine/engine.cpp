@@ -119,6 +119,8 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     // Verify steps ask for the logits of 1 + k rows per sequence.
     limits.max_logit_rows = std::min<int64_t>(limits.max_num_seqs * (1 + config_.speculative.num_drafts),
                                               std::max(limits.max_num_tokens, limits.max_num_seqs));
+    limits.max_drafts = config_.speculative.num_drafts;
+    limits.mtp = config_.speculative.method == SpeculativeMethod::kMtp;
   }
   runner_ = std::make_unique<Runner>(*model_, limits);
 
@@ -375,7 +377,13 @@ std::vector<TokenEvent> Engine::step() {
   ++stats_.num_steps;
   const int64_t vocab = model_->config().vocab_size;
   std::vector<SampledToken> device_sampled;
-  const bool sampled_on_device = !result.logits.device().is_cpu() && sample_on_device(result, device_sampled);
+  const size_t num_uses = result.uses.size();
+  std::vector<std::vector<SampledToken>> emitted(num_uses);
+  std::vector<int64_t> accepted(num_uses, 0);
+  // Fixed-layout verify steps of greedy requests accept from the step's own argmax rows.
+  const bool accepted_from_greedy = greedy_verify(result) && accept_greedy_rows(result, emitted, accepted);
+  const bool sampled_on_device =
+      accepted_from_greedy || (!result.logits.device().is_cpu() && sample_on_device(result, device_sampled));
   if (!result.logits.device().is_cpu() && !sampled_on_device) {
     // Sampling runs on the host: bring back the rows the step asked for.
     int64_t rows = 0;
@@ -386,10 +394,7 @@ std::vector<TokenEvent> Engine::step() {
     result.logits = Tensor(host_logits_.data(), DType::kF32, {rows, vocab}, Device::cpu());
   }
   // Pass 1: prompt logits, then the tokens each sampling chunk emits (acceptance of its drafts).
-  const size_t num_uses = result.uses.size();
-  std::vector<std::vector<SampledToken>> emitted(num_uses);
-  std::vector<int64_t> accepted(num_uses, 0);
-  for (size_t u = 0; u < num_uses; ++u) {
+  for (size_t u = 0; u < num_uses && !accepted_from_greedy; ++u) {
     const LogitRowUse& use = result.uses[u];
     Sequence& sequence = *use.chunk.sequence;
     // Prompt logits for scoring: rows for positions below num_prompt.
@@ -412,10 +417,18 @@ std::vector<TokenEvent> Engine::step() {
   // layers' slots advance over exactly those rows.
   std::vector<int64_t> kept_rows(num_uses);
   for (size_t u = 0; u < num_uses; ++u) kept_rows[u] = result.uses[u].chunk.num_new + accepted[u];
+  bool mtp_launched = false;
   if (plan.num_draft_rows > 0) {
     std::vector<int32_t> kept(kept_rows.begin(), kept_rows.end());
     runner_->commit_verified(kept);
     ++stats_.verify_steps;
+  }
+  // MTP after a fixed-layout greedy verify or a decode step: queued now, collected after the
+  // bookkeeping, which it overlaps.
+  if (mtp_active_ && runner_->fixed_mtp_ready() && (plan.num_draft_rows == 0 || accepted_from_greedy) &&
+      all_greedy(result)) {
+    launch_mtp_drafter_fixed(result, accepted, emitted);
+    mtp_launched = true;
   }
 
   // Pass 2: bookkeeping, stop conditions and events.
@@ -472,7 +485,11 @@ std::vector<TokenEvent> Engine::step() {
       if (reason) break;
     }
   }
-  if (mtp_active_) run_mtp_drafter(result, kept_rows);
+  if (mtp_launched) {
+    collect_mtp_drafter_fixed(result);
+  } else if (mtp_active_) {
+    run_mtp_drafter(result, kept_rows);
+  }
   if (speculating()) {
     const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - step_start;
     spec_controller_.record_step(plan.num_tokens, seconds.count(), plan.num_draft_rows > 0);

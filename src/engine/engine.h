@@ -31,7 +31,7 @@ struct EngineConfig {
   // GPU: the fraction of device memory the engine may use (weights, workspace, graphs, KV cache).
   double gpu_memory_utilization = 0.90;
   bool cuda_graphs = true;               // capture decode steps as CUDA graphs
-  std::vector<int64_t> graph_batch_sizes = {1, 2, 4, 8, 16, 32, 64, 128};
+  std::vector<int64_t> graph_batch_sizes = {1, 2, 4, 8, 16, 32, 64, 128, 256};
   // Reuse the KV blocks (and on hybrid models the recurrent state) of cached prompt prefixes.
   bool enable_prefix_caching = true;
   // Hybrid models with prefix caching: a state checkpoint every this many prefill tokens (rounded
@@ -142,6 +142,22 @@ class Engine {
   std::vector<SampledToken> accept_chunk(const LogitRowUse& use, const Tensor& logits, int64_t& accepted);
   // After a step's bookkeeping: MTP catch-up over the step's kept rows and the next drafts.
   void run_mtp_drafter(const StepResult& result, std::span<const int64_t> kept_rows);
+  // The same after a fixed-layout verify of greedy requests: catch-up and chained drafts in one
+  // runner call (one CUDA graph), greedy drafts taken on the device. Launched right after the
+  // commit, from the accepted counts and emitted tokens, so that the step's bookkeeping on the host
+  // overlaps it; collected after the bookkeeping (drafts of sequences that finished are dropped).
+  void launch_mtp_drafter_fixed(const StepResult& result, std::span<const int64_t> accepted,
+                                const std::vector<std::vector<SampledToken>>& emitted);
+  void collect_mtp_drafter_fixed(const StepResult& result);
+  // A fixed-layout verify step whose every sequence accepts greedily from the target's argmax
+  // (greedy, no penalties, no top logprobs): acceptance needs only the step's argmax rows.
+  bool greedy_verify(const StepResult& result) const;
+  // Every sequence of the step samples greedily (or acceptance is replayed), without penalties or
+  // top logprobs: its next token is the argmax, its MTP drafts the head's argmax.
+  bool all_greedy(const StepResult& result) const;
+  // Greedy acceptance from StepResult::greedy_tokens (copied to the host, a few bytes per row).
+  bool accept_greedy_rows(const StepResult& result, std::vector<std::vector<SampledToken>>& emitted,
+                          std::vector<int64_t>& accepted);
 
   std::unique_ptr<Model> model_;
   EngineConfig config_;

@@ -234,6 +234,16 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
     }
   }
   const auto take_drafts = [&](const Tensor& step_logits, std::span<Sequence* const> sequences) {
+    const bool argmax_only = std::all_of(sequences.begin(), sequences.end(), [&](const Sequence* sequence) {
+      return sequence->request.sampling.is_greedy() || spec.replay_accept_rate >= 0.0;
+    });
+    if (argmax_only && step_logits.device().is_cuda()) {
+      // Greedy drafts: the argmax on the device (a few bytes per row come back, not the rows).
+      const std::vector<int32_t> best = runner_->argmax_rows(step_logits);
+      // A row without a valid logit (-1) drafts token 0: a draft's value only affects acceptance.
+      for (size_t d = 0; d < sequences.size(); ++d) sequences[d]->draft_tokens.push_back(std::max(best[d], 0));
+      return;
+    }
     std::vector<float> host(static_cast<size_t>(step_logits.numel()));
     copy_bytes(host.data(), Device::cpu(), step_logits.data(), step_logits.device(), host.size() * sizeof(float));
     for (size_t d = 0; d < sequences.size(); ++d) {
@@ -309,6 +319,109 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
     hidden = next_hidden;
     active = std::move(next_active);
     hidden_row = std::move(next_hidden_row);
+  }
+}
+
+}  // namespace metrale
+
+namespace metrale {
+
+bool Engine::greedy_verify(const StepResult& result) const {
+  return result.rows_per_seq > 0 && !result.greedy_tokens.empty() && all_greedy(result);
+}
+
+bool Engine::all_greedy(const StepResult& result) const {
+  for (const LogitRowUse& use : result.uses) {
+    const SamplingParams& params = use.chunk.sequence->request.sampling;
+    // Benchmark replay accepts by a seeded draw, whatever the parameters; the emitted token is
+    // then the row's argmax.
+    const bool replay = config_.speculative.replay_accept_rate >= 0.0;
+    if (!replay && !params.is_greedy()) return false;
+    if (params.top_logprobs > 0 || params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f ||
+        params.frequency_penalty != 0.0f)
+      return false;
+  }
+  return true;
+}
+
+bool Engine::accept_greedy_rows(const StepResult& result, std::vector<std::vector<SampledToken>>& emitted,
+                                std::vector<int64_t>& accepted) {
+  const auto [tokens, logprobs] = runner_->fetch_greedy_rows(result);
+  const bool replay = config_.speculative.replay_accept_rate >= 0.0;
+  for (size_t u = 0; u < result.uses.size(); ++u) {
+    const LogitRowUse& use = result.uses[u];
+    const Sequence& sequence = *use.chunk.sequence;
+    const int64_t num_drafts = use.chunk.num_drafts;
+    accepted[u] = 0;
+    emitted[u].clear();
+    for (int64_t i = 0; i <= num_drafts; ++i) {
+      const int64_t row = use.first_row + i;
+      const int32_t best = tokens[static_cast<size_t>(row)];
+      if (best < 0) raise(ErrorCode::kInternal, "greedy verify found no valid logit in row {}", row);
+      const bool last = i == num_drafts;
+      const int32_t draft = last ? -1 : sequence.draft_tokens[static_cast<size_t>(i)];
+      if (replay && !last) {
+        const auto step = static_cast<uint64_t>(sequence.num_output() + i);
+        if (stream_uniform(config_.speculative.replay_seed ^ sequence.seed, kReplayStream, step) <
+            config_.speculative.replay_accept_rate) {
+          // Benchmark mode: the draft stands in for the target's choice; its logprob is not computed.
+          SampledToken token;
+          token.token = draft;
+          token.logprob = 0.0f;
+          emitted[u].push_back(token);
+          ++accepted[u];
+          continue;
+        }
+      }
+      SampledToken token;
+      token.token = best;
+      token.logprob = logprobs[static_cast<size_t>(row)];
+      emitted[u].push_back(token);
+      if (last || replay || best != draft) break;
+      ++accepted[u];
+    }
+  }
+  return true;
+}
+
+void Engine::launch_mtp_drafter_fixed(const StepResult& result, std::span<const int64_t> accepted,
+                                      const std::vector<std::vector<SampledToken>>& emitted) {
+  const SpeculativeConfig& spec = config_.speculative;
+  const int32_t wanted = spec.adaptive
+                             ? std::max(1, spec_controller_.choose_num_drafts(static_cast<int64_t>(running_.size()), 0))
+                             : spec.num_drafts;
+  std::vector<MtpFixedRow> rows(result.uses.size());
+  for (size_t u = 0; u < result.uses.size(); ++u) {
+    Sequence& sequence = *result.uses[u].chunk.sequence;
+    MtpFixedRow& row = rows[u];
+    // Before this step's bookkeeping: the verify's known token sits at t = num_computed, rows
+    // t..t+a are kept and row t + i's next token is the i-th emitted one. A sequence that finishes
+    // in the bookkeeping drafts for nothing (its drafts are dropped).
+    const int64_t t = sequence.num_computed, a = accepted[u];
+    if (static_cast<int64_t>(emitted[u].size()) != a + 1) continue;
+    row.drafting = true;
+    row.accepted = static_cast<int32_t>(a);
+    for (const SampledToken& token : emitted[u]) row.next_tokens.push_back(token.token);
+    // Chained draft j writes its MTP keys at t + a + j: room for as many as fit.
+    for (int64_t j = 1; j < wanted; ++j) {
+      const int64_t position = t + a + j;
+      if (position + 1 > plan_.max_model_len || !cache_->reserve(sequence.id, position + 1)) break;
+      row.chain_positions = j;
+    }
+    sequence.mtp_computed = t + a + 1;
+  }
+  runner_->launch_mtp_fixed(rows, wanted);
+}
+
+void Engine::collect_mtp_drafter_fixed(const StepResult& result) {
+  const std::vector<std::vector<int32_t>> drafts = runner_->collect_mtp_fixed();
+  for (size_t u = 0; u < result.uses.size(); ++u) {
+    Sequence& sequence = *result.uses[u].chunk.sequence;
+    sequence.draft_tokens.clear();
+    sequence.draft_probs.clear();
+    if (drafts[u].empty() || sequence.finished() || !is_decoding(sequence)) continue;
+    sequence.draft_tokens = drafts[u];
+    sequence.draft_base = sequence.num_tokens();
   }
 }
 

@@ -5,39 +5,11 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
+#include "engine/runner_internal.h"
 #include "kernels/moe.h"
 #include "runtime/stream.h"
-#if METRALE_WITH_CUDA
-#include "runtime/cuda/cuda_graph.h"
-#endif
 
 namespace metrale {
-
-// Host arrays of one step, each sized for the limits (pinned when a GPU is used).
-struct Runner::HostStep {
-  PinnedBuffer token_ids, positions, cu_q, kv_lens, block_tables, slot_mapping, logit_rows, state_slots;
-  int64_t num_tokens = 0, num_seqs = 0, num_rows = 0;
-  int64_t block_stride = 0;  // columns of the block table
-  int64_t max_q_len = 0, max_kv_len = 0;
-  bool has_state_slots = false;  // the model has recurrent layers
-
-  static int32_t* ints(const PinnedBuffer& buffer) { return static_cast<int32_t*>(buffer.data()); }
-};
-
-struct Runner::Graph {
-#if METRALE_WITH_CUDA
-  CudaGraph graph;
-#endif
-  int64_t batch_size = 0;
-};
-
-namespace {
-
-int64_t max_blocks_per_seq(const RunnerLimits& limits) {
-  return (limits.max_model_len + limits.block_size - 1) / limits.block_size;
-}
-
-}  // namespace
 
 Runner::Runner(Model& model, const RunnerLimits& limits)
     : model_(model), limits_(limits), workspace_(model.device(), 16u << 20, /*growable=*/true),
@@ -67,6 +39,7 @@ Runner::Runner(Model& model, const RunnerLimits& limits)
     const int64_t logit_rows = std::max(seqs, limits_.max_logit_rows);
     logits_ = OwnedTensor(DType::kF32, {logit_rows, model_.config().vocab_size}, device);
   }
+  if (limits_.max_drafts > 0) allocate_speculative_buffers();
 }
 
 Runner::~Runner() = default;
@@ -77,7 +50,7 @@ void Runner::lower_max_num_seqs(int64_t max_num_seqs) {
   limits_.max_num_seqs = max_num_seqs;  // buffers stay sized for the old limit
 }
 
-void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, StepResult& result) {
+void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, int64_t rows_per_seq, StepResult& result) {
   HostStep& h = *host_;
   const int64_t block_size = limits_.block_size;
   const int64_t real_seqs = static_cast<int64_t>(plan.chunks.size());
@@ -87,6 +60,9 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
   int64_t step_blocks = 1;
   for (const auto& chunk : plan.chunks) {
     step_blocks = std::max<int64_t>(step_blocks, cache_->block_table(chunk.sequence->id).size());
+    // Fixed layout: padding rows count in the sequence's length (their blocks read as block 0).
+    if (rows_per_seq > 0)
+      step_blocks = std::max(step_blocks, (chunk.sequence->num_computed + rows_per_seq + block_size - 1) / block_size);
   }
   h.block_stride = padded_seqs > 0 ? max_blocks_per_seq(limits_) : step_blocks;
   int32_t* token_ids = HostStep::ints(h.token_ids);
@@ -120,7 +96,10 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
                   sequence.num_tokens());
     METRALE_CHECK(static_cast<int64_t>(table.size()) * block_size >= end, "sequence {} has {} blocks for {} tokens",
                   sequence.id, table.size(), end);
-    METRALE_CHECK(t + chunk.num_rows() <= std::max(limits_.max_num_tokens, limits_.max_num_seqs),
+    const int64_t seq_rows = rows_per_seq > 0 ? rows_per_seq : chunk.num_rows();
+    METRALE_CHECK(seq_rows >= chunk.num_rows(), "sequence {}: {} rows in a layout of {}", sequence.id, chunk.num_rows(),
+                  seq_rows);
+    METRALE_CHECK(t + seq_rows <= std::max(limits_.max_num_tokens, limits_.max_num_seqs),
                   "step exceeds the token limit");
     std::copy(table.begin(), table.end(), tables + s * h.block_stride);
     const int64_t first_row = t;
@@ -131,8 +110,15 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
       slots[t] = table[static_cast<size_t>(p / block_size)] * static_cast<int32_t>(block_size) +
                  static_cast<int32_t>(p % block_size);
     }
+    // Fixed layout: padding rows after the sequence's own (a known position, no KV write); the
+    // sequence's length counts them so that its real rows keep their positions.
+    for (int64_t p = end; p < begin + seq_rows; ++p, ++t) {
+      token_ids[t] = 0;
+      positions[t] = static_cast<int32_t>(begin);
+      slots[t] = -1;
+    }
     cu_q[s + 1] = static_cast<int32_t>(t);
-    kv_lens[s] = static_cast<int32_t>(end);
+    kv_lens[s] = static_cast<int32_t>(begin + seq_rows);
     if (h.has_state_slots) {
       int32_t slot = cache_->state_slot(sequence.id);
       if (slot < 0) {
@@ -141,8 +127,8 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
       }
       state_slots[s] = slot;
     }
-    h.max_q_len = std::max(h.max_q_len, chunk.num_rows());
-    h.max_kv_len = std::max(h.max_kv_len, end);
+    h.max_q_len = std::max(h.max_q_len, seq_rows);
+    h.max_kv_len = std::max(h.max_kv_len, begin + seq_rows);
 
     // Rows whose logits the engine needs: every prompt position when scoring, and the last known
     // row and every draft row when the chunk yields tokens.
@@ -151,7 +137,15 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
     if (sequence.request.return_prompt_logits && begin < sequence.num_prompt) first_wanted = begin;
     if (chunk.samples) first_wanted = std::min(first_wanted, known_end - 1);
     const int64_t last_wanted = chunk.samples ? end : std::min(end, sequence.num_prompt);
-    if (first_wanted < last_wanted) {
+    if (rows_per_seq > 0) {
+      // Fixed layout: every row is a logits row; the chunk's wanted ones are its known and draft rows.
+      METRALE_CHECK(chunk.samples && chunk.num_new == 1, "sequence {}: a fixed-layout row set must decode",
+                    sequence.id);
+      use.first_row = r;
+      use.first_position = begin;
+      use.num_rows = end - begin;
+      for (int64_t i = 0; i < seq_rows; ++i) rows[r++] = static_cast<int32_t>(first_row + i);
+    } else if (first_wanted < last_wanted) {
       use.first_position = first_wanted;
       use.num_rows = last_wanted - first_wanted;
       for (int64_t p = first_wanted; p < last_wanted; ++p) rows[r++] = static_cast<int32_t>(first_row + p - begin);
@@ -159,18 +153,21 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, Step
     use.first_batch_row = first_row;
     result.uses.push_back(use);
   }
-  // Padding rows of a graph batch: one token at position 0 that writes nothing (slot -1) and reads
-  // one key of block 0; their logits are computed and ignored. Recurrent layers see a sequence
-  // starting from zero state, which writes its final state into the padding slot.
-  for (int64_t s = real_seqs; s < num_seqs; ++s, ++t) {
-    token_ids[t] = 0;
-    positions[t] = 0;
-    slots[t] = -1;
-    cu_q[s + 1] = static_cast<int32_t>(t + 1);
-    kv_lens[s] = 1;
+  // Padding sequences of a graph batch: rows_per_seq tokens at position 0 that write nothing
+  // (slot -1) and read keys of block 0; their logits are computed and ignored. Recurrent layers see
+  // a sequence starting from zero state, which writes its final state into the padding slot.
+  const int64_t padding_rows = std::max<int64_t>(rows_per_seq, 1);
+  for (int64_t s = real_seqs; s < num_seqs; ++s) {
+    for (int64_t i = 0; i < padding_rows; ++i, ++t) {
+      token_ids[t] = 0;
+      positions[t] = 0;
+      slots[t] = -1;
+      rows[r++] = static_cast<int32_t>(t);
+    }
+    cu_q[s + 1] = static_cast<int32_t>(t);
+    kv_lens[s] = static_cast<int32_t>(padding_rows);
     if (h.has_state_slots) state_slots[s] = cache_->padding_state_slot();
-    rows[r++] = static_cast<int32_t>(t);
-    h.max_q_len = std::max<int64_t>(h.max_q_len, 1);
+    h.max_q_len = std::max(h.max_q_len, padding_rows);
   }
   h.num_tokens = t;
   h.num_seqs = num_seqs;
@@ -227,7 +224,17 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   const int64_t seqs = static_cast<int64_t>(plan.chunks.size());
   METRALE_CHECK(!commit_pending_, "a step ran before the last verify step's commit");
   const bool verify = plan.num_draft_rows > 0;
-  const bool all_decode = !verify && !keep_hidden_ &&
+  last_fixed_ = FixedShape();
+  if (verify) {
+    // Verify steps where every sequence decodes: the fixed layout (and its graphs).
+    const auto [padded, k] = fixed_verify_shape(plan);
+    if (padded > 0) {
+      execute_fixed_verify(plan, padded, k, result);
+      return result;
+    }
+  }
+  // Decode graphs write the final hidden states too when the engine drafts with MTP.
+  const bool all_decode = !verify && (!keep_hidden_ || limits_.mtp) &&
                           std::all_of(plan.chunks.begin(), plan.chunks.end(), [](const ScheduledChunk& c) {
                             return c.num_new == 1 && c.num_drafts == 0 && c.samples &&
                                    !c.sequence->request.return_prompt_logits;
@@ -237,20 +244,30 @@ StepResult Runner::execute(const SchedulePlan& plan) {
 #if METRALE_WITH_CUDA
   if (graph != graphs_.end()) {
     const int64_t padded = graph->first;
-    build_host_step(plan, padded, result);
+    build_host_step(plan, padded, 1, result);
     upload(/*fixed_block_stride=*/true);
     graph->second->graph.launch(static_cast<cudaStream_t>(current_stream(device)));
     result.logits = logits_.tensor.slice(0, 0, padded);
     result.used_graph = true;
+    last_hidden_ = keep_hidden_ ? hidden_.tensor.slice(0, 0, padded) : Tensor();
+    // MTP: the decode graph wrote every row's hidden state; the fixed-layout chain can follow.
+    if (limits_.mtp) remember_fixed(plan, padded, 0, true);
     return result;
   }
 #else
   (void)graph;
 #endif
-  build_host_step(plan, 0, result);
+  build_host_step(plan, 0, 0, result);
   ForwardBatch batch = upload(/*fixed_block_stride=*/false);
   const int64_t rows = host_->num_rows;
   attach_speculative_outputs(batch, verify);
+  // An eager decode step whose hidden states land in the fixed buffer can feed the MTP chain too.
+  const bool decode_only = std::all_of(plan.chunks.begin(), plan.chunks.end(), [](const ScheduledChunk& c) {
+    return c.num_new == 1 && c.num_drafts == 0 && c.samples && !c.sequence->request.return_prompt_logits;
+  });
+  if (limits_.mtp && !verify && keep_hidden_ && decode_only && batch.hidden_out.data() == hidden_.tensor.data()) {
+    remember_fixed(plan, seqs, 0, false);
+  }
   if (device.is_cpu()) {
     logits_ = OwnedTensor(DType::kF32, {rows, vocab}, device);
     run_forward(batch, logits_.tensor);
@@ -272,120 +289,6 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   return result;
 }
 
-namespace {
-
-DType activation_dtype_of(Device device) { return device.is_cpu() ? DType::kF32 : DType::kBF16; }
-
-// Grows `buffer` to hold at least `shape` (eager steps may allocate; the device is synchronised
-// first so that no queued kernel still reads the old buffer) and returns a view of that shape.
-Tensor grown(OwnedTensor& buffer, DType dtype, Shape shape, Device device) {
-  if (buffer.tensor.empty() || buffer.tensor.nbytes() < static_cast<size_t>(shape.numel()) * dtype_size(dtype)) {
-    if (!device.is_cpu()) synchronize(device);
-    int64_t elements = std::max<int64_t>(shape.numel(), 1);
-    if (!buffer.tensor.empty()) elements = std::max<int64_t>(elements, 2 * static_cast<int64_t>(buffer.tensor.nbytes() / dtype_size(dtype)));
-    buffer = OwnedTensor(dtype, {elements}, device);
-  }
-  return Tensor(buffer.tensor.data(), dtype, shape, device);
-}
-
-}  // namespace
-
-void Runner::attach_speculative_outputs(ForwardBatch& batch, bool verify) {
-  const Device device = model_.device();
-  last_hidden_ = Tensor();
-  if (keep_hidden_) {
-    last_hidden_ = grown(hidden_, activation_dtype_of(device), {batch.num_tokens, model_.config().hidden_size}, device);
-    batch.hidden_out = last_hidden_;
-  }
-  if (!verify) return;
-  batch.verify = true;
-  const size_t bytes = model_.verify_scratch_bytes(batch.num_tokens, batch.num_seqs);
-  batch.verify_scratch = grown(verify_scratch_, DType::kU8, {static_cast<int64_t>(std::max<size_t>(bytes, 1))}, device);
-  if (verify_seq_index_.tensor.empty()) {
-    const int64_t seqs = limits_.max_num_seqs;
-    std::vector<int32_t> index(static_cast<size_t>(seqs));
-    for (int64_t s = 0; s < seqs; ++s) index[static_cast<size_t>(s)] = static_cast<int32_t>(s);
-    verify_seq_index_ = OwnedTensor(DType::kI32, {seqs}, device);
-    copy_bytes(verify_seq_index_.tensor.data(), device, index.data(), Device::cpu(), index.size() * sizeof(int32_t));
-  }
-  batch.verify_seq_index = verify_seq_index_.tensor.slice(0, 0, batch.num_seqs);
-}
-
-void Runner::commit_verified(std::span<const int32_t> kept_rows) {
-  METRALE_CHECK(commit_pending_, "commit_verified without a verify step");
-  commit_pending_ = false;
-  workspace_.reset();
-  model_.commit_verified(last_verify_, kept_rows, cache_->layer_caches(), workspace_);
-  last_verify_ = ForwardBatch();
-}
-
-Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_source, int64_t mtp_layer,
-                       Tensor& out_hidden) {
-  METRALE_CHECK(!commit_pending_, "an MTP step ran before the last verify step's commit");
-  HostStep& h = *host_;
-  const Device device = model_.device();
-  const int64_t block_size = limits_.block_size;
-  const int64_t hidden_size = model_.config().hidden_size;
-  int64_t step_blocks = 1;
-  for (const MtpRows& seq : rows) step_blocks = std::max<int64_t>(step_blocks, cache_->block_table(seq.seq_id).size());
-  h.block_stride = step_blocks;
-  int32_t* token_ids = HostStep::ints(h.token_ids);
-  int32_t* positions = HostStep::ints(h.positions);
-  int32_t* slots = HostStep::ints(h.slot_mapping);
-  int32_t* logit_rows = HostStep::ints(h.logit_rows);
-  int32_t* cu_q = HostStep::ints(h.cu_q);
-  int32_t* kv_lens = HostStep::ints(h.kv_lens);
-  int32_t* tables = HostStep::ints(h.block_tables);
-  const int64_t num_seqs = static_cast<int64_t>(rows.size());
-  METRALE_CHECK(num_seqs <= limits_.max_num_seqs, "MTP step of {} sequences", num_seqs);
-  std::fill(tables, tables + num_seqs * h.block_stride, 0);
-  std::vector<int32_t> gather;
-  int64_t t = 0, r = 0;
-  h.max_q_len = 0;
-  h.max_kv_len = 0;
-  cu_q[0] = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const MtpRows& seq = rows[static_cast<size_t>(s)];
-    const auto table = cache_->block_table(seq.seq_id);
-    const auto count = static_cast<int64_t>(seq.next_tokens.size());
-    const int64_t end = seq.first_position + count;
-    METRALE_CHECK(count > 0 && static_cast<int64_t>(table.size()) * block_size >= end,
-                  "MTP rows of sequence {}: {} rows to position {} with {} blocks", seq.seq_id, count, end, table.size());
-    METRALE_CHECK(t + count <= std::max(limits_.max_num_tokens, limits_.max_num_seqs), "MTP step exceeds the token limit");
-    std::copy(table.begin(), table.end(), tables + s * h.block_stride);
-    for (int64_t i = 0; i < count; ++i, ++t) {
-      const int64_t p = seq.first_position + i;
-      token_ids[t] = seq.next_tokens[static_cast<size_t>(i)];
-      positions[t] = static_cast<int32_t>(p);
-      slots[t] = table[static_cast<size_t>(p / block_size)] * static_cast<int32_t>(block_size) +
-                 static_cast<int32_t>(p % block_size);
-      gather.push_back(static_cast<int32_t>(seq.first_hidden_row + i));
-    }
-    cu_q[s + 1] = static_cast<int32_t>(t);
-    kv_lens[s] = static_cast<int32_t>(end);
-    if (seq.wants_logits) logit_rows[r++] = static_cast<int32_t>(t - 1);
-    h.max_q_len = std::max(h.max_q_len, count);
-    h.max_kv_len = std::max(h.max_kv_len, end);
-  }
-  h.num_tokens = t;
-  h.num_seqs = num_seqs;
-  h.num_rows = r;
-  h.has_state_slots = false;  // the MTP layers are attention only
-  ForwardBatch batch = upload(/*fixed_block_stride=*/false);
-  const DType act = activation_dtype_of(device);
-  const Tensor index = grown(mtp_gather_, DType::kI32, {t}, device);
-  copy_bytes(index.data(), device, gather.data(), Device::cpu(), gather.size() * sizeof(int32_t));
-  const Tensor hidden_in = grown(mtp_hidden_in_, act, {t, hidden_size}, device);
-  kernels::gather_rows(hidden_source, index, hidden_in);
-  mtp_flip_ ^= 1;
-  out_hidden = grown(mtp_out_[mtp_flip_], act, {t, hidden_size}, device);
-  batch.hidden_out = out_hidden;
-  const Tensor logits = grown(mtp_logits_, DType::kF32, {r, model_.config().vocab_size}, device);
-  workspace_.reset();
-  model_.mtp_forward(batch, cache_->layer_caches(), hidden_in, logits, workspace_, mtp_layer);
-  return logits;
-}
-
 size_t Runner::plan_workspace() {
   const Device device = model_.device();
   if (device.is_cpu()) return 0;
@@ -399,7 +302,12 @@ size_t Runner::plan_workspace() {
   scratch_config.block_size = static_cast<int32_t>(limits_.block_size);
   scratch_config.num_blocks = static_cast<int32_t>(seqs * ((per_seq + limits_.block_size - 1) / limits_.block_size));
   scratch_config.kv_dtype = DType::kBF16;
-  CacheManager scratch(model_.cache_specs(), scratch_config, device);
+  std::vector<LayerCacheSpec> specs = model_.cache_specs();
+  if (limits_.mtp) {
+    const auto mtp = model_.mtp_cache_specs();
+    specs.insert(specs.end(), mtp.begin(), mtp.end());
+  }
+  CacheManager scratch(specs, scratch_config, device);
   CacheManager* real_cache = cache_;
   cache_ = &scratch;
   std::vector<std::unique_ptr<Sequence>> sequences;
@@ -417,7 +325,7 @@ size_t Runner::plan_workspace() {
     sequences.push_back(std::move(sequence));
   }
   StepResult result;
-  build_host_step(plan, 0, result);
+  build_host_step(plan, 0, 0, result);
   host_->max_kv_len = limits_.max_model_len;  // size attention scratch for the longest context
   const ForwardBatch batch = upload(false);
   workspace_.reserve(workspace_.capacity_bytes(), /*growable=*/true);
@@ -427,12 +335,14 @@ size_t Runner::plan_workspace() {
   // Decode graphs pad to their batch size with the longest context bound: profile the largest one too.
   if (limits_.max_num_seqs > 0) {
     SchedulePlan empty;
-    build_host_step(empty, limits_.max_num_seqs, result);
+    build_host_step(empty, limits_.max_num_seqs, 1, result);
     const ForwardBatch decode = upload(true);
     run_forward(decode, logits_.tensor.slice(0, 0, host_->num_rows));
     synchronize(device);
     needed = std::max(needed, workspace_.high_water_bytes());
   }
+  // Speculative steps in the fixed layout: the largest verify, its commit and the MTP chain.
+  if (limits_.max_drafts > 0) needed = std::max(needed, profile_fixed_steps());
   cache_ = real_cache;
   // Headroom for allocations whose size depends on the batch in ways the two profiles miss.
   needed = needed + needed / 8 + (4u << 20);
@@ -450,8 +360,9 @@ void Runner::capture_decode_graphs(const std::vector<int64_t>& batch_sizes) {
     if (size > limits_.max_num_seqs || graphs_.count(size)) continue;
     SchedulePlan empty;
     StepResult result;
-    build_host_step(empty, size, result);
-    const ForwardBatch batch = upload(true);
+    build_host_step(empty, size, 1, result);
+    ForwardBatch batch = upload(true);
+    if (limits_.mtp) batch.hidden_out = hidden_.tensor.slice(0, 0, size);
     const Tensor logits = logits_.tensor.slice(0, 0, size);
     run_forward(batch, logits);  // warm-up outside capture: libraries pick algorithms, lazy loads happen
     synchronize(device);
@@ -470,7 +381,8 @@ void Runner::capture_decode_graphs(const std::vector<int64_t>& batch_sizes) {
     graphs_.emplace(size, std::move(graph));
   }
   synchronize(device);
-  METRALE_LOG_INFO("captured {} decode graphs", graphs_.size());
+  if (limits_.max_drafts > 0) capture_verify_graphs(batch_sizes);
+  METRALE_LOG_INFO("captured {} decode graphs and {} verify graph sets", graphs_.size(), verify_graphs_.size());
 #else
   (void)batch_sizes;
 #endif

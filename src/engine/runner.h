@@ -7,6 +7,13 @@
 // whose batch fits a captured size are padded to it (padding rows write no KV and their logits are
 // ignored); other steps run eagerly.
 //
+// Speculative decoding (runner_speculative.cpp): verify steps where every sequence decodes run in
+// a fixed layout, 1 + k rows per sequence (padding rows after a sequence's own drafts, padding
+// sequences up to a captured size), with every row's greedy token sampled in the same step; the
+// commit of the kept rows and the MTP draft chain (catch-up over the kept rows, then k - 1 chained
+// drafts, greedy on the device) follow in fixed buffers. Each of the three replays a CUDA graph per
+// (batch size, k) on the GPU, and runs the same code eagerly on the CPU.
+//
 // Models with recurrent layers also get each sequence's state slot (ForwardBatch::state_slots),
 // uploaded like the other arrays, so graph replays read the slots of the step they replay. Padding
 // rows use the cache's padding slot, which no sequence reads.
@@ -30,6 +37,10 @@ struct RunnerLimits {
   int64_t max_model_len = 4096;   // longest sequence
   int64_t block_size = 16;
   int64_t max_logit_rows = 0;     // logits rows of one step at most (0: max_num_seqs); GPU buffer size
+  // Speculative decoding: drafts per sequence at most (0: none). With drafts, verify steps where
+  // every sequence decodes run in the fixed layout (Runner::execute) and, on the GPU, as graphs.
+  int64_t max_drafts = 0;
+  bool mtp = false;  // the engine drafts with the model's MTP head
 };
 
 // Which logits row belongs to what.
@@ -56,6 +67,21 @@ struct StepResult {
   Tensor logits;                    // [R, vocab] f32 on the model's device
   std::vector<LogitRowUse> uses;    // one per scheduled chunk
   bool used_graph = false;
+  // Fixed-layout verify steps (rows_per_seq > 0): sequence s of the plan owns batch rows and logits
+  // rows [s * rows_per_seq, (s + 1) * rows_per_seq), its known token first, then its drafts, then
+  // padding rows; greedy_tokens / greedy_logprobs [rows] (i32 / f32, on the model's device) hold
+  // every row's argmax (lowest id on ties) and its raw log-softmax, computed with the step.
+  int64_t rows_per_seq = 0;
+  Tensor greedy_tokens, greedy_logprobs;
+};
+
+// One sequence of a fixed-layout MTP step (Runner::launch_mtp_fixed) after a fixed-layout verify or a
+// decode step.
+struct MtpFixedRow {
+  bool drafting = false;             // false: the sequence finished (its rows write nothing)
+  int32_t accepted = 0;              // a: drafts the verify accepted (rows 0..a are kept)
+  std::vector<int32_t> next_tokens;  // a + 1 tokens: the accepted drafts, then the emitted token
+  int64_t chain_positions = 0;       // chained draft rows whose positions have cache blocks (< drafts)
 };
 
 class Runner {
@@ -71,22 +97,41 @@ class Runner {
   // GPU only: runs the largest step the limits allow (with a scratch cache) and sizes the
   // workspace arena to its high-water mark; afterwards the arena never grows.
   size_t plan_workspace();
-  // GPU only: captures one decode graph per batch size (those above max_num_seqs are skipped).
+  // GPU only: captures one decode graph per batch size (those above max_num_seqs are skipped) and,
+  // with drafts, the verify, commit and MTP graphs of each (batch size, k).
   void capture_decode_graphs(const std::vector<int64_t>& batch_sizes);
   std::vector<int64_t> graph_batch_sizes() const;
 
   // Runs one step. Every chunk's blocks must already be reserved. A plan with draft rows runs as a
-  // verify step (ForwardBatch::verify, eagerly); commit_verified must follow before the next step.
+  // verify step (ForwardBatch::verify; the fixed layout when every sequence decodes, else ragged and
+  // eager); commit_verified must follow before the next step.
   StepResult execute(const SchedulePlan& plan);
 
   // ---- Speculative decoding
-  // Ask every step for the final hidden state of each row (the MTP drafter's h_t); steps then run
-  // eagerly (decode graphs are captured without that output).
+  // Ask every step for the final hidden state of each row (the MTP drafter's h_t). With
+  // RunnerLimits::mtp the decode and verify graphs always write it (into a fixed buffer).
   void set_keep_hidden(bool keep) { keep_hidden_ = keep; }
   // [T, H] activation dtype: the last step's hidden states (empty unless set_keep_hidden).
   const Tensor& last_hidden() const { return last_hidden_; }
   // After a verify step: sequence s of the plan keeps kept_rows[s] of its rows (Model::commit_verified).
   void commit_verified(std::span<const int32_t> kept_rows);
+  // After a fixed-layout verify step and its commit: the MTP catch-up over each sequence's kept rows
+  // (the verify's hidden states, in place) and up to `drafts` - 1 chained drafts (at least as many
+  // as asked for, at most max_drafts), greedy on the device, in one CUDA graph when captured.
+  // `rows` follows the verify plan's sequences. Queued without waiting: collect_mtp_fixed() returns
+  // each drafting sequence's drafts (1 + chain_positions of them; none for the others) and must
+  // come before the next step.
+  void launch_mtp_fixed(std::span<const MtpFixedRow> rows, int64_t drafts);
+  // Whether the last step can feed launch_mtp_fixed: a fixed-layout verify, or (MTP) a step where
+  // every sequence decoded one token (k = 0: one catch-up row per sequence).
+  bool fixed_mtp_ready() const { return limits_.mtp && last_fixed_.seqs > 0; }
+  std::vector<std::vector<int32_t>> collect_mtp_fixed();
+  // The greedy tokens and logprobs of the last fixed-layout verify's rows on the host (both copied
+  // in one synchronisation); valid until the next step.
+  std::pair<std::span<const int32_t>, std::span<const float>> fetch_greedy_rows(const StepResult& result);
+  // The argmax (lowest id on ties) of each row of `logits` [R, V] f32 on the model's device, taken
+  // there (speculative decoding only; R at most max_num_seqs (1 + max_drafts)).
+  std::vector<int32_t> argmax_rows(const Tensor& logits);
   // One MTP step (Model::mtp_forward with layer `mtp_layer`) over `rows`, hidden states gathered
   // from `hidden_source` [*, H]. Returns the draft logits [R, vocab] f32 of the rows that want them
   // (in order); `out_hidden` receives o_t of every row [T, H] (a runner-owned buffer, valid until
@@ -97,12 +142,38 @@ class Runner {
 
  private:
   struct HostStep;  // the step's host arrays
-  // Fills the host arrays for `plan`, padded to `padded_seqs` decode rows when > 0.
-  void build_host_step(const SchedulePlan& plan, int64_t padded_seqs, StepResult& result);
+  // Fills the host arrays for `plan`, padded to `padded_seqs` sequences when > 0. rows_per_seq > 0
+  // lays every sequence out in exactly that many rows (decode graphs: 1; fixed-layout verify: 1 + k),
+  // each of them a logits row; padding rows write no KV.
+  void build_host_step(const SchedulePlan& plan, int64_t padded_seqs, int64_t rows_per_seq, StepResult& result);
+  // The captured (or eager) shape a verify plan runs in the fixed layout: {padded sequences, k};
+  // {0, 0} when it cannot (mixed step, too long, no such graph).
+  std::pair<int64_t, int64_t> fixed_verify_shape(const SchedulePlan& plan) const;
+  void execute_fixed_verify(const SchedulePlan& plan, int64_t padded_seqs, int64_t k, StepResult& result);
+  // Records the plan's sequences as the last fixed-layout step (k = 0: a decode step).
+  void remember_fixed(const SchedulePlan& plan, int64_t padded_seqs, int64_t k, bool graph);
+  // Verify, commit and MTP parts of the fixed layout, as run eagerly and captured into graphs.
+  void run_fixed_verify(const ForwardBatch& batch, int64_t rows, std::span<const LogitRowUse> uses);
+  void run_fixed_commit(int64_t seqs, int64_t k);
+  void run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts);
+  // Allocates the fixed buffers of speculative steps (before the KV cache is planned).
+  void allocate_speculative_buffers();
+  // Runs the largest fixed-layout verify, commit and MTP steps; returns the workspace high-water mark.
+  size_t profile_fixed_steps();
+  void capture_verify_graphs(const std::vector<int64_t>& batch_sizes);
+  // A fixed-layout verify step of padding sequences only, ready to profile or capture.
+  void prepare_fixed_shape(int64_t seqs, int64_t k);
+  // Fill and upload the commit / MTP arrays of the last fixed-layout verify (empty spans: padding).
+  void stage_fixed_commit(std::span<const int32_t> kept_rows);
+  void stage_fixed_mtp(std::span<const MtpFixedRow> rows, int64_t drafts);
+  // Device arrays of the fixed-layout commit and MTP steps, views into one i32 buffer per shape.
+  struct FixedArrays;
+  FixedArrays fixed_arrays(int64_t seqs, int64_t k) const;
   ForwardBatch upload(bool fixed_block_stride);
   void run_forward(const ForwardBatch& batch, const Tensor& logits);
-  // Sets hidden_out (set_keep_hidden) and, for a verify step, the verify scratch and index.
-  void attach_speculative_outputs(ForwardBatch& batch, bool verify);
+  // Sets hidden_out (set_keep_hidden) and, for a verify step, the verify scratch.
+  // `fixed`: the verify scratch is the fixed-layout one (graph-safe), not the growable one.
+  void attach_speculative_outputs(ForwardBatch& batch, bool verify, bool fixed = false);
 
   Model& model_;
   RunnerLimits limits_;
@@ -117,7 +188,6 @@ class Runner {
   OwnedTensor hidden_;          // [>= T, H] activation dtype: the trunk step's hidden_out
   Tensor last_hidden_;          // hidden_ sliced to the last step's rows
   OwnedTensor verify_scratch_;  // Model::verify_scratch_bytes of the largest verify step so far
-  OwnedTensor verify_seq_index_;  // [max_num_seqs] i32: 0, 1, ..., S-1
   ForwardBatch last_verify_;    // the last verify step's batch, until its commit
   bool commit_pending_ = false;
   OwnedTensor mtp_hidden_in_, mtp_out_[2], mtp_gather_, mtp_logits_;
@@ -127,6 +197,37 @@ class Runner {
 
   struct Graph;
   std::map<int64_t, std::unique_ptr<Graph>> graphs_;  // by padded batch size
+
+  // ---- Fixed-layout speculative steps
+  OwnedTensor greedy_temperature_, greedy_top_k_, greedy_top_p_, greedy_min_p_, greedy_seed_, greedy_step_;
+  OwnedTensor greedy_tokens_, greedy_logprobs_;  // [max verify rows] argmax and logprob of each row
+  OwnedTensor fixed_verify_scratch_;             // verify scratch of the largest fixed-layout verify
+  OwnedTensor fixed_ints_;                       // commit and MTP step arrays (FixedArrays)
+  PinnedBuffer fixed_host_;                      // their host staging
+  PinnedBuffer greedy_host_;                     // fetch_greedy_rows: tokens, then logprobs
+  OwnedTensor mtp_drafts_;                       // [k, S] i32 greedy drafts of the MTP chain
+  OwnedTensor mtp_fixed_hidden_[3];              // [T, H] catch-up o_t; [S, H] gathered / chained
+  OwnedTensor mtp_fixed_logits_;                 // [S, V] f32
+  struct FixedShape {
+    int64_t seqs = 0, k = 0;  // padded sequences, rows_per_seq - 1
+    int64_t real_seqs = 0;
+    bool graph = false;
+  };
+  FixedShape last_fixed_;                       // the last fixed-layout verify step, until its MTP step
+  std::vector<int64_t> fixed_seq_ids_;          // its sequences, in plan order
+  std::vector<int64_t> fixed_first_positions_;  // the position of each one's known (first) row
+  struct MtpPlan {
+    int64_t max_kv_len = 0;  // the longest context of an eager MTP chain (0: the graph's bound)
+  } mtp_plan_;
+  std::vector<char> mtp_drafting_;  // per padded sequence of the chain: 1 when it drafts
+  struct PendingMtp {
+    int64_t seqs = 0, drafts = 0;          // 0: none in flight
+    std::vector<int64_t> chain_positions;  // per real sequence; -1: not drafting
+  } pending_mtp_;
+  PinnedBuffer mtp_drafts_host_;    // [max_drafts, S] i32
+  OwnedTensor mtp_draft_logprobs_;  // [S] f32 sampler output for the drafts (not read)
+  struct VerifyGraphs;              // verify, commit and MTP graphs of one (padded sequences, k)
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<VerifyGraphs>> verify_graphs_;
 };
 
 }  // namespace metrale

@@ -38,6 +38,7 @@ void SpeculativeConfig::validate() const {
 std::vector<int32_t> propose_ngram_drafts(std::span<const int32_t> tokens, int32_t ngram_min, int32_t ngram_max,
                                           int32_t max_drafts) {
   const auto size = static_cast<int64_t>(tokens.size());
+  if (max_drafts <= 0) return {};  // the scan below is linear in the sequence: skip it when off
   for (int64_t n = std::min<int64_t>(ngram_max, size - 1); n >= ngram_min; --n) {
     const auto suffix = tokens.subspan(static_cast<size_t>(size - n));
     // Latest earlier occurrence first: it is the likeliest to continue the same way.
@@ -181,15 +182,18 @@ int32_t SpeculationController::choose_num_drafts(int64_t num_decoding, int64_t o
   if (config_.method == SpeculativeMethod::kNone || num_decoding <= 0) return 0;
   if (!config_.adaptive) return config_.num_drafts;
   const double a = std::clamp(global_acceptance_, 0.0, 0.99);
-  // Until a verify step has been timed, assume it costs what a plain step of as many rows costs:
-  // the first verify steps then measure the truth.
+  // Until a verify step has been timed, assume it costs what a plain step of as many rows costs
+  // (and verify one draft): the first verify steps then measure the truth.
   const StepCostFit& plain = plain_.measured() ? plain_ : verify_;
   const StepCostFit& verify = verify_.measured() ? verify_ : plain_;
   const auto rows = [&](int32_t k) { return static_cast<double>(other_rows + num_decoding * (1 + k)); };
   const double plain_rate = static_cast<double>(num_decoding) / plain.predict(rows(0));
   int32_t best = 0;
   double best_rate = plain_rate;
-  for (int32_t k = 1; k <= config_.num_drafts; ++k) {
+  // Until a verify step has been timed, explore with one draft: a verify of k drafts can cost far
+  // more than its rows suggest (a MoE touches more experts), and one draft costs the least to learn.
+  const int32_t most = verify_.measured() ? config_.num_drafts : std::min<int32_t>(config_.num_drafts, 1);
+  for (int32_t k = 1; k <= most; ++k) {
     const double rate = static_cast<double>(num_decoding) * expected_tokens(a, k) / verify.predict(rows(k));
     if (rate > best_rate) {
       best = k;

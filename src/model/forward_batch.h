@@ -53,11 +53,23 @@ struct ForwardBatch {
   // hidden_out are exactly those of a plain step over the same rows (the recurrent layers run the
   // token-by-token delta rule, as decode does).
   bool verify = false;
-  Tensor verify_scratch;    // [>= Model::verify_scratch_bytes(T, S)] u8 on the device, caller-owned;
-                            // must stay untouched until commit_verified
-  Tensor verify_seq_index;  // [S] i32 on the device: 0, 1, ..., S-1 (index of the step's temporary states)
+  Tensor verify_scratch;  // [>= Model::verify_scratch_bytes(T, S)] u8 on the device, caller-owned;
+                          // must stay untouched until commit_verified
 
   bool all_decode() const { return num_tokens == num_seqs; }  // every sequence adds exactly one token
+};
+
+// The rows of a verify step that its sequences keep: sequence s keeps the first kept_s rows of its
+// q_len_s rows (1 <= kept_s <= q_len_s), the row it was verified from plus its accepted drafts.
+// The commit replays the verify batch's own rows split into 2S parts: part 2s holds sequence s's
+// kept rows (its state slot), part 2s + 1 the rows it rejects (slot -1: computed, never kept), so
+// that nothing needs gathering. Arrays on the model's device: built on the host and uploaded, or
+// laid out in fixed buffers and replayed from a CUDA graph.
+struct VerifyCommit {
+  int64_t max_rows = 0;  // bound on the longest part (host planning)
+  Tensor cu_parts;       // [2S+1] i32 over the verify batch's rows; cu_parts[2S] = T
+  Tensor kv_lens;        // [2S] i32: kept parts: context + kept_s; rejected parts: their length
+  Tensor slots;          // [2S] i32: kept parts: the sequence's state slot; rejected parts: -1
 };
 
 }  // namespace metrale

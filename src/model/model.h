@@ -40,6 +40,10 @@ class Model {
   // The default suits models without recurrent state.
   virtual void commit_verified(const ForwardBatch& /*batch*/, std::span<const int32_t> /*kept_rows*/,
                                std::span<const LayerCache> /*caches*/, Arena& /*workspace*/) {}
+  // The same commit with the kept rows already laid out on the device (no host work, no copies:
+  // CUDA graphs capture it with `kept` in fixed buffers).
+  virtual void commit_kept_rows(const ForwardBatch& /*batch*/, const VerifyCommit& /*kept*/,
+                                std::span<const LayerCache> /*caches*/, Arena& /*workspace*/) {}
 
   // --- Speculative decoding: the MTP draft head ------------------------------------------------
   virtual bool has_mtp() const { return false; }

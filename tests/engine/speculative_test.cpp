@@ -42,28 +42,33 @@ struct Generated {
   FinishReason finish = FinishReason::kNone;
 };
 
-std::map<int64_t, Generated> run(Engine& engine) {
-  std::map<int64_t, Generated> outputs;
-  for (int guard = 0; engine.has_unfinished() && guard < 20000; ++guard) {
-    for (const TokenEvent& event : engine.step()) {
-      Generated& generated = outputs[event.request_id];
-      if (event.sampled.token >= 0) {
-        generated.tokens.push_back(event.sampled.token);
-        generated.logprobs.push_back(event.sampled.logprob);
-        for (const auto& [token, logprob] : event.sampled.top_logprobs) generated.logprobs.push_back(logprob);
-      }
-      if (event.finished()) generated.finish = event.finish_reason;
+void record(const std::vector<TokenEvent>& events, std::map<int64_t, Generated>& outputs) {
+  for (const TokenEvent& event : events) {
+    Generated& generated = outputs[event.request_id];
+    if (event.sampled.token >= 0) {
+      generated.tokens.push_back(event.sampled.token);
+      generated.logprobs.push_back(event.sampled.logprob);
+      for (const auto& [token, logprob] : event.sampled.top_logprobs) generated.logprobs.push_back(logprob);
     }
+    if (event.finished()) generated.finish = event.finish_reason;
   }
+}
+
+// Steps `engine` until every request finished; `outputs` may hold the events of earlier steps.
+std::map<int64_t, Generated> run(Engine& engine, std::map<int64_t, Generated> outputs = {}) {
+  for (int guard = 0; engine.has_unfinished() && guard < 20000; ++guard) record(engine.step(), outputs);
   EXPECT_FALSE(engine.has_unfinished());
   EXPECT_NO_THROW(engine.cache().check_integrity());
   EXPECT_EQ(engine.cache().pool().num_used(), 0);
   return outputs;
 }
 
-Request greedy(std::vector<int32_t> prompt, int32_t max_tokens) {
+// Greedy requests report top logprobs by default, which keeps acceptance on the host (whole logits
+// rows); with top_logprobs 0 a fixed-layout verify accepts from its argmax rows and MTP drafts in
+// one chained step (Engine::accept_greedy_rows, Engine::run_mtp_drafter_fixed).
+Request greedy(std::vector<int32_t> prompt, int32_t max_tokens, int32_t top_logprobs = 3) {
   Request request = testing::make_request(std::move(prompt), max_tokens);
-  request.sampling.top_logprobs = 3;
+  request.sampling.top_logprobs = top_logprobs;
   return request;
 }
 
@@ -109,9 +114,11 @@ constexpr EngineSetup kSetups[] = {
     {"tight-budget+preemption", false, 14, 0, 12},
 };
 
-std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineSetup& setup, SpeculativeConfig speculative,
+std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineSetup& setup,
+                                      SpeculativeConfig speculative,
                                       const std::vector<std::vector<int32_t>>& prompt_set, int32_t max_tokens,
-                                      EngineStats* stats = nullptr) {
+                                      EngineStats* stats = nullptr, int32_t top_logprobs = 3,
+                                      Device device = Device::cpu()) {
   EngineConfig config;
   config.enable_prefix_caching = setup.prefix_caching;
   config.num_kv_blocks = setup.num_kv_blocks;
@@ -121,16 +128,21 @@ std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineS
   config.scheduler.max_num_seqs = 8;
   config.max_model_len = 256;
   config.speculative = speculative;
+  if (device.is_cuda()) {
+    config.num_kv_blocks = setup.num_kv_blocks > 0 ? setup.num_kv_blocks : 512;
+    config.gpu_memory_utilization = 0.5;
+  }
   Engine engine(factory(), config);
   std::vector<int64_t> ids;
+  std::map<int64_t, Generated> early;  // events of the steps before the last request is added
   for (const auto& prompt : prompt_set) {
-    ids.push_back(engine.add_request(greedy(prompt, max_tokens)));
+    ids.push_back(engine.add_request(greedy(prompt, max_tokens, top_logprobs)));
     // The second request shares the first's prefix: admit it after the first has cached it.
     if (setup.prefix_caching && ids.size() == 1) {
-      for (int i = 0; i < 3; ++i) engine.step();
+      for (int i = 0; i < 3; ++i) record(engine.step(), early);
     }
   }
-  auto outputs = run(engine);
+  auto outputs = run(engine, std::move(early));
   if (stats) *stats = engine.stats();
   std::map<int64_t, Generated> by_index;
   for (size_t i = 0; i < ids.size(); ++i) by_index[static_cast<int64_t>(i)] = outputs[ids[i]];
@@ -273,10 +285,15 @@ TEST_P(GreedyEquivalence, NgramGivesThePlainTokens) {
   const auto prompt_set = prompts(probe->config().vocab_size, 11);
   for (const EngineSetup& setup : kSetups) {
     const auto plain = generate(factory, setup, {}, prompt_set, 14);
+    const auto plain_argmax = generate(factory, setup, {}, prompt_set, 14, nullptr, 0);
     for (const int32_t drafts : {1, 3}) {
       EngineStats stats;
       const auto spec = generate(factory, setup, spec_config(SpeculativeMethod::kNgram, drafts), prompt_set, 14, &stats);
       expect_same(spec, plain, name + " " + setup.name + " ngram k=" + std::to_string(drafts));
+      // Acceptance from the verify's argmax rows (no top logprobs asked).
+      const auto argmax =
+          generate(factory, setup, spec_config(SpeculativeMethod::kNgram, drafts), prompt_set, 14, nullptr, 0);
+      expect_same(argmax, plain_argmax, name + " " + setup.name + " ngram argmax k=" + std::to_string(drafts));
       EXPECT_GT(stats.drafted_tokens, 0) << setup.name;
       EXPECT_GT(stats.verify_steps, 0) << setup.name;
       EXPECT_LE(stats.accepted_tokens, stats.drafted_tokens);
@@ -314,6 +331,10 @@ TEST(SpeculativeEngine, FakeHybridKeepsExactStateThroughVerifies) {
     EXPECT_NO_THROW(generate(factory, setup, replay, prompt_set, 20, &replay_stats)) << setup.name;
     EXPECT_GT(replay_stats.accepted_tokens, 0) << setup.name;
     EXPECT_LT(replay_stats.accepted_tokens, replay_stats.drafted_tokens) << setup.name;
+    // The same through acceptance from the verify's argmax rows and the fixed-layout commit.
+    EngineStats argmax_stats;
+    EXPECT_NO_THROW(generate(factory, setup, replay, prompt_set, 20, &argmax_stats, 0)) << setup.name;
+    EXPECT_GT(argmax_stats.accepted_tokens, 0) << setup.name;
   }
 }
 
@@ -335,11 +356,22 @@ TEST(SpeculativeDemo, NgramAndMtpGiveThePlainTokens) {
   const std::span<const EngineSetup> setups(kSetups, kSanitizedBuild ? 1 : std::size(kSetups));
   for (const EngineSetup& setup : setups) {
     const auto plain = generate(factory, setup, {}, prompt_set, 16);
+    const auto plain_argmax = generate(factory, setup, {}, prompt_set, 16, nullptr, 0);
     for (const auto method : {SpeculativeMethod::kNgram, SpeculativeMethod::kMtp}) {
+      const std::string what = std::string("demo ") + setup.name + " " + std::string(speculative_method_name(method));
       EngineStats stats;
       const auto spec = generate(factory, setup, spec_config(method, 3), prompt_set, 16, &stats);
-      expect_same(spec, plain, std::string("demo ") + setup.name + " " + std::string(speculative_method_name(method)));
+      expect_same(spec, plain, what);
       EXPECT_GT(stats.verify_steps, 0);
+      // Argmax-row acceptance and (MTP) the fixed-layout draft chain.
+      EngineStats argmax_stats;
+      const auto argmax = generate(factory, setup, spec_config(method, 3), prompt_set, 16, &argmax_stats, 0);
+      expect_same(argmax, plain_argmax, what + " argmax");
+      EXPECT_GT(argmax_stats.verify_steps, 0);
+      if (method == SpeculativeMethod::kMtp) {
+        // The chained drafts are the head's: it accepts about as often as the host-side chain.
+        EXPECT_GT(argmax_stats.accepted_tokens, stats.accepted_tokens / 2) << what;
+      }
     }
   }
 }
@@ -367,6 +399,67 @@ TEST(SpeculativeDemo, MtpAcceptanceIsPlausible) {
   const double rate = static_cast<double>(stats.accepted_tokens) / static_cast<double>(stats.drafted_tokens);
   EXPECT_GT(rate, 0.35) << stats.accepted_tokens << " of " << stats.drafted_tokens;
   EXPECT_LE(rate, 1.0);
+}
+
+// ---- The GPU: verify, commit and MTP graphs
+
+// Greedy tokens with speculation against plain decoding on the GPU. bf16 steps of different shapes
+// (a verify row against a decode row) may round a near-tie the other way, so a request may diverge,
+// but only where plain decoding's two best tokens are within `tie` of each other (logprob); after
+// that point the two continuations are unrelated and are not compared.
+void expect_same_up_to_near_ties(const std::map<int64_t, Generated>& spec,
+                                 const std::map<int64_t, Generated>& plain_top2, const std::string& what,
+                                 int* diverged) {
+  constexpr double tie = 0.1;
+  for (const auto& [index, reference] : plain_top2) {
+    const std::vector<int32_t>& tokens = spec.at(index).tokens;
+    // Plain runs report [logprob, top-1, top-2] per token.
+    ASSERT_EQ(reference.logprobs.size(), 3 * reference.tokens.size()) << what;
+    const size_t n = std::min(tokens.size(), reference.tokens.size());
+    size_t i = 0;
+    while (i < n && tokens[i] == reference.tokens[i]) ++i;
+    if (i == n) {
+      EXPECT_EQ(tokens.size(), reference.tokens.size()) << what << ", request " << index;
+      continue;
+    }
+    ++*diverged;
+    const double gap = reference.logprobs[3 * i + 1] - reference.logprobs[3 * i + 2];
+    EXPECT_LT(gap, tie) << what << ", request " << index << " diverges at token " << i << " where plain decoding's "
+                        << "best token leads by " << gap;
+  }
+}
+
+TEST(SpeculativeGpu, GraphedVerifyAndMtpGiveThePlainTokens) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  std::vector<std::pair<std::string, ModelFactory>> models;
+  if (have_demo()) models.emplace_back("demo", [] { return load_model(kDemo, Device::cuda(0)); });
+  for (const char* name : {"qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"}) {
+    if (std::filesystem::exists(kGoldens / name / "model"))
+      models.emplace_back(name, [name] { return load_model(kGoldens / name / "model", Device::cuda(0)); });
+  }
+  for (const auto& [name, factory] : models) {
+    const auto probe = factory();
+    const bool mtp = probe->has_mtp();
+    const auto prompt_set = prompts(probe->config().vocab_size, 17);
+    for (const EngineSetup& setup : kSetups) {
+      const auto plain = generate(factory, setup, {}, prompt_set, 24, nullptr, 2, Device::cuda(0));
+      int diverged = 0, runs = 0;
+      for (const auto method : {SpeculativeMethod::kNgram, SpeculativeMethod::kMtp}) {
+        if (method == SpeculativeMethod::kMtp && !mtp) continue;
+        for (const int32_t drafts : {1, 3}) {
+          const std::string what = name + " " + setup.name + " " + std::string(speculative_method_name(method)) +
+                                   " k=" + std::to_string(drafts);
+          EngineStats stats;
+          const auto spec =
+              generate(factory, setup, spec_config(method, drafts), prompt_set, 24, &stats, 0, Device::cuda(0));
+          expect_same_up_to_near_ties(spec, plain, what, &diverged);
+          EXPECT_GT(stats.verify_steps, 0) << what;
+          runs += static_cast<int>(prompt_set.size());
+        }
+      }
+      EXPECT_LE(diverged, runs / 4) << name << " " << setup.name << ": too many near-tie divergences";
+    }
+  }
 }
 
 // ---- Sampling: the distribution with speculation is the model's

@@ -192,7 +192,8 @@ class FakeHybridModel : public Model {
         a = (a * 31 + token + 1) % kModA;
         b = (b + token * (position + 1)) % kModB;
         int64_t key_sum = 0;
-        for (int64_t j = 0; j <= position; ++j) {
+        // Padding rows (no slot) of graph and fixed-verify layouts read nothing; their output is ignored.
+        for (int64_t j = 0; j <= position && slot_mapping[t] >= 0; ++j) {
           const int64_t block = tables[s * table_stride + j / block_size];
           const float* key = keys + (block * block_size + j % block_size) * 2;
           if (key[1] != static_cast<float>(j))

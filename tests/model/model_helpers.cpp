@@ -365,7 +365,6 @@ void TestCache::build(const std::vector<SeqChunk>& chunks, std::map<int64_t, int
     host.cu_q.push_back(static_cast<int32_t>(host.token_ids.size()));
     host.kv_lens.push_back(static_cast<int32_t>(lengths[chunk.seq_id]));
     host.state_slots.push_back(state_slot(chunk.seq_id));
-    host.seq_index.push_back(static_cast<int32_t>(s));
     host.seq_ids.push_back(chunk.seq_id);
   }
   const auto tokens = static_cast<int64_t>(host.token_ids.size());

@@ -145,7 +145,7 @@ struct SeqChunk {
 // The host arrays of a hand-built ragged batch and the ForwardBatch that views them. Moving keeps the
 // views valid: a moved vector keeps its buffer.
 struct HostBatch {
-  std::vector<int32_t> token_ids, positions, slot_mapping, cu_q{0}, kv_lens, logit_rows, state_slots, seq_index;
+  std::vector<int32_t> token_ids, positions, slot_mapping, cu_q{0}, kv_lens, logit_rows, state_slots;
   std::vector<int32_t> block_tables;  // [seqs][max_blocks], padding entries 0 (a correct kernel never reads them)
   std::vector<int64_t> seq_ids;
   int64_t max_blocks = 1;

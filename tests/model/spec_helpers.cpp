@@ -40,7 +40,6 @@ SpecRunner::Rows SpecRunner::step(const std::vector<Chunk>& chunks, bool verify)
         OwnedTensor(DType::kU8, {static_cast<int64_t>(model_.verify_scratch_bytes(tokens, host.batch.num_seqs)) + 1},
                     model_.device());
     host.batch.verify_scratch = verify_scratch_.tensor;
-    host.batch.verify_seq_index = Tensor(host.seq_index.data(), DType::kI32, {host.batch.num_seqs});
   }
   arena_.reset();
   model_.forward(host.batch, cache_.layers(), Tensor(logits.data(), DType::kF32, {tokens, vocab}), arena_);

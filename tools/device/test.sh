@@ -11,10 +11,10 @@ build_dir=${BUILD_DIR:-build-cuda}
 
 if [[ $mode == build ]]; then
   cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DMETRALE_CUDA=ON >/dev/null
-  cmake --build "$build_dir" -j "$(nproc)" --target metrale metrale_cuda_tests || exit 1
+  cmake --build "$build_dir" -j "$(nproc)" --target metrale metrale_cuda_tests metrale_engine_tests || exit 1
   # The GPU machine's image lacks some Debian libraries the binaries use: they travel with bin/.
   mkdir -p "$build_dir/bin/lib"
-  for binary in "$build_dir/bin/metrale" "$build_dir/bin/metrale_cuda_tests"; do
+  for binary in "$build_dir/bin/metrale" "$build_dir/bin/metrale_cuda_tests" "$build_dir/bin/metrale_engine_tests"; do
     ldd "$binary" | awk '/=> \/(usr\/)?lib\/x86_64-linux-gnu\/lib(fmt|onig|utf8proc|cpp-httplib|brotli|ssl|crypto)/ {print $3}'
   done | sort -u | xargs -r cp -L -t "$build_dir/bin/lib"
   exit 0
@@ -28,6 +28,16 @@ filter=${GTEST_FILTER:-*}
 "$build_dir/bin/metrale_cuda_tests" --gtest_filter="$filter" --gtest_output="json:$out/cuda_tests.json" \
   >"$out/cuda_tests.log" 2>&1
 status=$?
+# The engine's GPU tests (decode, verify, commit and MTP graphs against plain decoding) live with
+# the engine tests; they run here, the CPU ones in CI.
+if [[ -x $build_dir/bin/metrale_engine_tests ]]; then
+  "$build_dir/bin/metrale_engine_tests" --gtest_filter="${ENGINE_GTEST_FILTER:-*Gpu*}" \
+    --gtest_output="json:$out/engine_gpu_tests.json" >"$out/engine_gpu_tests.log" 2>&1
+  engine_status=$?
+  grep -E 'Failure|error:' -A4 "$out/engine_gpu_tests.log" | head -40
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/engine_gpu_tests.log"
+  [[ $engine_status -ne 0 ]] && status=$engine_status
+fi
 grep -E 'Failure|error:|golden-gpu' -A3 "$out/cuda_tests.log" | head -60
 python3 - "$out/cuda_tests.json" <<'PY'
 import json, sys

@@ -107,8 +107,6 @@ void DecoderModel::forward(const ForwardBatch& batch, std::span<const LayerCache
     METRALE_CHECK(batch.verify_scratch.nbytes() >= verify_offsets.back() && batch.verify_scratch.ndim() == 1,
                   "verify step: verify_scratch {} for {} bytes", batch.verify_scratch.describe(),
                   verify_offsets.back());
-    METRALE_CHECK(batch.verify_seq_index.numel() == batch.num_seqs, "verify step: verify_seq_index {} for {} sequences",
-                  batch.verify_seq_index.describe(), batch.num_seqs);
   }
   if (!batch.hidden_out.empty()) {
     METRALE_CHECK(batch.hidden_out.ndim() == 2 && batch.hidden_out.size(0) == tokens &&
@@ -158,7 +156,7 @@ void DecoderModel::commit_verified(const ForwardBatch& batch, std::span<const in
   if (offsets.back() == 0) return;  // no layer keeps anything: the verify forward left every cache right
   METRALE_CHECK(batch.verify_scratch.nbytes() >= offsets.back(), "verify_scratch {} for {} bytes",
                 batch.verify_scratch.describe(), offsets.back());
-  std::vector<int32_t> cu_rows{0}, kv_lens, rows;
+  std::vector<int32_t> cu_parts{0}, kv_lens, slots;
   int64_t max_rows = 0;
   for (int64_t s = 0; s < seqs; ++s) {
     const int32_t begin = batch.host_cu_q[static_cast<size_t>(s)];
@@ -168,17 +166,33 @@ void DecoderModel::commit_verified(const ForwardBatch& batch, std::span<const in
       raise(ErrorCode::kInvalidArgument, "commit_verified: sequence {} keeps {} of its {} rows (1..{} allowed)", s,
             kept, q_len, q_len);
     }
-    for (int32_t i = 0; i < kept; ++i) rows.push_back(begin + i);
-    cu_rows.push_back(cu_rows.back() + kept);
+    cu_parts.push_back(begin + kept);
+    cu_parts.push_back(begin + q_len);
     kv_lens.push_back(batch.host_kv_lens[static_cast<size_t>(s)] - q_len + kept);
-    max_rows = std::max<int64_t>(max_rows, kept);
+    kv_lens.push_back(q_len - kept);
+    slots.push_back(batch.host_state_slots.empty() ? 0 : batch.host_state_slots[static_cast<size_t>(s)]);
+    slots.push_back(-1);
+    max_rows = std::max<int64_t>(max_rows, q_len);
   }
   VerifyCommit kept;
-  kept.num_rows = static_cast<int64_t>(rows.size());
   kept.max_rows = max_rows;
-  kept.cu_rows = device_i32(cu_rows, workspace, device_);
+  kept.cu_parts = device_i32(cu_parts, workspace, device_);
   kept.kv_lens = device_i32(kv_lens, workspace, device_);
-  kept.rows = device_i32(rows, workspace, device_);
+  kept.slots = device_i32(slots, workspace, device_);
+  commit_kept_rows(batch, kept, caches, workspace);
+}
+
+void DecoderModel::commit_kept_rows(const ForwardBatch& batch, const VerifyCommit& kept,
+                                    std::span<const LayerCache> caches, Arena& workspace) {
+  METRALE_CHECK(batch.verify, "commit_kept_rows needs the batch of a verify step");
+  METRALE_CHECK(caches.size() >= parts_.layers.size(), "{} layer caches for {} layers", caches.size(),
+                parts_.layers.size());
+  METRALE_CHECK(kept.cu_parts.numel() == 2 * batch.num_seqs + 1 && kept.kv_lens.numel() == 2 * batch.num_seqs &&
+                    kept.slots.numel() == 2 * batch.num_seqs,
+                "commit: cu_parts {}, kv_lens {}, slots {} for {} sequences", kept.cu_parts.describe(),
+                kept.kv_lens.describe(), kept.slots.describe(), batch.num_seqs);
+  const std::vector<size_t> offsets = verify_scratch_offsets(batch.num_tokens, batch.num_seqs);
+  if (offsets.back() == 0) return;
   StepContext step{batch, workspace, activation_dtype(), Tensor(), Tensor()};
   for (size_t i = 0; i < parts_.layers.size(); ++i) {
     if (offsets[i + 1] == offsets[i]) continue;

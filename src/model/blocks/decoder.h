@@ -35,6 +35,8 @@ class DecoderModel : public Model {
   size_t verify_scratch_bytes(int64_t num_tokens, int64_t num_seqs) const override;
   void commit_verified(const ForwardBatch& batch, std::span<const int32_t> kept_rows,
                        std::span<const LayerCache> caches, Arena& workspace) override;
+  void commit_kept_rows(const ForwardBatch& batch, const VerifyCommit& kept, std::span<const LayerCache> caches,
+                        Arena& workspace) override;
 
   bool has_mtp() const override { return parts_.mtp != nullptr; }
   int64_t num_mtp_layers() const override { return parts_.mtp ? parts_.mtp->num_layers() : 0; }

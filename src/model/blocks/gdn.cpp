@@ -162,7 +162,7 @@ GatedDeltaNet::KeptInputs GatedDeltaNet::kept_inputs(const StepContext& step) co
 
 void GatedDeltaNet::delta_rule(const StepContext& step, const Tensor& conv_out, const Tensor& g, const Tensor& beta,
                                const Tensor& state, const Tensor& cu_q, const Tensor& kv_lens, const Tensor& slots,
-                               int64_t max_q_len, bool recurrent, const Tensor& core) const {
+                               int64_t max_q_len, bool recurrent, bool write_state, const Tensor& core) const {
   const int64_t tokens = conv_out.size(0), hk = config_.num_k_heads, hv = config_.num_v_heads;
   const int64_t dk = config_.head_k_dim, dv = config_.head_v_dim, key_dim = config_.key_dim();
   const DType act = step.activation_dtype;
@@ -176,6 +176,7 @@ void GatedDeltaNet::delta_rule(const StepContext& step, const Tensor& conv_out, 
   params.scale = 1.0f / std::sqrt(static_cast<float>(dk));
   params.qk_l2norm = true;
   params.max_q_len = max_q_len;
+  params.write_state = write_state;
   if (recurrent) {
     kernels::gated_delta_rule_recurrent(q, k, v, g, beta, state, cu_q, kv_lens, slots, core, params);
   } else {
@@ -194,9 +195,9 @@ void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, co
   if (tokens == 0) return;
   Arena& ws = step.workspace;
   const DType act = step.activation_dtype;
-  const int64_t hv = config_.num_v_heads, dk = config_.head_k_dim, dv = config_.head_v_dim;
-  const int64_t value_dim = config_.value_dim(), conv_dim = config_.conv_dim(), window = config_.conv_kernel - 1;
-  // A verify step keeps the projections and gates for the commit and runs on copies of the slots.
+  const int64_t hv = config_.num_v_heads, dv = config_.head_v_dim;
+  const int64_t value_dim = config_.value_dim(), conv_dim = config_.conv_dim();
+  // A verify step keeps the projections and gates for the commit.
   const KeptInputs kept = batch.verify ? kept_inputs(step) : KeptInputs{};
 
   // [T, conv_dim + value_dim]: the conv input [Q | K | V], then z; [T, 2 Hv]: b, then a.
@@ -212,23 +213,10 @@ void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, co
     kernels::linear(x, in_proj_a_, ba.slice(1, hv, 2 * hv));
   }
 
-  // Verify: the step's states are [S, ...] copies of the sequences' slots, indexed 0..S-1.
-  Tensor conv_state = cache.states[0], recurrent_state = cache.states[1], slots = batch.state_slots;
-  if (batch.verify) {
-    slots = batch.verify_seq_index;
-    conv_state = ws.alloc(act, {seqs, window, conv_dim});
-    if (window > 0) {
-      kernels::gather_rows(cache.states[0].reshape({cache.states[0].size(0), window * conv_dim}), batch.state_slots,
-                           conv_state.reshape({seqs, window * conv_dim}));
-    }
-    recurrent_state = ws.alloc(DType::kF32, {seqs, hv, dk, dv});
-    kernels::gather_rows(cache.states[1].reshape({cache.states[1].size(0), hv * dk * dv}), batch.state_slots,
-                         recurrent_state.reshape({seqs, hv * dk * dv}));
-  }
-
+  // Verify: the kernels read the slots and leave them as they were (the commit advances them).
   const Tensor conv_out = ws.alloc(act, {tokens, conv_dim});  // [T, conv_dim] silu(conv(qkv))
-  kernels::causal_conv1d(projected.slice(1, 0, conv_dim), conv_weight_, conv_state, batch.cu_q, batch.kv_lens, slots,
-                         conv_out, {true, batch.max_q_len});
+  kernels::causal_conv1d(projected.slice(1, 0, conv_dim), conv_weight_, cache.states[0], batch.cu_q, batch.kv_lens,
+                         batch.state_slots, conv_out, {true, batch.max_q_len, /*write_state=*/!batch.verify});
   // [T, Hv] f32 log decay (<= 0) and write strength.
   const Tensor g = batch.verify ? kept.g : ws.alloc(DType::kF32, {tokens, hv});
   const Tensor beta = batch.verify ? kept.beta : ws.alloc(DType::kF32, {tokens, hv});
@@ -237,8 +225,8 @@ void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, co
   // Decode and verify take the token-by-token form (a verify row computes exactly what decoding it
   // would); prefill the chunked one.
   const Tensor core = ws.alloc(act, {tokens, hv, dv});  // [T, Hv, dv] delta-rule output
-  delta_rule(step, conv_out, g, beta, recurrent_state, batch.cu_q, batch.kv_lens, slots, batch.max_q_len,
-             batch.all_decode() || batch.verify, core);
+  delta_rule(step, conv_out, g, beta, cache.states[1], batch.cu_q, batch.kv_lens, batch.state_slots, batch.max_q_len,
+             batch.all_decode() || batch.verify, /*write_state=*/!batch.verify, core);
 
   const Tensor z(projected.slice(1, conv_dim, conv_dim + value_dim).data(), act, {tokens, hv, dv},
                  {projected.stride(0), dv, 1}, projected.device());
@@ -248,25 +236,21 @@ void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, co
 
 void GatedDeltaNet::commit(const StepContext& step, const LayerCache& cache, const VerifyCommit& kept_rows) {
   const ForwardBatch& batch = step.batch;
-  const int64_t rows = kept_rows.num_rows;
-  if (rows == 0) return;
+  const int64_t tokens = batch.num_tokens;
+  if (tokens == 0) return;
   Arena& ws = step.workspace;
   const DType act = step.activation_dtype;
   const int64_t hv = config_.num_v_heads, dv = config_.head_v_dim, conv_dim = config_.conv_dim();
   const KeptInputs kept = kept_inputs(step);
-  // Replays the kept rows on the real slots: the conv window and the delta rule advance exactly as
-  // the verify forward computed them on its copies (same kernels, same inputs, same order).
-  const Tensor x = ws.alloc(act, {rows, conv_dim});  // [A, conv_dim] conv inputs of the kept rows
-  kernels::gather_rows(kept.projected.slice(1, 0, conv_dim), kept_rows.rows, x);
-  const Tensor conv_out = ws.alloc(act, {rows, conv_dim});
-  kernels::causal_conv1d(x, conv_weight_, cache.states[0], kept_rows.cu_rows, kept_rows.kv_lens, batch.state_slots,
-                         conv_out, {true, kept_rows.max_rows});
-  const Tensor g = ws.alloc(DType::kF32, {rows, hv}), beta = ws.alloc(DType::kF32, {rows, hv});
-  kernels::gather_rows(kept.g, kept_rows.rows, g);
-  kernels::gather_rows(kept.beta, kept_rows.rows, beta);
-  const Tensor core = ws.alloc(act, {rows, hv, dv});  // the outputs again; only the state matters here
-  delta_rule(step, conv_out, g, beta, cache.states[1], kept_rows.cu_rows, kept_rows.kv_lens, batch.state_slots,
-             kept_rows.max_rows, true, core);
+  // Replays the verify rows in place, split into kept parts (on the real slots) and rejected parts
+  // (slot -1, nothing kept): the conv window and the delta rule advance exactly as the verify
+  // forward computed them (same kernels, same inputs, same order) over the kept rows only.
+  const Tensor conv_out = ws.alloc(act, {tokens, conv_dim});
+  kernels::causal_conv1d(kept.projected.slice(1, 0, conv_dim), conv_weight_, cache.states[0], kept_rows.cu_parts,
+                         kept_rows.kv_lens, kept_rows.slots, conv_out, {true, kept_rows.max_rows});
+  const Tensor core = ws.alloc(act, {tokens, hv, dv});  // the outputs again; only the state matters here
+  delta_rule(step, conv_out, kept.g, kept.beta, cache.states[1], kept_rows.cu_parts, kept_rows.kv_lens, kept_rows.slots,
+             kept_rows.max_rows, true, /*write_state=*/true, core);
 }
 
 }  // namespace metrale

@@ -13,14 +13,13 @@
 // activation dtype, states[1] the recurrent matrices {Hv, dk, dv} fp32. The delta rule runs the
 // recurrent kernel when every sequence adds one token (decode) and the chunked kernel otherwise.
 //
-// Speculative verify (ForwardBatch::verify): the layer copies each sequence's conv window and state
-// into step temporaries ([S, K-1, conv_dim], [S, Hv, dk, dv], gathered by slot) and runs conv and
-// the recurrent delta rule on those, so the slots stay as they were before the step; the projections
-// and gates of every row stay in the caller's verify scratch (verify_scratch_bytes: per row
-// (conv_dim + value_dim) activations + 2 Hv f32). commit() then replays the kept rows of each sequence
-// on its real slots (gather the kept rows, causal_conv1d, recurrent delta rule), which computes
-// exactly what the verify forward computed for them. No state-sized memory outlives a layer; the
-// cost is one extra read/write of the state per verify (the gather) plus the replay.
+// Speculative verify (ForwardBatch::verify): conv and the recurrent delta rule read each sequence's
+// slot and leave it as it was (write_state false), so the slots keep the state before the step; the
+// projections and gates of every row stay in the caller's verify scratch (verify_scratch_bytes: per
+// row (conv_dim + value_dim) activations + 2 Hv f32). commit() then replays the kept rows of each
+// sequence on its real slots (gather the kept rows, causal_conv1d, recurrent delta rule), which
+// computes exactly what the verify forward computed for them. No state-sized memory is allocated;
+// the cost is one extra read and write of the state per verify (the replay).
 //
 // Workspace per step (step.workspace): projections [T, conv_dim + Hv dv] and [T, 2 Hv], conv output
 // [T, conv_dim], gates 2 x [T, Hv] f32, core output [T, Hv, dv]; the chunked kernel's CUDA scratch
@@ -75,7 +74,7 @@ class GatedDeltaNet : public Mixer {
   // The delta rule over conv_out [T', conv_dim] ([Q | K | V] columns) into core [T', Hv, dv].
   void delta_rule(const StepContext& step, const Tensor& conv_out, const Tensor& g, const Tensor& beta,
                   const Tensor& state, const Tensor& cu_q, const Tensor& kv_lens, const Tensor& slots,
-                  int64_t max_q_len, bool recurrent, const Tensor& core) const;
+                  int64_t max_q_len, bool recurrent, bool write_state, const Tensor& core) const;
 
   GdnConfig config_;
   // [conv_dim + value_dim, H] rows [Q | K | V | Z] and [2 Hv, H] rows [B | A], when owned (GPU, or the

@@ -25,17 +25,6 @@ struct StepContext {
   Tensor verify_scratch = Tensor();
 };
 
-// The rows of a verify step that the sequences keep: sequence s keeps the first kept_s rows of its
-// q_len_s rows (1 <= kept_s <= q_len_s), the row it was verified from plus its accepted drafts.
-// Built by DecoderModel::commit_verified; on the model's device.
-struct VerifyCommit {
-  int64_t num_rows = 0;  // A = sum of kept_s
-  int64_t max_rows = 0;  // max of kept_s
-  Tensor cu_rows;        // [S+1] i32: sequence s's kept rows are commit rows [cu_rows[s], cu_rows[s+1])
-  Tensor kv_lens;        // [S] i32: the sequence's cached length after the commit (context + kept_s)
-  Tensor rows;           // [A] i32: the verify-batch row of each commit row
-};
-
 class Mixer {
  public:
   virtual ~Mixer() = default;
