@@ -608,6 +608,7 @@ void Runner::run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts) {
     previous = out;
   }
 }
+
 Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_source, int64_t mtp_layer,
                        Tensor& out_hidden) {
   METRALE_CHECK(!commit_pending_, "an MTP step ran before the last verify step's commit");

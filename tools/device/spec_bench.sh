@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Speculative decoding benchmarks on the GPU machine (carry: build-cuda/bin). Plain against speculative
 # decode per batch size: the demo model's MTP head (adaptive and forced) and n-gram drafts, then a
-# random-weight Qwen3-8B with acceptance replayed from a Bernoulli(0.65) pattern (BENCHMARK MODE: its
-# outputs are not the model's; 0.65 is the demo MTP head's single-draft acceptance on its own text).
+# random-weight Qwen3-8B and Qwen3.5-35B-A3B with acceptance replayed from a Bernoulli(0.65) pattern
+# (BENCHMARK MODE: their outputs are not the model's; 0.65 is the demo MTP head's single-draft
+# acceptance on its own text).
 # Reports to $OUT; each run is cut at SPEC_LIMIT_S seconds.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,3 +28,6 @@ run demo-mtp-forced --model models/demo --speculative-method mtp --no-adaptive-s
 run demo-ngram --model models/demo --speculative-method ngram "${common[@]}"
 run qwen3-8b-replay --config configs/qwen3-8b.json --random-weights --speculative-method ngram --spec-accept-rate 0.65 \
   --num-drafts 3 --batch "$batches" --spec-prompt 64 --spec-tokens 128
+# A hybrid at its published shape (GDN verify and commit at scale): Qwen3.5-35B-A3B, replayed acceptance.
+run qwen3.5-35b-a3b-replay --config configs/qwen3.5-35b-a3b.json --random-weights --speculative-method ngram \
+  --spec-accept-rate 0.65 --num-drafts 3 --batch "${SPEC_HYBRID_BATCHES:-1,8,64}" --spec-prompt 64 --spec-tokens 96
