@@ -107,8 +107,7 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, int6
       token_ids[t] = p < known_end ? sequence.tokens[static_cast<size_t>(p)]
                                    : sequence.draft_tokens[static_cast<size_t>(p - known_end)];
       positions[t] = static_cast<int32_t>(p);
-      slots[t] = table[static_cast<size_t>(p / block_size)] * static_cast<int32_t>(block_size) +
-                 static_cast<int32_t>(p % block_size);
+      slots[t] = cache_slot_of(table, p, block_size);
     }
     // Fixed layout: padding rows after the sequence's own (a known position, no KV write); the
     // sequence's length counts them so that its real rows keep their positions.

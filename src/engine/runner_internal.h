@@ -2,7 +2,9 @@
 // (verify, commit and MTP steps and their graphs).
 #pragma once
 
+#include <cstdint>
 #include <map>
+#include <span>
 
 #include "engine/runner.h"
 #include "runtime/buffer.h"
@@ -42,6 +44,12 @@ struct Runner::VerifyGraphs {
 
 inline int64_t max_blocks_per_seq(const RunnerLimits& limits) {
   return (limits.max_model_len + limits.block_size - 1) / limits.block_size;
+}
+
+// The paged-cache slot (block * block_size + offset) of `position` in a sequence's block table.
+inline int32_t cache_slot_of(std::span<const int32_t> table, int64_t position, int64_t block_size) {
+  return table[static_cast<size_t>(position / block_size)] * static_cast<int32_t>(block_size) +
+         static_cast<int32_t>(position % block_size);
 }
 
 }  // namespace metrale

@@ -452,10 +452,6 @@ void Runner::stage_fixed_mtp(std::span<const MtpFixedRow> rows, int64_t drafts) 
   int32_t* rows1 = host + a.rows1;
   int32_t* block_tables = host + a.block_tables;
   std::fill(block_tables, block_tables + seqs * stride, 0);
-  const auto slot_of = [&](std::span<const int32_t> table, int64_t position) {
-    return table[static_cast<size_t>(position / block_size)] * static_cast<int32_t>(block_size) +
-           static_cast<int32_t>(position % block_size);
-  };
   cu0[0] = 0;
   cu1[0] = 0;
   for (int64_t s = 0; s < seqs; ++s) {
@@ -496,7 +492,7 @@ void Runner::stage_fixed_mtp(std::span<const MtpFixedRow> rows, int64_t drafts) 
       const bool kept = i <= accepted;
       tokens0[first + i] = kept ? row->next_tokens[static_cast<size_t>(i)] : 0;
       positions0[first + i] = static_cast<int32_t>(kept ? t + i : t);
-      slots0[first + i] = kept ? slot_of(table, t + i) : -1;
+      slots0[first + i] = kept ? cache_slot_of(table, t + i, block_size) : -1;
     }
     kv_lens0[s] = static_cast<int32_t>(t + per_seq);
     draft_rows0[s] = static_cast<int32_t>(first + accepted);
@@ -508,7 +504,7 @@ void Runner::stage_fixed_mtp(std::span<const MtpFixedRow> rows, int64_t drafts) 
       const int64_t position = t + accepted + j;
       const bool room = j <= row->chain_positions;
       positions[at] = static_cast<int32_t>(room ? position : t + accepted);
-      slots[at] = room ? slot_of(table, position) : -1;
+      slots[at] = room ? cache_slot_of(table, position, block_size) : -1;
       kv_lens[at] = static_cast<int32_t>((room ? position : t + accepted) + 1);
       longest = std::max<int64_t>(longest, kv_lens[at]);
     }
@@ -649,8 +645,7 @@ Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_sourc
       const int64_t p = seq.first_position + i;
       token_ids[t] = seq.next_tokens[static_cast<size_t>(i)];
       positions[t] = static_cast<int32_t>(p);
-      slots[t] = table[static_cast<size_t>(p / block_size)] * static_cast<int32_t>(block_size) +
-                 static_cast<int32_t>(p % block_size);
+      slots[t] = cache_slot_of(table, p, block_size);
       gather.push_back(static_cast<int32_t>(seq.first_hidden_row + i));
     }
     cu_q[s + 1] = static_cast<int32_t>(t);
