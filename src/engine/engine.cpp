@@ -1,5 +1,7 @@
 #include "engine/engine.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -10,24 +12,26 @@
 #include "runtime/buffer.h"
 #include "runtime/stream.h"
 
-#include <fmt/ranges.h>
-
 namespace metrale {
 
 std::string_view finish_reason_name(FinishReason reason) {
   switch (reason) {
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kAbort: return "abort";
-    case FinishReason::kNone: return "";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kAbort:
+      return "abort";
+    case FinishReason::kNone:
+      return "";
   }
   return "";
 }
 
 std::string EnginePlan::describe() const {
-  std::string text = fmt::format("KV cache: {} blocks of {} tokens ({}, {} tokens); max model length {}", num_kv_blocks,
-                                 block_size, format_bytes(kv_cache_bytes),
-                                 static_cast<int64_t>(num_kv_blocks) * block_size, max_model_len);
+  std::string text =
+      fmt::format("KV cache: {} blocks of {} tokens ({}, {} tokens); max model length {}", num_kv_blocks, block_size,
+                  format_bytes(kv_cache_bytes), static_cast<int64_t>(num_kv_blocks) * block_size, max_model_len);
   if (num_state_slots > 0) {
     text += fmt::format("; recurrent state: {} sequence slots + {} checkpoint slots of {} ({})", num_state_slots,
                         num_checkpoint_slots, format_bytes(state_bytes_per_slot), format_bytes(state_bytes));
@@ -37,11 +41,16 @@ std::string EnginePlan::describe() const {
     text += fmt::format("; workspace {}; in use before the cache {} of {}", format_bytes(workspace_bytes),
                         format_bytes(used_before_cache), format_bytes(device_total_bytes));
   }
-  if (!graph_batch_sizes.empty()) text += fmt::format("; decode graphs for batch {}", fmt::join(graph_batch_sizes, ","));
+  if (!graph_batch_sizes.empty())
+    text += fmt::format("; decode graphs for batch {}", fmt::join(graph_batch_sizes, ","));
   return text;
 }
 
 namespace {
+
+// A verify's acceptance counts when the MTP head wrote the keys of all but 1 / kMtpMissedShare of
+// the sequence's positions (it skips positions while drafting is off).
+constexpr int64_t kMtpMissedShare = 8;
 
 // How one memory budget is divided between recurrent-state slots and KV blocks.
 struct CacheSplit {
@@ -104,9 +113,11 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   if (config_.scheduler.max_num_seqs <= 0 || config_.scheduler.max_num_batched_tokens <= 0)
     raise(ErrorCode::kInvalidArgument, "max-num-seqs and max-num-batched-tokens must be positive");
   if (config_.state_checkpoint_interval <= 0)
-    raise(ErrorCode::kInvalidArgument, "state-checkpoint-interval must be positive, got {}", config_.state_checkpoint_interval);
+    raise(ErrorCode::kInvalidArgument, "state-checkpoint-interval must be positive, got {}",
+          config_.state_checkpoint_interval);
   if (!(config_.gpu_memory_utilization > 0.0 && config_.gpu_memory_utilization <= 1.0))
-    raise(ErrorCode::kInvalidArgument, "gpu-memory-utilization must be in (0, 1], got {}", config_.gpu_memory_utilization);
+    raise(ErrorCode::kInvalidArgument, "gpu-memory-utilization must be in (0, 1], got {}",
+          config_.gpu_memory_utilization);
   plan_.block_size = config_.block_size;
   plan_.max_model_len = config_.max_model_len > 0 ? config_.max_model_len : model_config.max_position_embeddings;
 
@@ -158,16 +169,18 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   if (config_.num_kv_blocks > 0) {
     plan_.num_kv_blocks = config_.num_kv_blocks;
   } else {
-    const CacheSplit split = split_cache_budget(kv_budget, per_block, per_slot, blocks_per_seq, max_seqs, checkpoint_slots);
+    const CacheSplit split =
+        split_cache_budget(kv_budget, per_block, per_slot, blocks_per_seq, max_seqs, checkpoint_slots);
     if (split.checkpoint_slots < checkpoint_slots) {
-      METRALE_LOG_INFO("memory: {} state checkpoint slots instead of {} ({} per slot, budget {})", split.checkpoint_slots,
-                       checkpoint_slots, format_bytes(per_slot), format_bytes(kv_budget));
+      METRALE_LOG_INFO("memory: {} state checkpoint slots instead of {} ({} per slot, budget {})",
+                       split.checkpoint_slots, checkpoint_slots, format_bytes(per_slot), format_bytes(kv_budget));
     }
     if (split.max_num_seqs < max_seqs) {
-      METRALE_LOG_WARN("memory: lowering --max-num-seqs from {} to {}: the budget {} holds {} state slots of {} next to "
-                       "one sequence of {} tokens",
-                       max_seqs, split.max_num_seqs, format_bytes(kv_budget),
-                       split.max_num_seqs + split.checkpoint_slots + 1, format_bytes(per_slot), plan_.max_model_len);
+      METRALE_LOG_WARN(
+          "memory: lowering --max-num-seqs from {} to {}: the budget {} holds {} state slots of {} next to "
+          "one sequence of {} tokens",
+          max_seqs, split.max_num_seqs, format_bytes(kv_budget), split.max_num_seqs + split.checkpoint_slots + 1,
+          format_bytes(per_slot), plan_.max_model_len);
     }
     max_seqs = split.max_num_seqs;
     checkpoint_slots = split.checkpoint_slots;
@@ -267,9 +280,10 @@ bool Engine::sample_on_device(const StepResult& result, std::vector<SampledToken
   upload(state.min_p, min_p, 4);
   upload(state.seed, seed, 8);
   upload(state.step, step, 8);
-  kernels::SamplingRowParams row_params{state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
-                                        state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
-                                        state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
+  kernels::SamplingRowParams row_params{
+      state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
+      state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
+      state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
   kernels::sample_tokens(result.logits.slice(0, 0, rows), row_params, state.tokens.tensor.slice(0, 0, rows),
                          state.logprobs.tensor.slice(0, 0, rows));
   // Results come back into the (now consumed) staging area: tokens i32 then logprobs f32.
@@ -291,10 +305,12 @@ int64_t Engine::add_request(Request request) {
   const int64_t vocab = model_->config().vocab_size;
   if (request.prompt.empty()) raise(ErrorCode::kInvalidArgument, "the prompt is empty");
   for (const int32_t id : request.prompt) {
-    if (id < 0 || id >= vocab) raise(ErrorCode::kInvalidArgument, "prompt token id {} is outside the vocabulary [0, {})", id, vocab);
+    if (id < 0 || id >= vocab)
+      raise(ErrorCode::kInvalidArgument, "prompt token id {} is outside the vocabulary [0, {})", id, vocab);
   }
   for (const int32_t id : request.stop_token_ids) {
-    if (id < 0 || id >= vocab) raise(ErrorCode::kInvalidArgument, "stop token id {} is outside the vocabulary [0, {})", id, vocab);
+    if (id < 0 || id >= vocab)
+      raise(ErrorCode::kInvalidArgument, "stop token id {} is outside the vocabulary [0, {})", id, vocab);
   }
   if (request.max_tokens < 0) raise(ErrorCode::kInvalidArgument, "max_tokens must be >= 0, got {}", request.max_tokens);
   if (request.max_tokens == 0 && !request.return_prompt_logits)
@@ -362,6 +378,8 @@ std::vector<TokenEvent> Engine::step() {
   std::vector<TokenEvent> events = std::move(pending_events_);
   pending_events_.clear();
   if (!has_unfinished()) return events;
+  // A step's cost, for the speculation controller, is all of it: drafting and scheduling too.
+  const auto step_start = std::chrono::steady_clock::now();
   if (speculating()) prepare_drafts();
   const SchedulePlan plan = scheduler_.schedule(running_, waiting_, *cache_);
   stats_.num_preemptions += static_cast<int64_t>(plan.preempted.size());
@@ -372,7 +390,7 @@ std::vector<TokenEvent> Engine::step() {
     METRALE_CHECK(running_.empty() || !waiting_.empty(), "nothing schedulable with {} running", running_.size());
     return events;
   }
-  const auto step_start = std::chrono::steady_clock::now();
+  const auto schedule_end = std::chrono::steady_clock::now();
   StepResult result = runner_->execute(plan);
   ++stats_.num_steps;
   const int64_t vocab = model_->config().vocab_size;
@@ -380,8 +398,14 @@ std::vector<TokenEvent> Engine::step() {
   const size_t num_uses = result.uses.size();
   std::vector<std::vector<SampledToken>> emitted(num_uses);
   std::vector<int64_t> accepted(num_uses, 0);
-  // Fixed-layout verify steps of greedy requests accept from the step's own argmax rows.
-  const bool accepted_from_greedy = greedy_verify(result) && accept_greedy_rows(result, emitted, accepted);
+  // Verify steps of greedy requests accept from the argmax rows: a fixed-layout step computed them
+  // with the forward, a ragged one (prefill rows too) computes them now; either way a few bytes per
+  // row reach the host instead of the logits rows.
+  bool accepted_from_greedy = false;
+  if (plan.num_draft_rows > 0 && all_greedy(result)) {
+    if (result.greedy_tokens.empty()) runner_->greedy_rows(result);
+    accepted_from_greedy = accept_greedy_rows(result, emitted, accepted);
+  }
   const bool sampled_on_device =
       accepted_from_greedy || (!result.logits.device().is_cpu() && sample_on_device(result, device_sampled));
   if (!result.logits.device().is_cpu() && !sampled_on_device) {
@@ -443,7 +467,13 @@ std::vector<TokenEvent> Engine::step() {
     if (use.chunk.num_drafts > 0) {
       stats_.drafted_tokens += use.chunk.num_drafts;
       stats_.accepted_tokens += accepted[u];
-      sequence.acceptance_ema = spec_controller_.record_verify(sequence.acceptance_ema, use.chunk.num_drafts, accepted[u]);
+      // Drafts of an MTP head that missed much of the sequence say little about drafting that stays on.
+      const bool fresh_drafter = config_.speculative.method != SpeculativeMethod::kMtp ||
+                                 sequence.mtp_missed * kMtpMissedShare <= sequence.num_computed;
+      if (fresh_drafter) {
+        sequence.acceptance_ema =
+            spec_controller_.record_verify(sequence.acceptance_ema, use.chunk.num_drafts, accepted[u]);
+      }
     }
     sequence.draft_tokens.clear();
     sequence.draft_probs.clear();
@@ -492,7 +522,27 @@ std::vector<TokenEvent> Engine::step() {
   }
   if (speculating()) {
     const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - step_start;
-    spec_controller_.record_step(plan.num_tokens, seconds.count(), plan.num_draft_rows > 0);
+    SpeculativeStepRecord record;
+    for (const ScheduledChunk& chunk : plan.chunks) {
+      if (chunk.num_new == 1 && chunk.samples && !chunk.sequence->request.return_prompt_logits) {
+        ++record.num_decoding;
+        record.drafts = std::max(record.drafts, static_cast<int32_t>(chunk.num_drafts));
+      } else {
+        record.other_rows += chunk.num_rows();
+      }
+    }
+    // The step's k is its longest draft run (what the choice decides); a fixed layout may pad it
+    // to a captured shape's, whose cost is then this k's.
+    record.drafter_ran = mtp_active_;
+    record.seconds = seconds.count();
+    spec_controller_.record_step(record);
+    METRALE_LOG_DEBUG(
+        "speculation: {} decoding ({} drafted) + {} rows, k {}{}, {:.3f} ms ({:.3f} to schedule), "
+        "acceptance {:.2f}",
+        record.num_decoding,
+        std::count_if(plan.chunks.begin(), plan.chunks.end(), [](const ScheduledChunk& c) { return c.num_drafts > 0; }),
+        record.other_rows, record.drafts, record.drafter_ran ? " + MTP head" : "", 1e3 * record.seconds,
+        1e3 * std::chrono::duration<double>(schedule_end - step_start).count(), spec_controller_.global_acceptance());
   }
   if (!finished.empty()) {
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->finished(); }),

@@ -149,11 +149,9 @@ class Engine {
   void launch_mtp_drafter_fixed(const StepResult& result, std::span<const int64_t> accepted,
                                 const std::vector<std::vector<SampledToken>>& emitted);
   void collect_mtp_drafter_fixed(const StepResult& result);
-  // A fixed-layout verify step whose every sequence accepts greedily from the target's argmax
-  // (greedy, no penalties, no top logprobs): acceptance needs only the step's argmax rows.
-  bool greedy_verify(const StepResult& result) const;
-  // Every sequence of the step samples greedily (or acceptance is replayed), without penalties or
-  // top logprobs: its next token is the argmax, its MTP drafts the head's argmax.
+  // Every sequence of the step samples greedily (or acceptance is replayed), without penalties, top
+  // logprobs or prompt logits: its next token is the argmax, its MTP drafts the head's argmax, and a
+  // verify step accepts from the argmax rows alone.
   bool all_greedy(const StepResult& result) const;
   // Greedy acceptance from StepResult::greedy_tokens (copied to the host, a few bytes per row).
   bool accept_greedy_rows(const StepResult& result, std::vector<std::vector<SampledToken>>& emitted,
@@ -177,7 +175,6 @@ class Engine {
   std::vector<TokenEvent> pending_events_;  // events produced outside step() (aborts)
   std::vector<float> host_logits_;          // logits rows copied from the device for sampling
   SpeculationController spec_controller_;
-  int64_t steps_without_drafts_ = 0;        // adaptivity: probe acceptance now and then when off
   bool mtp_active_ = false;                 // this step runs the MTP head afterwards
   std::vector<float> spec_scratch_;         // [V] rows for acceptance
   std::vector<float> spec_probs_;           // [V] target distribution

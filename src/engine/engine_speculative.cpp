@@ -64,74 +64,82 @@ void Engine::configure_speculation(std::vector<LayerCacheSpec>& specs) {
 
 void Engine::prepare_drafts() {
   const SpeculativeConfig& spec = config_.speculative;
-  int64_t num_decoding = 0, other_rows = 0;
-  for (const Sequence* sequence : running_) {
-    if (is_decoding(*sequence)) {
-      ++num_decoding;
-    } else {
-      other_rows += std::min<int64_t>(sequence->num_tokens() - sequence->num_computed,
-                                      config_.scheduler.max_num_batched_tokens);
-    }
-  }
-  int32_t step_drafts = spec_controller_.choose_num_drafts(num_decoding, other_rows);
-  if (spec.adaptive && step_drafts == 0 && num_decoding > 0) {
-    // Off: probe with one draft now and then so that a change in acceptance is noticed (at most
-    // one step in 64 costs extra rows).
-    if (++steps_without_drafts_ >= 64) {
-      step_drafts = 1;
-      steps_without_drafts_ = 0;
-    }
-  } else {
-    steps_without_drafts_ = 0;
-  }
-  // MTP: the head runs (catch-up and drafts, and the trunk keeps its hidden states, which also
-  // keeps decode steps off the CUDA graphs) only while drafts are wanted, and on the step before a
-  // probe. While off, the MTP keys of the skipped positions are not written: later drafts attend
-  // to stale entries there, which lowers their acceptance but never changes the output.
-  mtp_active_ = spec.method == SpeculativeMethod::kMtp &&
-                (step_drafts > 0 || !spec.adaptive || steps_without_drafts_ >= 63);
-  runner_->set_keep_hidden(mtp_active_);
   const bool replay = spec.replay_accept_rate >= 0.0;
+  // Decoding sequences, their expected acceptance and the drafts each could verify.
+  std::vector<Sequence*> decoding;
+  std::vector<double> acceptance;
+  std::vector<int32_t> available;
+  int64_t other_rows = 0;
   for (Sequence* sequence : running_) {
     if (!is_decoding(*sequence)) {
+      other_rows +=
+          std::min<int64_t>(sequence->num_tokens() - sequence->num_computed, config_.scheduler.max_num_batched_tokens);
       sequence->draft_tokens.clear();
       sequence->draft_probs.clear();
       continue;
     }
     // No drafts past max_tokens (the verify emits one token more than it accepts) or the context.
-    int64_t limit = std::min<int64_t>(step_drafts, sequence->request.max_tokens - sequence->num_output() - 1);
+    int64_t limit = std::min<int64_t>(spec.num_drafts, sequence->request.max_tokens - sequence->num_output() - 1);
     limit = std::min<int64_t>(limit, plan_.max_model_len - sequence->num_tokens());
+    const double a = spec_controller_.acceptance(sequence->acceptance_ema);
     if (spec.adaptive && !replay) {
-      const double a = spec_controller_.acceptance(sequence->acceptance_ema);
+      // Drafts the chain is unlikely to reach cost rows in the ragged layout: keep those it reaches
+      // with some chance, at least one (a sequence cut to none would never verify again and its
+      // estimate could never recover).
       int64_t worth = 0;
       for (double reach = a; worth < limit && reach >= kMinDraftReach; reach *= a) ++worth;
-      // While the step speculates every decoding sequence verifies at least one draft: its own
-      // acceptance only trims longer chains. A sequence cut to none would never verify again and
-      // its estimate could never recover (the global estimate decides whether drafting pays).
       limit = std::min(limit, std::max<int64_t>(worth, 1));
     }
-    limit = std::max<int64_t>(limit, 0);
+    decoding.push_back(sequence);
+    acceptance.push_back(a);
+    available.push_back(static_cast<int32_t>(std::max<int64_t>(limit, 0)));
+  }
+  const SpeculationController::Choice choice = spec_controller_.choose(acceptance, available, other_rows);
+  // Proposals up to the step's cap.
+  for (size_t i = 0; i < decoding.size(); ++i) {
+    Sequence& sequence = *decoding[i];
+    const int32_t limit = std::min(choice.drafts, available[i]);
     if (spec.method == SpeculativeMethod::kNgram) {
-      sequence->draft_tokens = propose_ngram_drafts(sequence->tokens, spec.ngram_min, spec.ngram_max,
-                                                    static_cast<int32_t>(limit));
-      sequence->draft_probs.clear();
-      sequence->draft_base = sequence->num_tokens();
-    } else if (sequence->draft_base != sequence->num_tokens()) {
-      sequence->draft_tokens.clear();  // MTP drafts of an older state (e.g. made before a preemption)
-      sequence->draft_probs.clear();
+      sequence.draft_tokens = sequence.ngram_index.propose(sequence.tokens, spec.ngram_min, spec.ngram_max, limit);
+      sequence.draft_probs.clear();
+      sequence.draft_base = sequence.num_tokens();
+    } else if (sequence.draft_base != sequence.num_tokens()) {
+      sequence.draft_tokens.clear();  // MTP drafts of an older state (e.g. made before a preemption)
+      sequence.draft_probs.clear();
     }
     if (replay) {
       // Benchmark mode: rows matter, not what they hold; pad to the step's count.
-      sequence->draft_tokens.resize(static_cast<size_t>(limit), sequence->tokens.back());
-      sequence->draft_probs.clear();
-      sequence->draft_base = sequence->num_tokens();
+      sequence.draft_tokens.resize(static_cast<size_t>(limit), sequence.tokens.back());
+      sequence.draft_probs.clear();
+      sequence.draft_base = sequence.num_tokens();
     }
-    if (static_cast<int64_t>(sequence->draft_tokens.size()) > limit) {
-      sequence->draft_tokens.resize(static_cast<size_t>(limit));
-      if (!sequence->draft_probs.empty())
-        sequence->draft_probs.resize(static_cast<size_t>(limit * model_->config().vocab_size));
+    available[i] = std::min(limit, static_cast<int32_t>(sequence.draft_tokens.size()));
+  }
+  // With the proposals known, verify only what pays (e.g. not the drafts of a few sequences of a
+  // large batch); an exploration or probe keeps its choice.
+  const int32_t cap =
+      choice.explored ? choice.drafts : spec_controller_.refine(choice.drafts, acceptance, available, other_rows);
+  for (size_t i = 0; i < decoding.size(); ++i) {
+    Sequence& sequence = *decoding[i];
+    const auto limit = static_cast<size_t>(std::min(cap, available[i]));
+    if (sequence.draft_tokens.size() > limit) {
+      sequence.draft_tokens.resize(limit);
+      if (!sequence.draft_probs.empty())
+        sequence.draft_probs.resize(limit * static_cast<size_t>(model_->config().vocab_size));
     }
   }
+  // MTP: the head runs after this step (catch-up, and drafts for the next) when the next step is
+  // expected to verify drafts; it also keeps the trunk's hidden states. While it is off the MTP keys
+  // of the skipped positions are not written: later drafts attend to stale entries there, which
+  // lowers their acceptance but never changes the output. A step exploring plain runs no head: it
+  // measures plain decoding.
+  // Prefill steps count the sequences about to decode: the waiting ones are admitted by this step's
+  // schedule, and the head must see their prompts.
+  const auto next_decoding =
+      std::min<int64_t>(static_cast<int64_t>(running_.size() + waiting_.size()), config_.scheduler.max_num_seqs);
+  mtp_active_ = spec.method == SpeculativeMethod::kMtp && !(choice.explored && choice.drafts == 0) &&
+                (!spec.adaptive || spec_controller_.planned_drafts(next_decoding) > 0);
+  runner_->set_keep_hidden(mtp_active_);
 }
 
 std::vector<SampledToken> Engine::accept_chunk(const LogitRowUse& use, const Tensor& logits, int64_t& accepted) {
@@ -181,7 +189,8 @@ std::vector<SampledToken> Engine::accept_chunk(const LogitRowUse& use, const Ten
     target_distribution(sampler_, spec_scratch_, params, sequence.prompt(), history, spec_probs_);
     std::span<const float> q;
     if (!sequence.draft_probs.empty()) {
-      q = std::span<const float>(sequence.draft_probs).subspan(static_cast<size_t>(i * vocab), static_cast<size_t>(vocab));
+      q = std::span<const float>(sequence.draft_probs)
+              .subspan(static_cast<size_t>(i * vocab), static_cast<size_t>(vocab));
     }
     bool kept = false;
     const int32_t token = rejection_sample(spec_probs_, q, draft, stream_uniform(sequence.seed, kAcceptStream, step),
@@ -217,6 +226,7 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
     seq_rows.wants_logits = is_decoding(sequence);
     if (seq_rows.wants_logits) drafting.push_back(&sequence);
     rows.push_back(std::move(seq_rows));
+    sequence.mtp_missed += std::max<int64_t>(0, first_position - sequence.mtp_computed);
     sequence.mtp_computed = sequence.num_computed;
   }
   if (rows.empty()) return;
@@ -269,7 +279,8 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
       sequence.draft_probs.resize(offset + static_cast<size_t>(vocab));
       const std::span<float> q(sequence.draft_probs.data() + offset, static_cast<size_t>(vocab));
       target_distribution(sampler_, row, params, sequence.prompt(), history, q);
-      const auto step = static_cast<uint64_t>(sequence.num_output() + static_cast<int64_t>(sequence.draft_tokens.size()) + 1);
+      const auto step =
+          static_cast<uint64_t>(sequence.num_output() + static_cast<int64_t>(sequence.draft_tokens.size()) + 1);
       const double target = static_cast<double>(stream_uniform(sequence.seed, kDraftStream, step));
       double running = 0.0;
       int32_t chosen = -1;
@@ -289,9 +300,7 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
   }
   take_drafts(logits, drafting);
   // Chained drafts: row t + j with the draft before it and the o_t of the previous MTP step.
-  const int32_t wanted = spec.adaptive ? std::max(1, spec_controller_.choose_num_drafts(
-                                                        static_cast<int64_t>(running_.size()), 0))
-                                       : spec.num_drafts;
+  const int32_t wanted = std::max(1, spec_controller_.planned_drafts(static_cast<int64_t>(running_.size())));
   std::vector<Sequence*> active = drafting;
   for (int32_t j = 1; j < wanted && !active.empty(); ++j) {
     std::vector<MtpRows> chain;
@@ -326,10 +335,6 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
 
 namespace metrale {
 
-bool Engine::greedy_verify(const StepResult& result) const {
-  return result.rows_per_seq > 0 && !result.greedy_tokens.empty() && all_greedy(result);
-}
-
 bool Engine::all_greedy(const StepResult& result) const {
   for (const LogitRowUse& use : result.uses) {
     const SamplingParams& params = use.chunk.sequence->request.sampling;
@@ -338,7 +343,7 @@ bool Engine::all_greedy(const StepResult& result) const {
     const bool replay = config_.speculative.replay_accept_rate >= 0.0;
     if (!replay && !params.is_greedy()) return false;
     if (params.top_logprobs > 0 || params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f ||
-        params.frequency_penalty != 0.0f)
+        params.frequency_penalty != 0.0f || use.chunk.sequence->request.return_prompt_logits)
       return false;
   }
   return true;
@@ -354,8 +359,11 @@ bool Engine::accept_greedy_rows(const StepResult& result, std::vector<std::vecto
     const int64_t num_drafts = use.chunk.num_drafts;
     accepted[u] = 0;
     emitted[u].clear();
+    if (!use.chunk.samples || sequence.request.max_tokens == 0) continue;
+    // The row of the chunk's last known token, then one per draft (a prefill chunk's last row).
+    const int64_t first = use.first_row + use.num_rows - 1 - num_drafts;
     for (int64_t i = 0; i <= num_drafts; ++i) {
-      const int64_t row = use.first_row + i;
+      const int64_t row = first + i;
       const int32_t best = tokens[static_cast<size_t>(row)];
       if (best < 0) raise(ErrorCode::kInternal, "greedy verify found no valid logit in row {}", row);
       const bool last = i == num_drafts;
@@ -386,10 +394,7 @@ bool Engine::accept_greedy_rows(const StepResult& result, std::vector<std::vecto
 
 void Engine::launch_mtp_drafter_fixed(const StepResult& result, std::span<const int64_t> accepted,
                                       const std::vector<std::vector<SampledToken>>& emitted) {
-  const SpeculativeConfig& spec = config_.speculative;
-  const int32_t wanted = spec.adaptive
-                             ? std::max(1, spec_controller_.choose_num_drafts(static_cast<int64_t>(running_.size()), 0))
-                             : spec.num_drafts;
+  const int32_t wanted = std::max(1, spec_controller_.planned_drafts(static_cast<int64_t>(running_.size())));
   std::vector<MtpFixedRow> rows(result.uses.size());
   for (size_t u = 0; u < result.uses.size(); ++u) {
     Sequence& sequence = *result.uses[u].chunk.sequence;
@@ -408,6 +413,7 @@ void Engine::launch_mtp_drafter_fixed(const StepResult& result, std::span<const 
       if (position + 1 > plan_.max_model_len || !cache_->reserve(sequence.id, position + 1)) break;
       row.chain_positions = j;
     }
+    sequence.mtp_missed += std::max<int64_t>(0, t - sequence.mtp_computed);
     sequence.mtp_computed = t + a + 1;
   }
   runner_->launch_mtp_fixed(rows, wanted);

@@ -5,6 +5,8 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/ngram_index.h"
+
 #include "engine/sampler.h"
 
 namespace metrale {
@@ -51,6 +53,8 @@ struct Sequence {
   int64_t draft_base = -1;        // num_tokens() when the drafts were made; stale once it changes
   double acceptance_ema = -1.0;   // accepted / drafted, per verify (< 0: no verify yet)
   int64_t mtp_computed = 0;       // leading positions whose MTP-layer keys/values are written
+  int64_t mtp_missed = 0;         // positions below mtp_computed the MTP head skipped (drafting was off)
+  NgramIndex ngram_index;         // the n-gram drafter's index of `tokens`
 
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_output() const { return num_tokens() - num_prompt; }

@@ -36,7 +36,7 @@ struct RunnerLimits {
   int64_t max_num_seqs = 64;      // sequences per step
   int64_t max_model_len = 4096;   // longest sequence
   int64_t block_size = 16;
-  int64_t max_logit_rows = 0;     // logits rows of one step at most (0: max_num_seqs); GPU buffer size
+  int64_t max_logit_rows = 0;  // logits rows of one step at most (0: max_num_seqs); GPU buffer size
   // Speculative decoding: drafts per sequence at most (0: none). With drafts, verify steps where
   // every sequence decodes run in the fixed layout (Runner::execute) and, on the GPU, as graphs.
   int64_t max_drafts = 0;
@@ -60,17 +60,18 @@ struct MtpRows {
   int64_t first_position = 0;
   std::vector<int32_t> next_tokens;  // x_{t+1} of each row
   int64_t first_hidden_row = 0;
-  bool wants_logits = false;         // the draft logits of the last row are needed
+  bool wants_logits = false;  // the draft logits of the last row are needed
 };
 
 struct StepResult {
-  Tensor logits;                    // [R, vocab] f32 on the model's device
-  std::vector<LogitRowUse> uses;    // one per scheduled chunk
+  Tensor logits;                  // [R, vocab] f32 on the model's device
+  std::vector<LogitRowUse> uses;  // one per scheduled chunk
   bool used_graph = false;
   // Fixed-layout verify steps (rows_per_seq > 0): sequence s of the plan owns batch rows and logits
   // rows [s * rows_per_seq, (s + 1) * rows_per_seq), its known token first, then its drafts, then
   // padding rows; greedy_tokens / greedy_logprobs [rows] (i32 / f32, on the model's device) hold
-  // every row's argmax (lowest id on ties) and its raw log-softmax, computed with the step.
+  // every row's argmax (lowest id on ties) and its raw log-softmax, computed with the step (or, for a
+  // ragged verify, by Runner::greedy_rows).
   int64_t rows_per_seq = 0;
   Tensor greedy_tokens, greedy_logprobs;
 };
@@ -126,8 +127,12 @@ class Runner {
   // every sequence decoded one token (k = 0: one catch-up row per sequence).
   bool fixed_mtp_ready() const { return limits_.mtp && last_fixed_.seqs > 0; }
   std::vector<std::vector<int32_t>> collect_mtp_fixed();
-  // The greedy tokens and logprobs of the last fixed-layout verify's rows on the host (both copied
-  // in one synchronisation); valid until the next step.
+  // A verify step in the ragged layout (it had prefill rows, or no fixed shape fits): every logits
+  // row's argmax and raw logprob on the device, into result.greedy_tokens / greedy_logprobs as a
+  // fixed-layout verify computes them with the step.
+  void greedy_rows(StepResult& result);
+  // The greedy tokens and logprobs of the last verify's rows on the host (both copied in one
+  // synchronisation); valid until the next step.
   std::pair<std::span<const int32_t>, std::span<const float>> fetch_greedy_rows(const StepResult& result);
   // The argmax (lowest id on ties) of each row of `logits` [R, V] f32 on the model's device, taken
   // there (speculative decoding only; R at most max_num_seqs (1 + max_drafts)).
@@ -158,6 +163,8 @@ class Runner {
   void run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts);
   // Allocates the fixed buffers of speculative steps (before the KV cache is planned).
   void allocate_speculative_buffers();
+  // Every row's argmax and logprob of `logits` [R, V] f32 into greedy_tokens_ / greedy_logprobs_.
+  void sample_greedy(const Tensor& logits);
   // Runs the largest fixed-layout verify, commit and MTP steps; returns the workspace high-water mark.
   size_t profile_fixed_steps();
   void capture_verify_graphs(const std::vector<int64_t>& batch_sizes);

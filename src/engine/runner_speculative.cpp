@@ -241,21 +241,33 @@ std::pair<std::span<const int32_t>, std::span<const float>> Runner::fetch_greedy
   return {{tokens, static_cast<size_t>(rows)}, {logprobs, static_cast<size_t>(rows)}};
 }
 
-std::vector<int32_t> Runner::argmax_rows(const Tensor& logits) {
+void Runner::sample_greedy(const Tensor& logits) {
   const int64_t rows = logits.size(0);
   METRALE_CHECK(rows <= greedy_tokens_.tensor.numel(), "argmax of {} rows (at most {})", rows,
                 greedy_tokens_.tensor.numel());
-  std::vector<int32_t> tokens(static_cast<size_t>(rows));
-  if (rows == 0) return tokens;
+  if (rows == 0) return;
   const kernels::SamplingRowParams greedy{
       greedy_temperature_.tensor.slice(0, 0, rows), greedy_top_k_.tensor.slice(0, 0, rows),
       greedy_top_p_.tensor.slice(0, 0, rows),       greedy_min_p_.tensor.slice(0, 0, rows),
       greedy_seed_.tensor.slice(0, 0, rows),        greedy_step_.tensor.slice(0, 0, rows)};
   kernels::sample_tokens(logits, greedy, greedy_tokens_.tensor.slice(0, 0, rows),
                          greedy_logprobs_.tensor.slice(0, 0, rows));
+}
+
+std::vector<int32_t> Runner::argmax_rows(const Tensor& logits) {
+  std::vector<int32_t> tokens(static_cast<size_t>(logits.size(0)));
+  if (tokens.empty()) return tokens;
+  sample_greedy(logits);
   copy_bytes(tokens.data(), Device::cpu(), greedy_tokens_.tensor.data(), logits.device(),
              tokens.size() * sizeof(int32_t));
   return tokens;
+}
+
+void Runner::greedy_rows(StepResult& result) {
+  const int64_t rows = result.logits.size(0);
+  sample_greedy(result.logits);
+  result.greedy_tokens = greedy_tokens_.tensor.slice(0, 0, rows);
+  result.greedy_logprobs = greedy_logprobs_.tensor.slice(0, 0, rows);
 }
 
 void Runner::remember_fixed(const SchedulePlan& plan, int64_t padded_seqs, int64_t k, bool graph) {

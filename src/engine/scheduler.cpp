@@ -11,6 +11,7 @@ void preempt(Sequence* sequence, CacheManager& cache) {
   cache.free_sequence(sequence->id);
   sequence->num_computed = 0;
   sequence->mtp_computed = 0;
+  sequence->mtp_missed = 0;
   sequence->draft_tokens.clear();
   sequence->draft_probs.clear();
   sequence->draft_base = -1;

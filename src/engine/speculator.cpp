@@ -11,9 +11,12 @@ namespace metrale {
 
 std::string_view speculative_method_name(SpeculativeMethod method) {
   switch (method) {
-    case SpeculativeMethod::kNone: return "none";
-    case SpeculativeMethod::kNgram: return "ngram";
-    case SpeculativeMethod::kMtp: return "mtp";
+    case SpeculativeMethod::kNone:
+      return "none";
+    case SpeculativeMethod::kNgram:
+      return "ngram";
+    case SpeculativeMethod::kMtp:
+      return "mtp";
   }
   return "none";
 }
@@ -27,12 +30,14 @@ SpeculativeMethod parse_speculative_method(std::string_view name) {
 
 void SpeculativeConfig::validate() const {
   if (method == SpeculativeMethod::kNone) return;
-  if (num_drafts < 1 || num_drafts > 15) raise(ErrorCode::kInvalidArgument, "num-drafts must be in [1, 15], got {}", num_drafts);
+  if (num_drafts < 1 || num_drafts > 15)
+    raise(ErrorCode::kInvalidArgument, "num-drafts must be in [1, 15], got {}", num_drafts);
   if (ngram_min < 1 || ngram_max < ngram_min)
-    raise(ErrorCode::kInvalidArgument, "n-gram sizes must satisfy 1 <= ngram-min <= ngram-max, got {} and {}", ngram_min,
-          ngram_max);
+    raise(ErrorCode::kInvalidArgument, "n-gram sizes must satisfy 1 <= ngram-min <= ngram-max, got {} and {}",
+          ngram_min, ngram_max);
   if (replay_accept_rate > 1.0)
-    raise(ErrorCode::kInvalidArgument, "spec-accept-rate must be in [0, 1] (or negative: off), got {}", replay_accept_rate);
+    raise(ErrorCode::kInvalidArgument, "spec-accept-rate must be in [0, 1] (or negative: off), got {}",
+          replay_accept_rate);
 }
 
 std::vector<int32_t> propose_ngram_drafts(std::span<const int32_t> tokens, int32_t ngram_min, int32_t ngram_max,
@@ -65,7 +70,9 @@ void target_distribution(Sampler& sampler, std::span<float> logits, const Sampli
   for (size_t i = 0; i < vocab; ++i) weights[i] = std::exp((logits[i] - max_logit) / params.temperature);
   std::vector<int32_t> order(vocab);
   std::iota(order.begin(), order.end(), 0);
-  const auto more_likely = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  const auto more_likely = [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
   size_t kept = vocab;
   if (params.top_k > 0 && static_cast<size_t>(params.top_k) < vocab) {
     kept = static_cast<size_t>(params.top_k);
@@ -128,7 +135,8 @@ SampledToken describe_token(std::span<const float> logits, int32_t token, int32_
 int32_t rejection_sample(std::span<const float> p, std::span<const float> q, int32_t draft, float accept_uniform,
                          float residual_uniform, bool& accepted) {
   const auto d = static_cast<size_t>(draft);
-  METRALE_CHECK(d < p.size() && (q.empty() || q.size() == p.size()), "rejection_sample: draft {} of {}", draft, p.size());
+  METRALE_CHECK(d < p.size() && (q.empty() || q.size() == p.size()), "rejection_sample: draft {} of {}", draft,
+                p.size());
   const double q_draft = q.empty() ? 1.0 : static_cast<double>(q[d]);
   const double ratio = q_draft > 0.0 ? static_cast<double>(p[d]) / q_draft : 1.0;
   accepted = static_cast<double>(accept_uniform) < ratio;
@@ -160,48 +168,252 @@ int32_t rejection_sample(std::span<const float> p, std::span<const float> q, int
 
 // ---- SpeculationController
 
-SpeculationController::SpeculationController(const SpeculativeConfig& config, double prior_acceptance)
-    : config_(config), global_acceptance_(prior_acceptance) {}
-
-namespace {
-
-// Expected tokens a verify of k drafts emits with per-draft acceptance a (drafts accepted in order,
-// plus the replacement or bonus token): 1 + a + ... + a^k.
-double expected_tokens(double a, int32_t k) {
+double expected_tokens(double acceptance, int32_t drafts) {
   double total = 0.0, term = 1.0;
-  for (int32_t i = 0; i <= k; ++i) {
+  for (int32_t i = 0; i <= drafts; ++i) {
     total += term;
-    term *= a;
+    term *= acceptance;
   }
   return total;
 }
 
+namespace {
+
+// A k > 0 is chosen only for this much more predicted throughput than plain: the cost cells are
+// noisy EMAs, and flapping between layouts costs more than a marginal gain.
+constexpr double kDraftMargin = 1.03;
+// An exploration re-measures a neighbour only when it is predicted within this of the best.
+constexpr double kExploreWithin = 0.7;
+
 }  // namespace
 
-int32_t SpeculationController::choose_num_drafts(int64_t num_decoding, int64_t other_rows) const {
-  if (config_.method == SpeculativeMethod::kNone || num_decoding <= 0) return 0;
-  if (!config_.adaptive) return config_.num_drafts;
-  const double a = std::clamp(global_acceptance_, 0.0, 0.99);
-  // Until a verify step has been timed, assume it costs what a plain step of as many rows costs
-  // (and verify one draft): the first verify steps then measure the truth.
-  const StepCostFit& plain = plain_.measured() ? plain_ : verify_;
-  const StepCostFit& verify = verify_.measured() ? verify_ : plain_;
+SpeculationController::SpeculationController(const SpeculativeConfig& config, double prior_acceptance)
+    : config_(config), global_acceptance_(prior_acceptance) {}
+
+size_t SpeculationController::bucket_index(int64_t num_decoding) {
+  size_t index = 0;
+  while ((int64_t{1} << index) < num_decoding) ++index;
+  return index;
+}
+
+SpeculationController::Bucket& SpeculationController::bucket(int64_t num_decoding) {
+  const size_t index = bucket_index(num_decoding);
+  if (buckets_.size() <= index) buckets_.resize(index + 1);
+  Bucket& found = buckets_[index];
+  if (found.cells.empty()) found.cells.resize(static_cast<size_t>(config_.num_drafts) + 1);
+  return found;
+}
+
+const SpeculationController::Bucket* SpeculationController::find_bucket(int64_t num_decoding) const {
+  const size_t index = bucket_index(num_decoding);
+  if (index >= buckets_.size() || buckets_[index].cells.empty()) return nullptr;
+  return &buckets_[index];
+}
+
+double SpeculationController::measured_seconds(int64_t num_decoding, int32_t drafts) const {
+  const Bucket* found = find_bucket(num_decoding);
+  if (found == nullptr || drafts < 0 || drafts > config_.num_drafts) return -1.0;
+  const Cell& cell = found->cells[static_cast<size_t>(drafts)];
+  return cell.samples > 0 ? cell.seconds : -1.0;
+}
+
+double SpeculationController::estimate_seconds(const Bucket* found, int64_t num_decoding, int32_t drafts) const {
+  const auto rows = [&](int32_t k) { return static_cast<double>(num_decoding * (1 + k)); };
+  if (found != nullptr) {
+    const auto seconds = [&](int32_t k) { return found->cells[static_cast<size_t>(k)].seconds; };
+    if (found->cells[static_cast<size_t>(drafts)].samples > 0) return seconds(drafts);
+    // The two measured cells of the bucket nearest to k (the lower one on a tie) give a line in k;
+    // one alone is scaled by the rows fit of all decode-only steps.
+    int32_t nearest[2] = {-1, -1};
+    int32_t found_cells = 0;
+    for (int32_t distance = 1; distance <= config_.num_drafts && found_cells < 2; ++distance) {
+      for (const int32_t k : {drafts - distance, drafts + distance}) {
+        if (k < 0 || k > config_.num_drafts || found->cells[static_cast<size_t>(k)].samples == 0) continue;
+        if (found_cells < 2) nearest[found_cells++] = k;
+      }
+    }
+    if (found_cells == 2) {
+      const int32_t low = std::min(nearest[0], nearest[1]), high = std::max(nearest[0], nearest[1]);
+      const double slope = std::max(0.0, (seconds(high) - seconds(low)) / static_cast<double>(high - low));
+      return std::max(seconds(low) + slope * static_cast<double>(drafts - low), 0.05 * seconds(low));
+    }
+    if (found_cells == 1) {
+      const int32_t k = nearest[0];
+      const double scale =
+          decode_fit_.measured() ? decode_fit_.predict(rows(drafts)) / decode_fit_.predict(rows(k)) : 1.0;
+      return seconds(k) * scale;
+    }
+  }
+  return decode_fit_.measured() ? decode_fit_.predict(rows(drafts)) : 1.0;
+}
+
+bool SpeculationController::candidate(const Bucket* found, int32_t drafts) const {
+  if (drafts == 0) return true;
+  const auto measured = [&](int32_t k) {
+    return k >= 0 && k <= config_.num_drafts && found->cells[static_cast<size_t>(k)].samples > 0;
+  };
+  if (found == nullptr ||
+      std::none_of(found->cells.begin(), found->cells.end(), [](const Cell& c) { return c.samples > 0; }))
+    return drafts == 1;
+  return measured(drafts) || measured(drafts - 1) || measured(drafts + 1);
+}
+
+double SpeculationController::slow_acceptance(std::span<const double> acceptance) {
+  if (acceptance.empty()) return 0.0;
+  std::vector<double> sorted(acceptance.begin(), acceptance.end());
+  const auto tenth = static_cast<std::ptrdiff_t>(sorted.size() / 10);
+  std::nth_element(sorted.begin(), sorted.begin() + tenth, sorted.end());
+  return std::clamp(sorted[static_cast<size_t>(tenth)], 0.0, 0.99);
+}
+
+int32_t SpeculationController::best_drafts(const Bucket* found, int64_t num_decoding, std::span<const double> tokens,
+                                           int32_t most_available, double slow_acceptance) const {
+  // A step's layout verifies as many drafts as its longest proposal: a cap above that costs the same.
+  const auto seconds = [&](int32_t k) { return estimate_seconds(found, num_decoding, std::min(k, most_available)); };
+  const auto rate = [&](int32_t k) { return tokens[static_cast<size_t>(k)] / seconds(k); };
+  const double plain_rate = rate(0);
+  int32_t best = 0;
+  double best_rate = 0.0;
+  for (int32_t k = 1; k < static_cast<int32_t>(tokens.size()); ++k) {
+    if (!candidate(found, std::min(k, most_available))) continue;
+    // Every sequence pays the step's k, whatever it gains: the throughput is the goal only among
+    // the k under which the batch's slowest tenth still progresses as fast as plain decoding (a
+    // batch finishes with its slowest sequence; a served request should not be slowed down).
+    if (expected_tokens(slow_acceptance, std::min(k, most_available)) * seconds(0) < seconds(k)) continue;
+    const double r = rate(k);
+    if (r > best_rate) {
+      best = k;
+      best_rate = r;
+    }
+  }
+  return best_rate >= kDraftMargin * plain_rate ? best : 0;
+}
+
+SpeculationController::Choice SpeculationController::decide(const Bucket* found, int64_t step, int64_t num_decoding,
+                                                            std::span<const double> tokens,
+                                                            double slow_acceptance) const {
+  const auto most_available = static_cast<int32_t>(tokens.size()) - 1;
+  const int32_t best = best_drafts(found, num_decoding, tokens, most_available, slow_acceptance);
+  if (found == nullptr || most_available == 0) return {best, false};
+  // Off: a one-draft probe now and then measures acceptance (and the cost) again.
+  if (best == 0 && step >= found->next_probe) return {1, true};
+  // Plain decoding is the reference: measure it early in a new bucket (after the first step, which
+  // verifies the drafts an MTP head prepared during prefill).
+  if (found->cells[0].samples == 0 && step >= 2) return {0, true};
+  if (step % kExploreEvery != 0) return {best, false};
+  // Re-measure the stalest neighbour of the best k (plain first while it was never measured).
+  const auto rate = [&](int32_t k) {
+    return tokens[static_cast<size_t>(k)] / estimate_seconds(found, num_decoding, k);
+  };
+  const double best_rate = rate(best);
+  int32_t pick = -1;
+  int64_t pick_age = -1;
+  for (const int32_t k : {0, best - 1, best + 1}) {
+    if (k < 0 || k > most_available || k == best || !candidate(found, k)) continue;
+    const Cell& cell = found->cells[static_cast<size_t>(k)];
+    // A cell of one (provisional) sample is re-measured at the first chance.
+    const int64_t age = cell.samples > 1 ? step - cell.measured_at : std::numeric_limits<int64_t>::max();
+    if (age < kStaleSteps) continue;
+    const bool never_plain = k == 0 && cell.samples == 0;
+    if (!never_plain && rate(k) < kExploreWithin * best_rate) continue;
+    if (age > pick_age) {
+      pick = k;
+      pick_age = age;
+    }
+  }
+  return pick >= 0 ? Choice{pick, true} : Choice{best, false};
+}
+
+std::vector<double> SpeculationController::tokens_by_drafts(std::span<const double> acceptance,
+                                                            std::span<const int32_t> available) const {
+  METRALE_CHECK(acceptance.size() == available.size(), "acceptance of {} sequences, drafts of {}", acceptance.size(),
+                available.size());
+  int32_t most = 0;
+  for (const int32_t drafts : available) most = std::max(most, std::min(drafts, config_.num_drafts));
+  std::vector<double> tokens(static_cast<size_t>(most) + 1, 0.0);
+  for (size_t i = 0; i < acceptance.size(); ++i) {
+    const double a = std::clamp(acceptance[i], 0.0, 0.99);
+    for (int32_t k = 0; k <= most; ++k) tokens[static_cast<size_t>(k)] += expected_tokens(a, std::min(k, available[i]));
+  }
+  return tokens;
+}
+
+int32_t SpeculationController::choose_mixed(std::span<const double> tokens, int64_t num_decoding,
+                                            int64_t other_rows) const {
+  // Until a mixed verify step has been timed, assume it costs what a plain step of as many rows
+  // costs, and verify one draft: the first such steps measure the truth. Then one plain mixed step
+  // is timed too (otherwise plain would only ever be the verify fit's guess).
+  if (mixed_verify_.measured() && !mixed_plain_.measured()) return 0;
+  const StepCostFit& plain = mixed_plain_.measured() ? mixed_plain_ : mixed_verify_;
+  const StepCostFit& verify = mixed_verify_.measured() ? mixed_verify_ : mixed_plain_;
   const auto rows = [&](int32_t k) { return static_cast<double>(other_rows + num_decoding * (1 + k)); };
-  const double plain_rate = static_cast<double>(num_decoding) / plain.predict(rows(0));
+  const double plain_rate = tokens[0] / plain.predict(rows(0));
+  const auto most = static_cast<int32_t>(tokens.size()) - 1;
   int32_t best = 0;
   double best_rate = plain_rate;
-  // Until a verify step has been timed, explore with one draft: a verify of k drafts can cost far
-  // more than its rows suggest (a MoE touches more experts), and one draft costs the least to learn.
-  const int32_t most = verify_.measured() ? config_.num_drafts : std::min<int32_t>(config_.num_drafts, 1);
-  for (int32_t k = 1; k <= most; ++k) {
-    const double rate = static_cast<double>(num_decoding) * expected_tokens(a, k) / verify.predict(rows(k));
+  for (int32_t k = 1; k <= (mixed_verify_.measured() ? most : std::min(most, 1)); ++k) {
+    const double rate = tokens[static_cast<size_t>(k)] / verify.predict(rows(k));
     if (rate > best_rate) {
       best = k;
       best_rate = rate;
     }
   }
-  // Speculate only for a clear predicted gain: the model of cost is approximate.
   return best_rate >= 1.05 * plain_rate ? best : 0;
+}
+
+SpeculationController::Choice SpeculationController::choose(std::span<const double> acceptance,
+                                                            std::span<const int32_t> available, int64_t other_rows) {
+  const auto num_decoding = static_cast<int64_t>(acceptance.size());
+  if (config_.method == SpeculativeMethod::kNone || num_decoding == 0) return {};
+  if (!config_.adaptive) return {config_.num_drafts, false};
+  const std::vector<double> tokens = tokens_by_drafts(acceptance, available);
+  if (other_rows > 0) return {choose_mixed(tokens, num_decoding, other_rows), false};
+  Bucket& found = bucket(num_decoding);
+  ++found.steps;
+  const double slow = slow_acceptance(acceptance);
+  last_tokens_ = tokens;
+  last_slow_acceptance_ = slow;
+  const Choice choice = decide(&found, found.steps, num_decoding, tokens, slow);
+  if (choice.explored && found.steps >= found.next_probe && choice.drafts == 1 &&
+      best_drafts(&found, num_decoding, tokens, static_cast<int32_t>(tokens.size()) - 1, slow) == 0) {
+    // A probe: the next one waits twice as long unless drafting turns on meanwhile.
+    found.next_probe = found.steps + found.probe_interval;
+    found.probe_interval = std::min(2 * found.probe_interval, kLongestProbeInterval);
+  } else if (choice.drafts > 0 && !choice.explored) {
+    found.probe_interval = kFirstProbe;
+    found.next_probe = found.steps + kFirstProbe;
+  }
+  return choice;
+}
+
+int32_t SpeculationController::refine(int32_t cap, std::span<const double> acceptance,
+                                      std::span<const int32_t> available, int64_t other_rows) const {
+  const auto num_decoding = static_cast<int64_t>(acceptance.size());
+  if (cap <= 0 || num_decoding == 0 || !config_.adaptive) return cap;
+  std::vector<double> tokens = tokens_by_drafts(acceptance, available);
+  if (tokens.size() > static_cast<size_t>(cap) + 1) tokens.resize(static_cast<size_t>(cap) + 1);
+  if (other_rows > 0) return std::min(cap, choose_mixed(tokens, num_decoding, other_rows));
+  return best_drafts(find_bucket(num_decoding), num_decoding, tokens, static_cast<int32_t>(tokens.size()) - 1,
+                     slow_acceptance(acceptance));
+}
+
+int32_t SpeculationController::planned_drafts(int64_t num_decoding) const {
+  if (config_.method == SpeculativeMethod::kNone || num_decoding <= 0) return 0;
+  if (!config_.adaptive) return config_.num_drafts;
+  // The next step looks like the last one when it has as many sequences (the same estimates, so
+  // that the head does not run for a step that then verifies nothing); otherwise every sequence at
+  // the global acceptance.
+  std::vector<double> tokens = last_tokens_;
+  double slow = last_slow_acceptance_;
+  if (tokens.empty() || std::abs(tokens[0] - static_cast<double>(num_decoding)) > 0.5) {
+    const double a = std::clamp(global_acceptance_, 0.0, 0.99);
+    slow = a;
+    tokens.resize(static_cast<size_t>(config_.num_drafts) + 1);
+    for (int32_t k = 0; k <= config_.num_drafts; ++k)
+      tokens[static_cast<size_t>(k)] = static_cast<double>(num_decoding) * expected_tokens(a, k);
+  }
+  const Bucket* found = find_bucket(num_decoding);
+  return decide(found, found != nullptr ? found->steps + 1 : 1, num_decoding, tokens, slow).drafts;
 }
 
 double SpeculationController::record_verify(double sequence_ema, int64_t drafted, int64_t accepted) {
@@ -211,16 +423,50 @@ double SpeculationController::record_verify(double sequence_ema, int64_t drafted
   const double rejected = accepted < drafted ? 1.0 : 0.0;
   const double rate = static_cast<double>(accepted) / (static_cast<double>(accepted) + rejected);
   const double weight = std::min(1.0, static_cast<double>(accepted) + rejected);
-  constexpr double kSequenceDecay = 0.3, kGlobalDecay = 0.05;
+  constexpr double kSequenceDecay = 0.15;
+  // The global estimate moves once per step (record_step), by the step's pooled rate: a step of
+  // many sequences is one sample of the rate, not many.
+  step_accepted_ += static_cast<double>(accepted);
+  step_trials_ += static_cast<double>(accepted) + rejected;
   // A sequence's first verify starts from the global estimate rather than from its one sample, so
   // that one early rejection does not write the sequence off.
   const double start = sequence_ema < 0.0 ? global_acceptance_ : sequence_ema;
-  global_acceptance_ += kGlobalDecay * weight * (rate - global_acceptance_);
   return start + kSequenceDecay * weight * (rate - start);
 }
 
-void SpeculationController::record_step(int64_t rows, double seconds, bool verify) {
-  (verify ? verify_ : plain_).add(rows, seconds);
+void SpeculationController::record_step(const SpeculativeStepRecord& step) {
+  if (step_trials_ > 0.0) {
+    // Weight: a step's pooled rate counts fully from 8 trials on.
+    constexpr double kGlobalDecay = 0.1;
+    const double weight = std::min(1.0, step_trials_ / 8.0);
+    global_acceptance_ += kGlobalDecay * weight * (step_accepted_ / step_trials_ - global_acceptance_);
+    step_accepted_ = step_trials_ = 0.0;
+  }
+  if (!(step.seconds > 0.0) || step.num_decoding <= 0) return;
+  const int32_t drafts = std::clamp(step.drafts, 0, config_.num_drafts);
+  const int64_t rows = step.other_rows + step.num_decoding * (1 + drafts);
+  if (step.other_rows > 0) {
+    (drafts > 0 ? mixed_verify_ : mixed_plain_).add(rows, step.seconds);
+    return;
+  }
+  // A plain step that also ran the MTP head (preparing the next step's drafts) is neither plain
+  // nor a verify: it joins no cell. (An MTP verify that ran no head, the last before plain steps,
+  // does join its cell: a probe measures that way.)
+  if (drafts == 0 && step.drafter_ran) return;
+  decode_fit_.add(rows, step.seconds);
+  Bucket& found = bucket(step.num_decoding);
+  Cell& cell = found.cells[static_cast<size_t>(drafts)];
+  // A cell's first sample is provisional (a shape's first step can pay one-off costs): a cheaper
+  // second one replaces it. Then samples are averaged, and later ones decay (0.2): the cost moves
+  // with context lengths.
+  ++cell.samples;
+  if (cell.samples == 2 && step.seconds < cell.seconds) {
+    cell.seconds = step.seconds;
+  } else {
+    const double weight = std::max(0.2, 1.0 / static_cast<double>(cell.samples));
+    cell.seconds += weight * (step.seconds - cell.seconds);
+  }
+  cell.measured_at = found.steps;
 }
 
 void StepCostFit::add(int64_t rows, double seconds) {

@@ -15,11 +15,8 @@
 //   earlier occurrence;
 // - MTP: the checkpoint's multi-token-prediction head (Engine, engine/mtp_drafter.h).
 //
-// Adaptivity (SpeculationController): per-sequence and global acceptance EMAs give the expected
-// tokens of k drafts, E(k) = (1 - a^(k+1)) / (1 - a); a linear fit of step time against rows gives
-// the cost of the extra rows at the current batch size. A step verifies the k (the same bound for
-// every sequence of the step) with the best tokens per second, and 0 drafts unless that beats plain
-// decoding by a margin.
+// Adaptivity (SpeculationController, below): measured acceptance and measured step times choose,
+// per step, how many drafts the step verifies (0: a plain step).
 #pragma once
 
 #include <cstdint>
@@ -55,6 +52,7 @@ struct SpeculativeConfig {
 // The n-gram drafter: up to `max_drafts` tokens proposed to follow `tokens` (empty when no suffix
 // of length in [ngram_min, ngram_max] occurred earlier). Among matches of the longest length the
 // latest earlier occurrence wins; it proposes the tokens that followed it (fewer near the end).
+// The engine uses NgramIndex (engine/ngram_index.h), which proposes the same without the scan.
 std::vector<int32_t> propose_ngram_drafts(std::span<const int32_t> tokens, int32_t ngram_min, int32_t ngram_max,
                                           int32_t max_drafts);
 
@@ -91,33 +89,121 @@ class StepCostFit {
   double fixed_ = 1.0, per_row_ = 0.0;  // until measured: rows cost nothing next to the step
 };
 
+// Expected tokens a verify of k drafts emits with per-draft acceptance a (drafts accepted in order,
+// plus the replacement or bonus token): 1 + a + ... + a^k.
+double expected_tokens(double acceptance, int32_t drafts);
+
+// What one step did, for the controller's cost tables.
+struct SpeculativeStepRecord {
+  int64_t num_decoding = 0;  // sequences with one known row (and their drafts)
+  int64_t other_rows = 0;    // prefill rows of the same step
+  int32_t drafts = 0;        // drafts per sequence the step's layout verified (0: a plain step)
+  bool drafter_ran = false;  // the step also ran the MTP head (catch-up and drafts for the next step)
+  double seconds = 0.0;      // wall time of the whole step (forward, acceptance, drafter, bookkeeping)
+};
+
 // Acceptance statistics and the per-step choice of k.
+//
+// Decode-only steps (every scheduled sequence decodes) are costed from measurements, not a model:
+// per batch bucket (the power of two at or above the number of decoding sequences: the size a
+// captured graph pads to) and per k, an EMA of the wall time of the steps that verified k drafts
+// (k = 0: plain steps that ran no drafter). A step verifies the k with the most expected tokens per
+// second, Σ_i E(a_i, min(k, drafts_i)) / time(bucket, k), and drafts only for a margin over plain.
+// Unmeasured cells are estimated from the nearest measured cell of their bucket, scaled by a fit of
+// time against rows over all decode-only steps; only cells next to a measured one (or k <= 1 in a
+// new bucket) are candidates, so k climbs one draft at a time. Every kExploreEvery steps of a bucket
+// one neighbour of the best k whose measurement is older than kStaleSteps is re-measured (always k
+// = 0 when plain was never measured there), and while drafting is off a one-draft probe runs at a
+// backing-off interval so that a change in acceptance is noticed.
+//
+// Steps with prefill rows run in the ragged layout; they are costed by two linear fits (plain and
+// verify) of time against rows.
+//
+// Only k under which the batch's slowest tenth (by acceptance) still progresses as fast as plain
+// decoding are candidates: every sequence pays the step's k, and a batch finishes with its slowest
+// sequence.
+//
+// Acceptance: per-sequence EMAs of the per-draft rate, and a global one that record_step moves by
+// the step's pooled rate (many sequences in one step are one sample). The engine leaves out verifies
+// whose drafts came from an MTP head that missed much of the sequence (drafting was off): their
+// lower acceptance says nothing about drafting that stays on, and counting it would keep drafting
+// off for good.
 class SpeculationController {
  public:
+  static constexpr int64_t kExploreEvery = 32;
+  static constexpr int64_t kStaleSteps = 256;
+  static constexpr int64_t kFirstProbe = 64;
+  static constexpr int64_t kLongestProbeInterval = 1024;
+
   SpeculationController() = default;
   SpeculationController(const SpeculativeConfig& config, double prior_acceptance);
 
-  // Drafts each sequence of a step with `num_decoding` decode rows (and `other_rows` prefill rows)
-  // should verify at most: 0..num_drafts.
-  int32_t choose_num_drafts(int64_t num_decoding, int64_t other_rows) const;
+  // The step's draft cap (0..num_drafts). `acceptance[i]` is decoding sequence i's expected
+  // acceptance and `available[i]` the drafts it could verify (num_drafts before any are proposed);
+  // `other_rows` prefill rows join the step. Counts the step in its bucket (exploration and probes
+  // follow the count), so call it once per step; refine() narrows the choice once drafts exist.
+  struct Choice {
+    int32_t drafts = 0;
+    bool explored = false;  // an exploration or probe: keep it (refine() would undo it)
+  };
+  Choice choose(std::span<const double> acceptance, std::span<const int32_t> available, int64_t other_rows);
+  // The best cap for the drafts proposed, at most `cap` (no exploration): 0 when verifying them
+  // would not pay, e.g. when only a few sequences found an n-gram draft.
+  int32_t refine(int32_t cap, std::span<const double> acceptance, std::span<const int32_t> available,
+                 int64_t other_rows) const;
+  // The cap the next step of `num_decoding` sequences is expected to choose, at the global
+  // acceptance: when > 0 the MTP head must run after this step (and draft that many).
+  int32_t planned_drafts(int64_t num_decoding) const;
+
   // The expected acceptance of one draft for a sequence (its EMA, or the global one before it has any).
   double acceptance(double sequence_ema) const { return sequence_ema >= 0.0 ? sequence_ema : global_acceptance_; }
   // After a verify: a sequence accepted `accepted` of `drafted` drafts; returns its updated EMA.
   double record_verify(double sequence_ema, int64_t drafted, int64_t accepted);
-  // After each step: its rows, wall time (seconds) and whether it verified drafts. Plain and verify
-  // steps are fitted apart: a verify step can cost more than its rows suggest (it runs eagerly,
-  // without the decode graphs, and its logits go to the host for acceptance), and k > 0 is chosen
-  // only when the verify fit predicts a gain over the plain one.
-  void record_step(int64_t rows, double seconds, bool verify);
+  // After each step (its verifies recorded): the cost tables and the global acceptance.
+  void record_step(const SpeculativeStepRecord& step);
 
   double global_acceptance() const { return global_acceptance_; }
-  const StepCostFit& plain_cost() const { return plain_; }
-  const StepCostFit& verify_cost() const { return verify_; }
+  // The measured time of a decode-only step of `num_decoding` sequences verifying k drafts (< 0: unmeasured).
+  double measured_seconds(int64_t num_decoding, int32_t drafts) const;
 
  private:
+  struct Cell {
+    double seconds = 0.0;
+    int64_t samples = 0;
+    int64_t measured_at = 0;  // the bucket's step count at the latest sample
+  };
+  struct Bucket {
+    std::vector<Cell> cells;  // [num_drafts + 1]
+    int64_t steps = 0;
+    int64_t next_probe = kFirstProbe;
+    int64_t probe_interval = kFirstProbe;
+  };
+  static size_t bucket_index(int64_t num_decoding);
+  Bucket& bucket(int64_t num_decoding);
+  const Bucket* find_bucket(int64_t num_decoding) const;
+  double estimate_seconds(const Bucket* bucket, int64_t num_decoding, int32_t drafts) const;
+  bool candidate(const Bucket* bucket, int32_t drafts) const;
+  // The best k by expected tokens per second; tokens[k] for k = 0..most drafts available (a cap
+  // above `most_available` costs what most_available costs), among the k that do not slow down a
+  // sequence of acceptance `slow_acceptance` (the batch's slowest tenth).
+  int32_t best_drafts(const Bucket* bucket, int64_t num_decoding, std::span<const double> tokens,
+                      int32_t most_available, double slow_acceptance) const;
+  // The choice at bucket step `step` (exploration and probes included).
+  Choice decide(const Bucket* bucket, int64_t step, int64_t num_decoding, std::span<const double> tokens,
+                double slow_acceptance) const;
+  // The acceptance of the slowest tenth of the sequences (the lowest for fewer than ten).
+  static double slow_acceptance(std::span<const double> acceptance);
+  int32_t choose_mixed(std::span<const double> tokens, int64_t num_decoding, int64_t other_rows) const;
+  std::vector<double> tokens_by_drafts(std::span<const double> acceptance, std::span<const int32_t> available) const;
+
   SpeculativeConfig config_;
   double global_acceptance_ = 0.5;
-  StepCostFit plain_, verify_;
+  std::vector<Bucket> buckets_;
+  double step_accepted_ = 0.0, step_trials_ = 0.0;  // this step's verifies, pooled (record_verify)
+  std::vector<double> last_tokens_;                 // the last decode-only choice's expected tokens by k
+  double last_slow_acceptance_ = 0.0;               // and its slowest tenth's acceptance
+  StepCostFit decode_fit_;                          // all decode-only steps: time against rows
+  StepCostFit mixed_plain_, mixed_verify_;          // steps with prefill rows
 };
 
 }  // namespace metrale

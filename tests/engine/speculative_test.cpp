@@ -236,41 +236,6 @@ TEST(RejectionSampling, OutputFollowsTheTargetDistribution) {
   }
 }
 
-TEST(SpeculationController, TurnsDraftsOffWhenRowsCostAndAcceptanceIsLow) {
-  SpeculativeConfig config = spec_config(SpeculativeMethod::kNgram, 4, /*adaptive=*/true);
-  SpeculationController controller(config, 0.8);
-  // Rows nearly free (memory-bound): speculate.
-  for (int i = 0; i < 50; ++i) controller.record_step(8 + (i % 4) * 8, 1e-2 + 1e-6 * (8 + (i % 4) * 8), i % 2 == 1);
-  EXPECT_GT(controller.choose_num_drafts(8, 0), 0);
-  // Rows cost in proportion (compute-bound): each extra row costs as much as a token it may give.
-  SpeculationController bound(config, 0.8);
-  for (int i = 0; i < 50; ++i) bound.record_step(64 + (i % 4) * 64, 1e-4 * (64 + (i % 4) * 64), i % 2 == 1);
-  EXPECT_EQ(bound.choose_num_drafts(256, 0), 0);
-  // Low acceptance: nothing is worth a row.
-  SpeculationController low(config, 0.8);
-  for (int i = 0; i < 200; ++i) low.record_verify(-1.0, 4, 0);
-  for (int i = 0; i < 50; ++i) low.record_step(8 + (i % 4) * 8, 1e-2 + 1e-4 * (8 + (i % 4) * 8), i % 2 == 1);
-  EXPECT_LT(low.global_acceptance(), 0.05);
-  EXPECT_EQ(low.choose_num_drafts(8, 0), 0);
-}
-
-TEST(SpeculationController, TurnsDraftsOffWhenVerifyStepsCostMoreThanTheirRows) {
-  SpeculativeConfig config = spec_config(SpeculativeMethod::kNgram, 3, /*adaptive=*/true);
-  SpeculationController controller(config, 0.8);
-  // Plain steps: fixed cost, rows nearly free (a captured decode graph, memory-bound).
-  for (int i = 0; i < 50; ++i) controller.record_step(8 + (i % 4) * 8, 1e-3 + 1e-7 * (8 + (i % 4) * 8), false);
-  EXPECT_GT(controller.choose_num_drafts(16, 0), 0) << "before any verify is timed, rows look free";
-  // Verify steps of the same rows take four times as long (eager, host acceptance): 0.8 acceptance
-  // gives at most 1 + 0.8 + 0.64 + 0.51 = 2.95 tokens per row, less than 4x the cost.
-  for (int i = 0; i < 50; ++i) controller.record_step(32 + (i % 4) * 16, 4e-3 + 1e-7 * (32 + (i % 4) * 16), true);
-  EXPECT_EQ(controller.choose_num_drafts(16, 0), 0);
-  // Twice the cost still pays at k = 3.
-  SpeculationController cheaper(config, 0.8);
-  for (int i = 0; i < 50; ++i) cheaper.record_step(8 + (i % 4) * 8, 1e-3 + 1e-7 * (8 + (i % 4) * 8), false);
-  for (int i = 0; i < 50; ++i) cheaper.record_step(32 + (i % 4) * 16, 2e-3 + 1e-7 * (32 + (i % 4) * 16), true);
-  EXPECT_GT(cheaper.choose_num_drafts(16, 0), 0);
-}
-
 // ---- Greedy equivalence
 
 class GreedyEquivalence : public ::testing::TestWithParam<std::string> {};

@@ -1,0 +1,253 @@
+// The adaptive choice of drafts per step (SpeculationController, engine/speculator.h) against
+// simulated step costs: it must find the best fixed k where drafting pays, stay within a few per
+// cent of plain decoding where it does not, and not lock drafting off on stale MTP acceptance; and
+// the incremental n-gram index proposes exactly what the scan proposes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "engine/ngram_index.h"
+#include "engine/speculator.h"
+
+namespace metrale {
+namespace {
+
+SpeculativeConfig adaptive_config(SpeculativeMethod method, int32_t num_drafts) {
+  SpeculativeConfig config;
+  config.method = method;
+  config.num_drafts = num_drafts;
+  config.adaptive = true;
+  return config;
+}
+
+// A decode-only workload: `batch` sequences, each draft accepted with probability `acceptance`,
+// a step verifying k drafts costs verify_seconds(k) (k = 0: plain) plus `drafter_seconds` when the
+// MTP head runs after it (MTP only: a verify needs the drafts of a step that ran the head).
+struct Workload {
+  SpeculativeMethod method = SpeculativeMethod::kNgram;
+  int32_t num_drafts = 3;
+  int64_t batch = 8;
+  double acceptance = 0.8;
+  std::function<double(int32_t)> verify_seconds;
+  double drafter_seconds = 0.0;
+};
+
+struct Outcome {
+  double tokens_per_second = 0.0;
+  std::vector<int64_t> steps_by_drafts;  // [num_drafts + 1]
+  int64_t drafter_steps = 0;             // steps that ran the MTP head
+};
+
+Outcome simulate(const Workload& work, int64_t steps, double prior = 0.5) {
+  SpeculationController controller(adaptive_config(work.method, work.num_drafts), prior);
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  Outcome outcome;
+  outcome.steps_by_drafts.assign(static_cast<size_t>(work.num_drafts) + 1, 0);
+  std::vector<double> ema(static_cast<size_t>(work.batch), -1.0);
+  bool have_mtp_drafts = false;
+  double tokens = 0.0, seconds = 0.0;
+  for (int64_t step = 0; step < steps; ++step) {
+    std::vector<double> acceptance(ema.size());
+    for (size_t i = 0; i < ema.size(); ++i) acceptance[i] = controller.acceptance(ema[i]);
+    const bool mtp = work.method == SpeculativeMethod::kMtp;
+    std::vector<int32_t> available(ema.size(), work.num_drafts);
+    const SpeculationController::Choice choice = controller.choose(acceptance, available, 0);
+    const int32_t proposed = mtp && !have_mtp_drafts ? 0 : choice.drafts;
+    std::fill(available.begin(), available.end(), proposed);
+    const int32_t k =
+        choice.explored ? proposed : std::min(proposed, controller.refine(proposed, acceptance, available, 0));
+    const bool drafter_ran =
+        mtp && !(choice.explored && choice.drafts == 0) && controller.planned_drafts(work.batch) > 0;
+    have_mtp_drafts = drafter_ran;
+    outcome.drafter_steps += drafter_ran ? 1 : 0;
+    double step_tokens = 0.0;
+    for (double& sequence_ema : ema) {
+      int64_t accepted = 0;
+      while (accepted < k && uniform(rng) < work.acceptance) ++accepted;
+      step_tokens += static_cast<double>(accepted + 1);
+      if (k > 0) sequence_ema = controller.record_verify(sequence_ema, k, accepted);
+    }
+    const double step_seconds = work.verify_seconds(k) + (drafter_ran ? work.drafter_seconds : 0.0);
+    controller.record_step({work.batch, 0, k, drafter_ran, step_seconds});
+    ++outcome.steps_by_drafts[static_cast<size_t>(k)];
+    tokens += step_tokens;
+    seconds += step_seconds;
+  }
+  outcome.tokens_per_second = tokens / seconds;
+  return outcome;
+}
+
+// Tokens per second of the best fixed k (k = 0: plain, no drafter).
+double best_fixed_rate(const Workload& work, int32_t* best_k = nullptr) {
+  double best = 0.0;
+  for (int32_t k = 0; k <= work.num_drafts; ++k) {
+    const double drafter = k > 0 ? work.drafter_seconds : 0.0;
+    const double rate =
+        static_cast<double>(work.batch) * expected_tokens(work.acceptance, k) / (work.verify_seconds(k) + drafter);
+    if (rate > best) {
+      best = rate;
+      if (best_k != nullptr) *best_k = k;
+    }
+  }
+  return best;
+}
+
+double plain_rate(const Workload& work) {
+  return static_cast<double>(work.batch) / work.verify_seconds(0);
+}
+
+TEST(SpeculationController, FindsTheBestDraftCountWhenRowsAreNearlyFree) {
+  // Memory-bound small batch: each draft row adds 2% to the step.
+  Workload work;
+  work.batch = 1;
+  work.acceptance = 0.85;
+  work.verify_seconds = [](int32_t k) { return 1e-3 * (1.0 + 0.02 * k); };
+  int32_t best_k = 0;
+  const double best = best_fixed_rate(work, &best_k);
+  EXPECT_EQ(best_k, 3);
+  const Outcome outcome = simulate(work, 2000);
+  EXPECT_GE(outcome.tokens_per_second, 0.97 * best);
+  EXPECT_GT(outcome.steps_by_drafts[3], 1900);
+}
+
+TEST(SpeculationController, StaysWithinThreePercentOfPlainWhenVerifyCostsMore) {
+  // A MoE at batch 8: one more row per sequence touches many more experts (1.6x the plain step),
+  // more than the 1.5 tokens per sequence one draft of acceptance 0.5 gives.
+  Workload moe;
+  moe.batch = 8;
+  moe.acceptance = 0.5;
+  moe.verify_seconds = [](int32_t k) { return k == 0 ? 1e-2 : 1e-2 * (1.6 + 0.3 * (k - 1)); };
+  int32_t best_k = -1;
+  best_fixed_rate(moe, &best_k);
+  EXPECT_EQ(best_k, 0);
+  EXPECT_GE(simulate(moe, 4000, 0.6).tokens_per_second, 0.98 * plain_rate(moe));
+  // Compute-bound batch 256: rows cost in proportion.
+  Workload bound;
+  bound.batch = 256;
+  bound.acceptance = 0.65;
+  bound.verify_seconds = [](int32_t k) { return 2e-2 * (1.0 + k); };
+  EXPECT_GE(simulate(bound, 4000, 0.6).tokens_per_second, 0.98 * plain_rate(bound));
+  // Nothing accepted (n-gram over random text): drafting stays off but for rare probes.
+  Workload none;
+  none.batch = 64;
+  none.acceptance = 0.0;
+  none.verify_seconds = [](int32_t k) { return 5e-3 * (1.0 + 0.3 * k); };
+  const Outcome off = simulate(none, 4000, 0.4);
+  EXPECT_GE(off.tokens_per_second, 0.98 * plain_rate(none));
+  EXPECT_GT(off.steps_by_drafts[0], 3900);
+}
+
+TEST(SpeculationController, MeasuresPlainDecodingApartFromTheMtpHead) {
+  // The MTP head costs 15% of a step: verifies that run it must beat plain steps that do not.
+  Workload pays;
+  pays.method = SpeculativeMethod::kMtp;
+  pays.batch = 1;
+  pays.acceptance = 0.85;
+  pays.verify_seconds = [](int32_t k) { return 3e-4 * (1.0 + 0.05 * k); };
+  pays.drafter_seconds = 0.45e-4;
+  const Outcome on = simulate(pays, 2000, 0.6);
+  EXPECT_GE(on.tokens_per_second, 0.97 * best_fixed_rate(pays));
+  // Plain decoding is measured now and then (a step without the head, then one preparing drafts).
+  EXPECT_GT(on.steps_by_drafts[0], 2);
+  // At batch 256 neither one draft nor three pay once the head's cost is counted.
+  Workload loses = pays;
+  loses.batch = 256;
+  loses.acceptance = 0.6;
+  loses.verify_seconds = [](int32_t k) { return 1e-2 * (1.0 + 0.6 * k); };
+  loses.drafter_seconds = 0.2e-2;
+  int32_t best_k = -1;
+  best_fixed_rate(loses, &best_k);
+  EXPECT_EQ(best_k, 0);
+  const Outcome lost = simulate(loses, 4000, 0.6);
+  EXPECT_GE(lost.tokens_per_second, 0.98 * plain_rate(loses));
+  // The head runs only before the rare verifies (probes and re-measurements), not on plain steps.
+  EXPECT_LT(lost.drafter_steps, 100);
+}
+
+TEST(SpeculationController, RefineDropsTheDraftsOfAFewSequencesInALargeBatch) {
+  SpeculationController controller(adaptive_config(SpeculativeMethod::kNgram, 3), 0.6);
+  // Measured at batch 256: plain 10 ms, one draft 16 ms.
+  for (int i = 0; i < 4; ++i) {
+    controller.record_step({256, 0, 0, false, 1e-2});
+    controller.record_step({256, 0, 1, false, 1.6e-2});
+  }
+  std::vector<double> acceptance(256, 0.6);
+  std::vector<int32_t> available(256, 0);
+  std::fill(available.begin(), available.begin() + 4, 1);  // 4 sequences found an n-gram draft
+  EXPECT_EQ(controller.refine(1, acceptance, available, 0), 0);
+  std::fill(available.begin(), available.end(), 1);  // everyone did: 1.6 tokens for 1.6x the time
+  EXPECT_EQ(controller.refine(1, acceptance, available, 0), 0);
+  std::fill(acceptance.begin(), acceptance.end(), 0.9);
+  EXPECT_EQ(controller.refine(1, acceptance, available, 0), 1);
+}
+
+TEST(SpeculationController, DoesNotSlowDownTheSlowestTenth) {
+  SpeculationController controller(adaptive_config(SpeculativeMethod::kMtp, 3), 0.6);
+  // Measured at batch 20: plain 10 ms, one draft 13 ms.
+  for (int i = 0; i < 4; ++i) {
+    controller.record_step({20, 0, 0, false, 1e-2});
+    controller.record_step({20, 0, 1, true, 1.3e-2});
+  }
+  const std::vector<int32_t> available(20, 1);
+  // Most sequences accept nearly everything, a few almost nothing: one draft would raise the
+  // throughput by a third but slow those few down to 1.1 / 1.3 of their plain pace.
+  std::vector<double> acceptance(20, 0.95);
+  std::fill(acceptance.begin(), acceptance.begin() + 4, 0.1);
+  EXPECT_EQ(controller.refine(1, acceptance, available, 0), 0);
+  // One slow sequence in twenty is not the slowest tenth: drafting pays.
+  std::fill(acceptance.begin() + 1, acceptance.begin() + 4, 0.95);
+  EXPECT_EQ(controller.refine(1, acceptance, available, 0), 1);
+}
+
+TEST(SpeculationController, PreparingMtpDraftsIsNeitherPlainNorAVerify) {
+  SpeculationController controller(adaptive_config(SpeculativeMethod::kMtp, 3), 0.6);
+  controller.record_step({4, 0, 0, true, 5e-3});
+  EXPECT_LT(controller.measured_seconds(4, 0), 0.0);
+  controller.record_step({4, 0, 0, false, 2e-3});
+  controller.record_step({3, 0, 2, true, 3e-3});
+  EXPECT_DOUBLE_EQ(controller.measured_seconds(4, 0), 2e-3);
+  EXPECT_DOUBLE_EQ(controller.measured_seconds(4, 2), 3e-3);  // 3 and 4 sequences share a bucket
+  EXPECT_LT(controller.measured_seconds(5, 2), 0.0);
+}
+
+TEST(SpeculationController, ProbesBackOffWhileDraftingDoesNotPay) {
+  Workload none;
+  none.batch = 16;
+  none.acceptance = 0.0;
+  none.verify_seconds = [](int32_t k) { return 1e-3 * (1.0 + k); };
+  const Outcome few = simulate(none, 1000, 0.0);
+  const Outcome many = simulate(none, 8000, 0.0);
+  EXPECT_GT(few.steps_by_drafts[1], 0);
+  // Probes at 64, 128, 256, 512, 1024 and then every 1024 steps, not every 64.
+  EXPECT_LT(many.steps_by_drafts[1], 8000 / 256);
+}
+
+// ---- N-gram index
+
+TEST(NgramIndex, ProposesExactlyWhatTheScanProposes) {
+  std::mt19937 rng(3);
+  for (const int32_t vocab : {3, 8, 50}) {
+    for (const auto& [ngram_min, ngram_max] : {std::pair{1, 1}, std::pair{1, 4}, std::pair{2, 3}}) {
+      NgramIndex index;
+      std::vector<int32_t> tokens;
+      for (int i = 0; i < 300; ++i) {
+        tokens.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+        // Some calls are skipped (no drafts wanted): the index catches up on the next one.
+        const int32_t max_drafts = i % 7 == 3 ? 0 : 1 + i % 5;
+        EXPECT_EQ(index.propose(tokens, ngram_min, ngram_max, max_drafts),
+                  propose_ngram_drafts(tokens, ngram_min, ngram_max, max_drafts))
+            << "vocab " << vocab << " n " << ngram_min << ".." << ngram_max << " length " << tokens.size();
+      }
+      // A shorter sequence (another request reusing the index) rebuilds it.
+      tokens.resize(40);
+      EXPECT_EQ(index.propose(tokens, ngram_min, ngram_max, 3), propose_ngram_drafts(tokens, ngram_min, ngram_max, 3));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace metrale
