@@ -4,13 +4,13 @@
 // Runs on a checkpoint (--model) or on a preset with weights generated on the device
 // (--config configs/<preset>.json --random-weights). Decode rows see a cached context of the
 // requested length whose contents are arbitrary: the speed does not depend on them.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
@@ -124,9 +124,11 @@ struct Row {
   bool graph = false;
 };
 
-// End-to-end decode through Engine::step (scheduling, verify, acceptance, drafting included):
-// `batch` greedy requests of spec_prompt tokens each generate spec_tokens; the timed window starts
-// once every prompt is prefilled.
+// End-to-end generation through Engine::step (scheduling, prefill, verify, acceptance, drafting
+// included): `batch` greedy requests of spec_prompt tokens each generate spec_tokens, timed from
+// the first step to the last. The whole run, not a window after prefill: speculation already emits
+// several tokens a step for the sequences that decode while others prefill, so a window starting
+// once every prompt is in would hand the two modes different amounts of work.
 struct GenerationResult {
   double tokens_per_s = 0, step_ms = 0, acceptance = 0, tokens_per_step = 0;  // tokens: every sequence's
   int64_t steps = 0;
@@ -148,12 +150,6 @@ GenerationResult bench_generation(std::unique_ptr<Model> model, const EngineConf
     request.sampling.temperature = 0.0f;
     engine.add_request(std::move(request));
   }
-  // Prefill (and warm-up): until every sequence has its first token.
-  int64_t started = 0;
-  while (engine.has_unfinished() && started < batch) {
-    for (const TokenEvent& event : engine.step()) started += engine.sequence(event.request_id).num_output() == 1 ? 1 : 0;
-  }
-  const EngineStats before = engine.stats();
   int64_t generated = 0, steps = 0;
   synchronize(device);
   const auto start = std::chrono::steady_clock::now();
@@ -163,14 +159,13 @@ GenerationResult bench_generation(std::unique_ptr<Model> model, const EngineConf
   }
   synchronize(device);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const EngineStats after = engine.stats();
+  const EngineStats stats = engine.stats();
   GenerationResult result;
   result.steps = steps;
   result.tokens_per_s = static_cast<double>(generated) / seconds;
   result.step_ms = steps > 0 ? 1e3 * seconds / static_cast<double>(steps) : 0.0;
-  const auto drafted = static_cast<double>(after.drafted_tokens - before.drafted_tokens);
-  const auto accepted = static_cast<double>(after.accepted_tokens - before.accepted_tokens);
-  result.acceptance = drafted > 0 ? accepted / drafted : 0.0;
+  const auto drafted = static_cast<double>(stats.drafted_tokens);
+  result.acceptance = drafted > 0 ? static_cast<double>(stats.accepted_tokens) / drafted : 0.0;
   result.tokens_per_step = steps > 0 ? static_cast<double>(generated) / static_cast<double>(steps) : 0.0;
   return result;
 }
@@ -189,9 +184,8 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
   const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
   spec_config.max_model_len = options.spec_prompt + options.spec_tokens + 32;
   spec_config.scheduler.max_num_seqs = static_cast<int32_t>(max_batch);
-  spec_config.scheduler.max_num_batched_tokens =
-      static_cast<int32_t>(std::max<int64_t>(spec_config.scheduler.max_num_batched_tokens,
-                                             max_batch * (1 + spec_config.speculative.num_drafts)));
+  spec_config.scheduler.max_num_batched_tokens = static_cast<int32_t>(std::max<int64_t>(
+      spec_config.scheduler.max_num_batched_tokens, max_batch * (1 + spec_config.speculative.num_drafts)));
   EngineConfig plain_config = spec_config;
   plain_config.speculative = SpeculativeConfig{};
   if (spec_config.speculative.replay_accept_rate >= 0.0) {
@@ -201,7 +195,8 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
   nlohmann::json results = nlohmann::json::array();
   std::cout << fmt::format("speculative decoding: {} with up to {} drafts{}; prompt {} tokens, {} generated\n",
                            options.engine.speculative_method, spec_config.speculative.num_drafts,
-                           spec_config.speculative.adaptive ? " (adaptive)" : "", options.spec_prompt, options.spec_tokens);
+                           spec_config.speculative.adaptive ? " (adaptive)" : "", options.spec_prompt,
+                           options.spec_tokens);
   std::cout << fmt::format("{:>6} {:>14} {:>14} {:>9} {:>11} {:>13}\n", "batch", "plain tok/s", "spec tok/s", "speedup",
                            "acceptance", "tok/seq/step");
   for (const int64_t batch : batches) {
@@ -211,9 +206,13 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
     std::cout << fmt::format("{:>6} {:>14.1f} {:>14.1f} {:>8.2f}x {:>11.3f} {:>13.2f}\n", batch, plain.tokens_per_s,
                              spec.tokens_per_s, speedup, spec.acceptance,
                              spec.tokens_per_step / static_cast<double>(batch));
-    results.push_back({{"batch", batch}, {"plain_tokens_per_s", plain.tokens_per_s},
-                       {"spec_tokens_per_s", spec.tokens_per_s}, {"speedup", speedup},
-                       {"acceptance", spec.acceptance}, {"plain_step_ms", plain.step_ms}, {"spec_step_ms", spec.step_ms}});
+    results.push_back({{"batch", batch},
+                       {"plain_tokens_per_s", plain.tokens_per_s},
+                       {"spec_tokens_per_s", spec.tokens_per_s},
+                       {"speedup", speedup},
+                       {"acceptance", spec.acceptance},
+                       {"plain_step_ms", plain.step_ms},
+                       {"spec_step_ms", spec.step_ms}});
   }
   if (options.json) {
     std::cout << nlohmann::json({{"speculative_method", options.engine.speculative_method},
@@ -276,11 +275,13 @@ int run_bench(const BenchOptions& options) {
     for (int64_t s = 0; s < batch; ++s) {
       auto sequence = std::make_unique<Sequence>();
       sequence->id = 1'000'000 + s;
-      sequence->tokens.assign(static_cast<size_t>(options.context + 1), static_cast<int32_t>((s * 7919) % config.vocab_size));
+      sequence->tokens.assign(static_cast<size_t>(options.context + 1),
+                              static_cast<int32_t>((s * 7919) % config.vocab_size));
       sequence->num_prompt = options.context + 1;
       sequence->num_computed = options.context;
       if (!cache.reserve(sequence->id, options.context + 1)) {
-        raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} sequences of {} tokens", batch, options.context + 1);
+        raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} sequences of {} tokens", batch,
+              options.context + 1);
       }
       plan.chunks.push_back({sequence.get(), 1, true});
       plan.num_tokens += 1;
@@ -330,9 +331,11 @@ int run_bench(const BenchOptions& options) {
       Sequence sequence;
       sequence.id = 2'000'000;
       sequence.tokens.resize(static_cast<size_t>(tokens));
-      for (int64_t t = 0; t < tokens; ++t) sequence.tokens[static_cast<size_t>(t)] = static_cast<int32_t>((t * 104729) % config.vocab_size);
+      for (int64_t t = 0; t < tokens; ++t)
+        sequence.tokens[static_cast<size_t>(t)] = static_cast<int32_t>((t * 104729) % config.vocab_size);
       sequence.num_prompt = tokens;
-      if (!cache.reserve(sequence.id, tokens)) raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} tokens", tokens);
+      if (!cache.reserve(sequence.id, tokens))
+        raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} tokens", tokens);
       SchedulePlan plan;
       plan.chunks.push_back({&sequence, tokens, true});
       plan.num_tokens = tokens;
@@ -366,15 +369,23 @@ int run_bench(const BenchOptions& options) {
                           {"plan", engine.plan().describe()},
                           {"results", nlohmann::json::array()}};
     for (const Row& row : rows) {
-      out["results"].push_back({{"phase", row.name}, {"batch", row.batch}, {"tokens", row.tokens},
-                                {"context", row.context}, {"step_ms", row.step_ms}, {"tokens_per_s", row.tokens_per_s},
-                                {"bytes", row.bytes}, {"flops", row.flops}, {"bandwidth_fraction", row.bandwidth_fraction},
-                                {"compute_fraction", row.compute_fraction}, {"cuda_graph", row.graph}});
+      out["results"].push_back({{"phase", row.name},
+                                {"batch", row.batch},
+                                {"tokens", row.tokens},
+                                {"context", row.context},
+                                {"step_ms", row.step_ms},
+                                {"tokens_per_s", row.tokens_per_s},
+                                {"bytes", row.bytes},
+                                {"flops", row.flops},
+                                {"bandwidth_fraction", row.bandwidth_fraction},
+                                {"compute_fraction", row.compute_fraction},
+                                {"cuda_graph", row.graph}});
     }
     std::cout << out.dump(2) << "\n";
     return kExitOk;
   }
-  std::cout << fmt::format("model: {} ({}, {:.2f} GB of weights)\n", source, config.model_type, cost.weight_bytes() / 1e9);
+  std::cout << fmt::format("model: {} ({}, {:.2f} GB of weights)\n", source, config.model_type,
+                           cost.weight_bytes() / 1e9);
   std::cout << fmt::format("device: {}; measured copy bandwidth {:.0f} GB/s, bf16 GEMM {:.0f} TFLOP/s\n",
                            device.to_string(), bandwidth / 1e9, gemm_rate / 1e12);
   std::cout << engine.plan().describe() << "\n\n";
@@ -397,21 +408,30 @@ void register_bench(CLI::App& root, Action& action) {
   command->add_option("--config", options->config, "a config.json preset (e.g. configs/qwen3-8b.json)");
   command->add_flag("--random-weights", options->random_weights, "generate weights on the device (with --config)");
   command->add_option("--batch", options->batches, "decode batch sizes")->capture_default_str();
-  command->add_option("--context", options->context, "cached tokens per decode row")->capture_default_str()
+  command->add_option("--context", options->context, "cached tokens per decode row")
+      ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 22));
   command->add_option("--prefill", options->prefills, "prefill lengths (empty: none)")->capture_default_str();
-  command->add_option("--warmup", options->warmup, "untimed iterations")->capture_default_str()->check(CLI::Range(0, 1000));
-  command->add_option("--iters", options->iters, "timed iterations")->capture_default_str()->check(CLI::Range(1, 100000));
+  command->add_option("--warmup", options->warmup, "untimed iterations")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000));
+  command->add_option("--iters", options->iters, "timed iterations")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000));
   command->add_flag("--json", options->json, "print the results as JSON");
   add_engine_options(*command, options->engine);
-  command->add_option("--spec-tokens", options->spec_tokens,
-                      "with --speculative-method: tokens each sequence generates (plain vs speculative decode)")
-      ->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+  command
+      ->add_option("--spec-tokens", options->spec_tokens,
+                   "with --speculative-method: tokens each sequence generates (plain vs speculative decode)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
   command->add_option("--spec-prompt", options->spec_prompt, "with --speculative-method: prompt tokens per sequence")
-      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  command->add_option("--spec-accept-rate", options->engine.spec_accept_rate,
-                      "BENCHMARK MODE (random weights): accept each draft by a seeded Bernoulli(p) instead of "
-                      "comparing it with the target; outputs are then not the model's")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  command
+      ->add_option("--spec-accept-rate", options->engine.spec_accept_rate,
+                   "BENCHMARK MODE (random weights): accept each draft by a seeded Bernoulli(p) instead of "
+                   "comparing it with the target; outputs are then not the model's")
       ->check(CLI::Range(0.0, 1.0));
   command->callback([options, &action] { action = [options] { return run_bench(*options); }; });
 }
