@@ -4,13 +4,13 @@
 // Runs on a checkpoint (--model) or on a preset with weights generated on the device
 // (--config configs/<preset>.json --random-weights). Decode rows see a cached context of the
 // requested length whose contents are arbitrary: the speed does not depend on them.
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
+#include <cstdio>
 #include <iostream>
+
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
@@ -184,8 +184,9 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
   const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
   spec_config.max_model_len = options.spec_prompt + options.spec_tokens + 32;
   spec_config.scheduler.max_num_seqs = static_cast<int32_t>(max_batch);
-  spec_config.scheduler.max_num_batched_tokens = static_cast<int32_t>(std::max<int64_t>(
-      spec_config.scheduler.max_num_batched_tokens, max_batch * (1 + spec_config.speculative.num_drafts)));
+  spec_config.scheduler.max_num_batched_tokens =
+      static_cast<int32_t>(std::max<int64_t>(spec_config.scheduler.max_num_batched_tokens,
+                                             max_batch * (1 + spec_config.speculative.num_drafts)));
   EngineConfig plain_config = spec_config;
   plain_config.speculative = SpeculativeConfig{};
   if (spec_config.speculative.replay_accept_rate >= 0.0) {
@@ -195,8 +196,7 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
   nlohmann::json results = nlohmann::json::array();
   std::cout << fmt::format("speculative decoding: {} with up to {} drafts{}; prompt {} tokens, {} generated\n",
                            options.engine.speculative_method, spec_config.speculative.num_drafts,
-                           spec_config.speculative.adaptive ? " (adaptive)" : "", options.spec_prompt,
-                           options.spec_tokens);
+                           spec_config.speculative.adaptive ? " (adaptive)" : "", options.spec_prompt, options.spec_tokens);
   std::cout << fmt::format("{:>6} {:>14} {:>14} {:>9} {:>11} {:>13}\n", "batch", "plain tok/s", "spec tok/s", "speedup",
                            "acceptance", "tok/seq/step");
   for (const int64_t batch : batches) {
@@ -206,13 +206,9 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
     std::cout << fmt::format("{:>6} {:>14.1f} {:>14.1f} {:>8.2f}x {:>11.3f} {:>13.2f}\n", batch, plain.tokens_per_s,
                              spec.tokens_per_s, speedup, spec.acceptance,
                              spec.tokens_per_step / static_cast<double>(batch));
-    results.push_back({{"batch", batch},
-                       {"plain_tokens_per_s", plain.tokens_per_s},
-                       {"spec_tokens_per_s", spec.tokens_per_s},
-                       {"speedup", speedup},
-                       {"acceptance", spec.acceptance},
-                       {"plain_step_ms", plain.step_ms},
-                       {"spec_step_ms", spec.step_ms}});
+    results.push_back({{"batch", batch}, {"plain_tokens_per_s", plain.tokens_per_s},
+                       {"spec_tokens_per_s", spec.tokens_per_s}, {"speedup", speedup},
+                       {"acceptance", spec.acceptance}, {"plain_step_ms", plain.step_ms}, {"spec_step_ms", spec.step_ms}});
   }
   if (options.json) {
     std::cout << nlohmann::json({{"speculative_method", options.engine.speculative_method},
@@ -275,13 +271,11 @@ int run_bench(const BenchOptions& options) {
     for (int64_t s = 0; s < batch; ++s) {
       auto sequence = std::make_unique<Sequence>();
       sequence->id = 1'000'000 + s;
-      sequence->tokens.assign(static_cast<size_t>(options.context + 1),
-                              static_cast<int32_t>((s * 7919) % config.vocab_size));
+      sequence->tokens.assign(static_cast<size_t>(options.context + 1), static_cast<int32_t>((s * 7919) % config.vocab_size));
       sequence->num_prompt = options.context + 1;
       sequence->num_computed = options.context;
       if (!cache.reserve(sequence->id, options.context + 1)) {
-        raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} sequences of {} tokens", batch,
-              options.context + 1);
+        raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} sequences of {} tokens", batch, options.context + 1);
       }
       plan.chunks.push_back({sequence.get(), 1, true});
       plan.num_tokens += 1;
@@ -331,11 +325,9 @@ int run_bench(const BenchOptions& options) {
       Sequence sequence;
       sequence.id = 2'000'000;
       sequence.tokens.resize(static_cast<size_t>(tokens));
-      for (int64_t t = 0; t < tokens; ++t)
-        sequence.tokens[static_cast<size_t>(t)] = static_cast<int32_t>((t * 104729) % config.vocab_size);
+      for (int64_t t = 0; t < tokens; ++t) sequence.tokens[static_cast<size_t>(t)] = static_cast<int32_t>((t * 104729) % config.vocab_size);
       sequence.num_prompt = tokens;
-      if (!cache.reserve(sequence.id, tokens))
-        raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} tokens", tokens);
+      if (!cache.reserve(sequence.id, tokens)) raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} tokens", tokens);
       SchedulePlan plan;
       plan.chunks.push_back({&sequence, tokens, true});
       plan.num_tokens = tokens;
@@ -369,23 +361,15 @@ int run_bench(const BenchOptions& options) {
                           {"plan", engine.plan().describe()},
                           {"results", nlohmann::json::array()}};
     for (const Row& row : rows) {
-      out["results"].push_back({{"phase", row.name},
-                                {"batch", row.batch},
-                                {"tokens", row.tokens},
-                                {"context", row.context},
-                                {"step_ms", row.step_ms},
-                                {"tokens_per_s", row.tokens_per_s},
-                                {"bytes", row.bytes},
-                                {"flops", row.flops},
-                                {"bandwidth_fraction", row.bandwidth_fraction},
-                                {"compute_fraction", row.compute_fraction},
-                                {"cuda_graph", row.graph}});
+      out["results"].push_back({{"phase", row.name}, {"batch", row.batch}, {"tokens", row.tokens},
+                                {"context", row.context}, {"step_ms", row.step_ms}, {"tokens_per_s", row.tokens_per_s},
+                                {"bytes", row.bytes}, {"flops", row.flops}, {"bandwidth_fraction", row.bandwidth_fraction},
+                                {"compute_fraction", row.compute_fraction}, {"cuda_graph", row.graph}});
     }
     std::cout << out.dump(2) << "\n";
     return kExitOk;
   }
-  std::cout << fmt::format("model: {} ({}, {:.2f} GB of weights)\n", source, config.model_type,
-                           cost.weight_bytes() / 1e9);
+  std::cout << fmt::format("model: {} ({}, {:.2f} GB of weights)\n", source, config.model_type, cost.weight_bytes() / 1e9);
   std::cout << fmt::format("device: {}; measured copy bandwidth {:.0f} GB/s, bf16 GEMM {:.0f} TFLOP/s\n",
                            device.to_string(), bandwidth / 1e9, gemm_rate / 1e12);
   std::cout << engine.plan().describe() << "\n\n";
@@ -408,30 +392,21 @@ void register_bench(CLI::App& root, Action& action) {
   command->add_option("--config", options->config, "a config.json preset (e.g. configs/qwen3-8b.json)");
   command->add_flag("--random-weights", options->random_weights, "generate weights on the device (with --config)");
   command->add_option("--batch", options->batches, "decode batch sizes")->capture_default_str();
-  command->add_option("--context", options->context, "cached tokens per decode row")
-      ->capture_default_str()
+  command->add_option("--context", options->context, "cached tokens per decode row")->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 22));
   command->add_option("--prefill", options->prefills, "prefill lengths (empty: none)")->capture_default_str();
-  command->add_option("--warmup", options->warmup, "untimed iterations")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 1000));
-  command->add_option("--iters", options->iters, "timed iterations")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 100000));
+  command->add_option("--warmup", options->warmup, "untimed iterations")->capture_default_str()->check(CLI::Range(0, 1000));
+  command->add_option("--iters", options->iters, "timed iterations")->capture_default_str()->check(CLI::Range(1, 100000));
   command->add_flag("--json", options->json, "print the results as JSON");
   add_engine_options(*command, options->engine);
-  command
-      ->add_option("--spec-tokens", options->spec_tokens,
-                   "with --speculative-method: tokens each sequence generates (plain vs speculative decode)")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+  command->add_option("--spec-tokens", options->spec_tokens,
+                      "with --speculative-method: tokens each sequence generates (plain vs speculative decode)")
+      ->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
   command->add_option("--spec-prompt", options->spec_prompt, "with --speculative-method: prompt tokens per sequence")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  command
-      ->add_option("--spec-accept-rate", options->engine.spec_accept_rate,
-                   "BENCHMARK MODE (random weights): accept each draft by a seeded Bernoulli(p) instead of "
-                   "comparing it with the target; outputs are then not the model's")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  command->add_option("--spec-accept-rate", options->engine.spec_accept_rate,
+                      "BENCHMARK MODE (random weights): accept each draft by a seeded Bernoulli(p) instead of "
+                      "comparing it with the target; outputs are then not the model's")
       ->check(CLI::Range(0.0, 1.0));
   command->callback([options, &action] { action = [options] { return run_bench(*options); }; });
 }

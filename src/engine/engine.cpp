@@ -1,7 +1,5 @@
 #include "engine/engine.h"
 
-#include <fmt/ranges.h>
-
 #include <algorithm>
 #include <chrono>
 
@@ -12,26 +10,24 @@
 #include "runtime/buffer.h"
 #include "runtime/stream.h"
 
+#include <fmt/ranges.h>
+
 namespace metrale {
 
 std::string_view finish_reason_name(FinishReason reason) {
   switch (reason) {
-    case FinishReason::kStop:
-      return "stop";
-    case FinishReason::kLength:
-      return "length";
-    case FinishReason::kAbort:
-      return "abort";
-    case FinishReason::kNone:
-      return "";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kAbort: return "abort";
+    case FinishReason::kNone: return "";
   }
   return "";
 }
 
 std::string EnginePlan::describe() const {
-  std::string text =
-      fmt::format("KV cache: {} blocks of {} tokens ({}, {} tokens); max model length {}", num_kv_blocks, block_size,
-                  format_bytes(kv_cache_bytes), static_cast<int64_t>(num_kv_blocks) * block_size, max_model_len);
+  std::string text = fmt::format("KV cache: {} blocks of {} tokens ({}, {} tokens); max model length {}", num_kv_blocks,
+                                 block_size, format_bytes(kv_cache_bytes),
+                                 static_cast<int64_t>(num_kv_blocks) * block_size, max_model_len);
   if (num_state_slots > 0) {
     text += fmt::format("; recurrent state: {} sequence slots + {} checkpoint slots of {} ({})", num_state_slots,
                         num_checkpoint_slots, format_bytes(state_bytes_per_slot), format_bytes(state_bytes));
@@ -41,8 +37,7 @@ std::string EnginePlan::describe() const {
     text += fmt::format("; workspace {}; in use before the cache {} of {}", format_bytes(workspace_bytes),
                         format_bytes(used_before_cache), format_bytes(device_total_bytes));
   }
-  if (!graph_batch_sizes.empty())
-    text += fmt::format("; decode graphs for batch {}", fmt::join(graph_batch_sizes, ","));
+  if (!graph_batch_sizes.empty()) text += fmt::format("; decode graphs for batch {}", fmt::join(graph_batch_sizes, ","));
   return text;
 }
 
@@ -113,11 +108,9 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   if (config_.scheduler.max_num_seqs <= 0 || config_.scheduler.max_num_batched_tokens <= 0)
     raise(ErrorCode::kInvalidArgument, "max-num-seqs and max-num-batched-tokens must be positive");
   if (config_.state_checkpoint_interval <= 0)
-    raise(ErrorCode::kInvalidArgument, "state-checkpoint-interval must be positive, got {}",
-          config_.state_checkpoint_interval);
+    raise(ErrorCode::kInvalidArgument, "state-checkpoint-interval must be positive, got {}", config_.state_checkpoint_interval);
   if (!(config_.gpu_memory_utilization > 0.0 && config_.gpu_memory_utilization <= 1.0))
-    raise(ErrorCode::kInvalidArgument, "gpu-memory-utilization must be in (0, 1], got {}",
-          config_.gpu_memory_utilization);
+    raise(ErrorCode::kInvalidArgument, "gpu-memory-utilization must be in (0, 1], got {}", config_.gpu_memory_utilization);
   plan_.block_size = config_.block_size;
   plan_.max_model_len = config_.max_model_len > 0 ? config_.max_model_len : model_config.max_position_embeddings;
 
@@ -169,18 +162,16 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   if (config_.num_kv_blocks > 0) {
     plan_.num_kv_blocks = config_.num_kv_blocks;
   } else {
-    const CacheSplit split =
-        split_cache_budget(kv_budget, per_block, per_slot, blocks_per_seq, max_seqs, checkpoint_slots);
+    const CacheSplit split = split_cache_budget(kv_budget, per_block, per_slot, blocks_per_seq, max_seqs, checkpoint_slots);
     if (split.checkpoint_slots < checkpoint_slots) {
-      METRALE_LOG_INFO("memory: {} state checkpoint slots instead of {} ({} per slot, budget {})",
-                       split.checkpoint_slots, checkpoint_slots, format_bytes(per_slot), format_bytes(kv_budget));
+      METRALE_LOG_INFO("memory: {} state checkpoint slots instead of {} ({} per slot, budget {})", split.checkpoint_slots,
+                       checkpoint_slots, format_bytes(per_slot), format_bytes(kv_budget));
     }
     if (split.max_num_seqs < max_seqs) {
-      METRALE_LOG_WARN(
-          "memory: lowering --max-num-seqs from {} to {}: the budget {} holds {} state slots of {} next to "
-          "one sequence of {} tokens",
-          max_seqs, split.max_num_seqs, format_bytes(kv_budget), split.max_num_seqs + split.checkpoint_slots + 1,
-          format_bytes(per_slot), plan_.max_model_len);
+      METRALE_LOG_WARN("memory: lowering --max-num-seqs from {} to {}: the budget {} holds {} state slots of {} next to "
+                       "one sequence of {} tokens",
+                       max_seqs, split.max_num_seqs, format_bytes(kv_budget),
+                       split.max_num_seqs + split.checkpoint_slots + 1, format_bytes(per_slot), plan_.max_model_len);
     }
     max_seqs = split.max_num_seqs;
     checkpoint_slots = split.checkpoint_slots;
@@ -280,10 +271,9 @@ bool Engine::sample_on_device(const StepResult& result, std::vector<SampledToken
   upload(state.min_p, min_p, 4);
   upload(state.seed, seed, 8);
   upload(state.step, step, 8);
-  kernels::SamplingRowParams row_params{
-      state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
-      state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
-      state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
+  kernels::SamplingRowParams row_params{state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
+                                        state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
+                                        state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
   kernels::sample_tokens(result.logits.slice(0, 0, rows), row_params, state.tokens.tensor.slice(0, 0, rows),
                          state.logprobs.tensor.slice(0, 0, rows));
   // Results come back into the (now consumed) staging area: tokens i32 then logprobs f32.
@@ -305,12 +295,10 @@ int64_t Engine::add_request(Request request) {
   const int64_t vocab = model_->config().vocab_size;
   if (request.prompt.empty()) raise(ErrorCode::kInvalidArgument, "the prompt is empty");
   for (const int32_t id : request.prompt) {
-    if (id < 0 || id >= vocab)
-      raise(ErrorCode::kInvalidArgument, "prompt token id {} is outside the vocabulary [0, {})", id, vocab);
+    if (id < 0 || id >= vocab) raise(ErrorCode::kInvalidArgument, "prompt token id {} is outside the vocabulary [0, {})", id, vocab);
   }
   for (const int32_t id : request.stop_token_ids) {
-    if (id < 0 || id >= vocab)
-      raise(ErrorCode::kInvalidArgument, "stop token id {} is outside the vocabulary [0, {})", id, vocab);
+    if (id < 0 || id >= vocab) raise(ErrorCode::kInvalidArgument, "stop token id {} is outside the vocabulary [0, {})", id, vocab);
   }
   if (request.max_tokens < 0) raise(ErrorCode::kInvalidArgument, "max_tokens must be >= 0, got {}", request.max_tokens);
   if (request.max_tokens == 0 && !request.return_prompt_logits)
@@ -524,7 +512,7 @@ std::vector<TokenEvent> Engine::step() {
     const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - step_start;
     SpeculativeStepRecord record;
     for (const ScheduledChunk& chunk : plan.chunks) {
-      if (chunk.num_new == 1 && chunk.samples && !chunk.sequence->request.return_prompt_logits) {
+      if (chunk.decodes()) {
         ++record.num_decoding;
         record.drafts = std::max(record.drafts, static_cast<int32_t>(chunk.num_drafts));
       } else {
@@ -536,13 +524,15 @@ std::vector<TokenEvent> Engine::step() {
     record.drafter_ran = mtp_active_;
     record.seconds = seconds.count();
     spec_controller_.record_step(record);
-    METRALE_LOG_DEBUG(
-        "speculation: {} decoding ({} drafted) + {} rows, k {}{}, {:.3f} ms ({:.3f} to schedule), "
-        "acceptance {:.2f}",
-        record.num_decoding,
-        std::count_if(plan.chunks.begin(), plan.chunks.end(), [](const ScheduledChunk& c) { return c.num_drafts > 0; }),
-        record.other_rows, record.drafts, record.drafter_ran ? " + MTP head" : "", 1e3 * record.seconds,
-        1e3 * std::chrono::duration<double>(schedule_end - step_start).count(), spec_controller_.global_acceptance());
+    if (log_level() <= LogLevel::kDebug) {  // the drafted count is for the log only
+      METRALE_LOG_DEBUG(
+          "speculation: {} decoding ({} drafted) + {} rows, k {}{}, {:.3f} ms ({:.3f} to schedule), acceptance {:.2f}",
+          record.num_decoding,
+          std::count_if(plan.chunks.begin(), plan.chunks.end(),
+                        [](const ScheduledChunk& c) { return c.num_drafts > 0; }),
+          record.other_rows, record.drafts, record.drafter_ran ? " + MTP head" : "", 1e3 * record.seconds,
+          1e3 * std::chrono::duration<double>(schedule_end - step_start).count(), spec_controller_.global_acceptance());
+    }
   }
   if (!finished.empty()) {
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->finished(); }),

@@ -140,6 +140,8 @@ class Engine {
   // The tokens one sampling chunk emits: for a verify chunk the accepted drafts then the
   // replacement or bonus token; otherwise the one sampled token. Sets `accepted` (drafts kept).
   std::vector<SampledToken> accept_chunk(const LogitRowUse& use, const Tensor& logits, int64_t& accepted);
+  // Drafts the MTP head chains after this step: what the controller plans for the next one (at least one).
+  int32_t mtp_chain_length() const;
   // After a step's bookkeeping: MTP catch-up over the step's kept rows and the next drafts.
   void run_mtp_drafter(const StepResult& result, std::span<const int64_t> kept_rows);
   // The same after a fixed-layout verify of greedy requests: catch-up and chained drafts in one

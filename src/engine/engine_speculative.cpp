@@ -142,6 +142,10 @@ void Engine::prepare_drafts() {
   runner_->set_keep_hidden(mtp_active_);
 }
 
+int32_t Engine::mtp_chain_length() const {
+  return std::max(1, spec_controller_.planned_drafts(static_cast<int64_t>(running_.size())));
+}
+
 std::vector<SampledToken> Engine::accept_chunk(const LogitRowUse& use, const Tensor& logits, int64_t& accepted) {
   Sequence& sequence = *use.chunk.sequence;
   const SamplingParams& params = sequence.request.sampling;
@@ -189,8 +193,7 @@ std::vector<SampledToken> Engine::accept_chunk(const LogitRowUse& use, const Ten
     target_distribution(sampler_, spec_scratch_, params, sequence.prompt(), history, spec_probs_);
     std::span<const float> q;
     if (!sequence.draft_probs.empty()) {
-      q = std::span<const float>(sequence.draft_probs)
-              .subspan(static_cast<size_t>(i * vocab), static_cast<size_t>(vocab));
+      q = std::span<const float>(sequence.draft_probs).subspan(static_cast<size_t>(i * vocab), static_cast<size_t>(vocab));
     }
     bool kept = false;
     const int32_t token = rejection_sample(spec_probs_, q, draft, stream_uniform(sequence.seed, kAcceptStream, step),
@@ -279,8 +282,7 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
       sequence.draft_probs.resize(offset + static_cast<size_t>(vocab));
       const std::span<float> q(sequence.draft_probs.data() + offset, static_cast<size_t>(vocab));
       target_distribution(sampler_, row, params, sequence.prompt(), history, q);
-      const auto step =
-          static_cast<uint64_t>(sequence.num_output() + static_cast<int64_t>(sequence.draft_tokens.size()) + 1);
+      const auto step = static_cast<uint64_t>(sequence.num_output() + static_cast<int64_t>(sequence.draft_tokens.size()) + 1);
       const double target = static_cast<double>(stream_uniform(sequence.seed, kDraftStream, step));
       double running = 0.0;
       int32_t chosen = -1;
@@ -300,7 +302,7 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
   }
   take_drafts(logits, drafting);
   // Chained drafts: row t + j with the draft before it and the o_t of the previous MTP step.
-  const int32_t wanted = std::max(1, spec_controller_.planned_drafts(static_cast<int64_t>(running_.size())));
+  const int32_t wanted = mtp_chain_length();
   std::vector<Sequence*> active = drafting;
   for (int32_t j = 1; j < wanted && !active.empty(); ++j) {
     std::vector<MtpRows> chain;
@@ -394,7 +396,7 @@ bool Engine::accept_greedy_rows(const StepResult& result, std::vector<std::vecto
 
 void Engine::launch_mtp_drafter_fixed(const StepResult& result, std::span<const int64_t> accepted,
                                       const std::vector<std::vector<SampledToken>>& emitted) {
-  const int32_t wanted = std::max(1, spec_controller_.planned_drafts(static_cast<int64_t>(running_.size())));
+  const int32_t wanted = mtp_chain_length();
   std::vector<MtpFixedRow> rows(result.uses.size());
   for (size_t u = 0; u < result.uses.size(); ++u) {
     Sequence& sequence = *result.uses[u].chunk.sequence;

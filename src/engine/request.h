@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "engine/ngram_index.h"
-
 #include "engine/sampler.h"
 
 namespace metrale {

@@ -234,10 +234,8 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   }
   // Decode graphs write the final hidden states too when the engine drafts with MTP.
   const bool all_decode = !verify && (!keep_hidden_ || limits_.mtp) &&
-                          std::all_of(plan.chunks.begin(), plan.chunks.end(), [](const ScheduledChunk& c) {
-                            return c.num_new == 1 && c.num_drafts == 0 && c.samples &&
-                                   !c.sequence->request.return_prompt_logits;
-                          });
+                          std::all_of(plan.chunks.begin(), plan.chunks.end(),
+                                      [](const ScheduledChunk& c) { return c.decodes() && c.num_drafts == 0; });
   // The smallest captured graph that holds this decode batch.
   const auto graph = all_decode ? graphs_.lower_bound(seqs) : graphs_.end();
 #if METRALE_WITH_CUDA
@@ -261,9 +259,8 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   const int64_t rows = host_->num_rows;
   attach_speculative_outputs(batch, verify);
   // An eager decode step whose hidden states land in the fixed buffer can feed the MTP chain too.
-  const bool decode_only = std::all_of(plan.chunks.begin(), plan.chunks.end(), [](const ScheduledChunk& c) {
-    return c.num_new == 1 && c.num_drafts == 0 && c.samples && !c.sequence->request.return_prompt_logits;
-  });
+  const bool decode_only = std::all_of(plan.chunks.begin(), plan.chunks.end(),
+                                       [](const ScheduledChunk& c) { return c.decodes() && c.num_drafts == 0; });
   if (limits_.mtp && !verify && keep_hidden_ && decode_only && batch.hidden_out.data() == hidden_.tensor.data()) {
     remember_fixed(plan, seqs, 0, false);
   }

@@ -36,7 +36,7 @@ struct RunnerLimits {
   int64_t max_num_seqs = 64;      // sequences per step
   int64_t max_model_len = 4096;   // longest sequence
   int64_t block_size = 16;
-  int64_t max_logit_rows = 0;  // logits rows of one step at most (0: max_num_seqs); GPU buffer size
+  int64_t max_logit_rows = 0;     // logits rows of one step at most (0: max_num_seqs); GPU buffer size
   // Speculative decoding: drafts per sequence at most (0: none). With drafts, verify steps where
   // every sequence decodes run in the fixed layout (Runner::execute) and, on the GPU, as graphs.
   int64_t max_drafts = 0;
@@ -60,12 +60,12 @@ struct MtpRows {
   int64_t first_position = 0;
   std::vector<int32_t> next_tokens;  // x_{t+1} of each row
   int64_t first_hidden_row = 0;
-  bool wants_logits = false;  // the draft logits of the last row are needed
+  bool wants_logits = false;         // the draft logits of the last row are needed
 };
 
 struct StepResult {
-  Tensor logits;                  // [R, vocab] f32 on the model's device
-  std::vector<LogitRowUse> uses;  // one per scheduled chunk
+  Tensor logits;                    // [R, vocab] f32 on the model's device
+  std::vector<LogitRowUse> uses;    // one per scheduled chunk
   bool used_graph = false;
   // Fixed-layout verify steps (rows_per_seq > 0): sequence s of the plan owns batch rows and logits
   // rows [s * rows_per_seq, (s + 1) * rows_per_seq), its known token first, then its drafts, then

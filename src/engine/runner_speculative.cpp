@@ -171,10 +171,9 @@ std::pair<int64_t, int64_t> Runner::fixed_verify_shape(const SchedulePlan& plan)
   const auto seqs = static_cast<int64_t>(plan.chunks.size());
   int64_t k = 0, longest = 0;
   for (const ScheduledChunk& chunk : plan.chunks) {
-    const Sequence& sequence = *chunk.sequence;
-    if (chunk.num_new != 1 || !chunk.samples || sequence.request.return_prompt_logits) return {0, 0};
+    if (!chunk.decodes()) return {0, 0};
     k = std::max(k, chunk.num_drafts);
-    longest = std::max(longest, sequence.num_computed);
+    longest = std::max(longest, chunk.sequence->num_computed);
   }
   if (k == 0 || k > limits_.max_drafts || seqs > limits_.max_num_seqs) return {0, 0};
   // The smallest captured shape that holds the step; eagerly the step's own shape.

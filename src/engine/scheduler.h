@@ -37,6 +37,8 @@ struct ScheduledChunk {
   // draft_tokens (positions [num_tokens, num_tokens + num_drafts)); only on chunks that sample.
   int64_t num_drafts = 0;
   int64_t num_rows() const { return num_new + num_drafts; }
+  // One known row that yields a token (and its drafts, if any): not a prefill chunk, not scoring.
+  bool decodes() const { return num_new == 1 && samples && !sequence->request.return_prompt_logits; }
 };
 
 struct SchedulePlan {

@@ -11,12 +11,9 @@ namespace metrale {
 
 std::string_view speculative_method_name(SpeculativeMethod method) {
   switch (method) {
-    case SpeculativeMethod::kNone:
-      return "none";
-    case SpeculativeMethod::kNgram:
-      return "ngram";
-    case SpeculativeMethod::kMtp:
-      return "mtp";
+    case SpeculativeMethod::kNone: return "none";
+    case SpeculativeMethod::kNgram: return "ngram";
+    case SpeculativeMethod::kMtp: return "mtp";
   }
   return "none";
 }
@@ -30,14 +27,12 @@ SpeculativeMethod parse_speculative_method(std::string_view name) {
 
 void SpeculativeConfig::validate() const {
   if (method == SpeculativeMethod::kNone) return;
-  if (num_drafts < 1 || num_drafts > 15)
-    raise(ErrorCode::kInvalidArgument, "num-drafts must be in [1, 15], got {}", num_drafts);
+  if (num_drafts < 1 || num_drafts > 15) raise(ErrorCode::kInvalidArgument, "num-drafts must be in [1, 15], got {}", num_drafts);
   if (ngram_min < 1 || ngram_max < ngram_min)
-    raise(ErrorCode::kInvalidArgument, "n-gram sizes must satisfy 1 <= ngram-min <= ngram-max, got {} and {}",
-          ngram_min, ngram_max);
+    raise(ErrorCode::kInvalidArgument, "n-gram sizes must satisfy 1 <= ngram-min <= ngram-max, got {} and {}", ngram_min,
+          ngram_max);
   if (replay_accept_rate > 1.0)
-    raise(ErrorCode::kInvalidArgument, "spec-accept-rate must be in [0, 1] (or negative: off), got {}",
-          replay_accept_rate);
+    raise(ErrorCode::kInvalidArgument, "spec-accept-rate must be in [0, 1] (or negative: off), got {}", replay_accept_rate);
 }
 
 std::vector<int32_t> propose_ngram_drafts(std::span<const int32_t> tokens, int32_t ngram_min, int32_t ngram_max,
@@ -70,9 +65,7 @@ void target_distribution(Sampler& sampler, std::span<float> logits, const Sampli
   for (size_t i = 0; i < vocab; ++i) weights[i] = std::exp((logits[i] - max_logit) / params.temperature);
   std::vector<int32_t> order(vocab);
   std::iota(order.begin(), order.end(), 0);
-  const auto more_likely = [&](int32_t a, int32_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-  };
+  const auto more_likely = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
   size_t kept = vocab;
   if (params.top_k > 0 && static_cast<size_t>(params.top_k) < vocab) {
     kept = static_cast<size_t>(params.top_k);
@@ -135,8 +128,7 @@ SampledToken describe_token(std::span<const float> logits, int32_t token, int32_
 int32_t rejection_sample(std::span<const float> p, std::span<const float> q, int32_t draft, float accept_uniform,
                          float residual_uniform, bool& accepted) {
   const auto d = static_cast<size_t>(draft);
-  METRALE_CHECK(d < p.size() && (q.empty() || q.size() == p.size()), "rejection_sample: draft {} of {}", draft,
-                p.size());
+  METRALE_CHECK(d < p.size() && (q.empty() || q.size() == p.size()), "rejection_sample: draft {} of {}", draft, p.size());
   const double q_draft = q.empty() ? 1.0 : static_cast<double>(q[d]);
   const double ratio = q_draft > 0.0 ? static_cast<double>(p[d]) / q_draft : 1.0;
   accepted = static_cast<double>(accept_uniform) < ratio;
@@ -296,7 +288,7 @@ SpeculationController::Choice SpeculationController::decide(const Bucket* found,
   const int32_t best = best_drafts(found, num_decoding, tokens, most_available, slow_acceptance);
   if (found == nullptr || most_available == 0) return {best, false};
   // Off: a one-draft probe now and then measures acceptance (and the cost) again.
-  if (best == 0 && step >= found->next_probe) return {1, true};
+  if (best == 0 && step >= found->next_probe) return {1, true, true};
   // Plain decoding is the reference: measure it early in a new bucket (after the first step, which
   // verifies the drafts an MTP head prepared during prefill).
   if (found->cells[0].samples == 0 && step >= 2) return {0, true};
@@ -374,8 +366,7 @@ SpeculationController::Choice SpeculationController::choose(std::span<const doub
   last_tokens_ = tokens;
   last_slow_acceptance_ = slow;
   const Choice choice = decide(&found, found.steps, num_decoding, tokens, slow);
-  if (choice.explored && found.steps >= found.next_probe && choice.drafts == 1 &&
-      best_drafts(&found, num_decoding, tokens, static_cast<int32_t>(tokens.size()) - 1, slow) == 0) {
+  if (choice.probe) {
     // A probe: the next one waits twice as long unless drafting turns on meanwhile.
     found.next_probe = found.steps + found.probe_interval;
     found.probe_interval = std::min(2 * found.probe_interval, kLongestProbeInterval);

@@ -145,6 +145,7 @@ class SpeculationController {
   struct Choice {
     int32_t drafts = 0;
     bool explored = false;  // an exploration or probe: keep it (refine() would undo it)
+    bool probe = false;     // a one-draft probe while drafting is off
   };
   Choice choose(std::span<const double> acceptance, std::span<const int32_t> available, int64_t other_rows);
   // The best cap for the drafts proposed, at most `cap` (no exploration): 0 when verifying them

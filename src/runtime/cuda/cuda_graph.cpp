@@ -6,9 +6,7 @@
 
 namespace metrale {
 
-CudaGraph::~CudaGraph() {
-  reset();
-}
+CudaGraph::~CudaGraph() { reset(); }
 
 CudaGraph::CudaGraph(CudaGraph&& other) noexcept
     : graph_(std::exchange(other.graph_, nullptr)), exec_(std::exchange(other.exec_, nullptr)) {}
@@ -43,22 +41,14 @@ void CudaGraph::end_capture(cudaStream_t stream) {
   METRALE_CUDA_CHECK(cudaGraphUpload(exec_, stream));
 }
 
-void CudaGraph::launch(cudaStream_t stream) const {
-  METRALE_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
-}
+void CudaGraph::launch(cudaStream_t stream) const { METRALE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
 
-CudaEvent::CudaEvent() {
-  METRALE_CUDA_CHECK(cudaEventCreate(&event_));
-}
+CudaEvent::CudaEvent() { METRALE_CUDA_CHECK(cudaEventCreate(&event_)); }
 CudaEvent::~CudaEvent() {
   if (event_ != nullptr) cudaEventDestroy(event_);
 }
-void CudaEvent::record(cudaStream_t stream) {
-  METRALE_CUDA_CHECK(cudaEventRecord(event_, stream));
-}
-void CudaEvent::synchronize() const {
-  METRALE_CUDA_CHECK(cudaEventSynchronize(event_));
-}
+void CudaEvent::record(cudaStream_t stream) { METRALE_CUDA_CHECK(cudaEventRecord(event_, stream)); }
+void CudaEvent::synchronize() const { METRALE_CUDA_CHECK(cudaEventSynchronize(event_)); }
 float CudaEvent::elapsed_ms_since(const CudaEvent& start) const {
   float ms = 0.0f;
   METRALE_CUDA_CHECK(cudaEventElapsedTime(&ms, start.event_, event_));
