@@ -63,6 +63,13 @@ class Model {
                            int64_t /*mtp_layer*/) {
     raise(ErrorCode::kUnsupported, "model '{}' has no MTP head", config().model_type);
   }
+  // Only the MTP keys mtp_forward would write for the batch's rows (token_ids, positions and
+  // slot_mapping are read; hidden [T, H] as there): the catch-up of positions whose draft nobody
+  // needs, at the cost of the head's input and its K/V projection.
+  virtual void mtp_write_keys(const ForwardBatch& /*batch*/, std::span<const LayerCache> /*caches*/,
+                              const Tensor& /*hidden*/, Arena& /*workspace*/, int64_t /*mtp_layer*/) {
+    raise(ErrorCode::kUnsupported, "model '{}' has no MTP head", config().model_type);
+  }
 };
 
 }  // namespace metrale

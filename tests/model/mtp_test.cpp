@@ -143,6 +143,29 @@ TEST(MtpDemo, ChainedDraftLeavesNoTraceAfterCatchUp) {
   EXPECT_LT(max_abs_difference(chained_next.logits, plain_next.logits), 1e-5);
 }
 
+TEST(MtpDemo, KeysOnlyCatchUpEqualsForward) {
+  // Positions whose draft nobody reads get only their MTP keys (Model::mtp_write_keys); the rows
+  // that follow must see the keys a full MTP forward would have written.
+  const auto ids = demo_reference().at("input_ids").get<std::vector<int32_t>>();
+  const auto model = load_model(kDemoDir, Device::cpu());
+  SpecRunner keys(*model, /*with_mtp=*/true), full(*model, /*with_mtp=*/true);
+  const SpecRunner::Rows trunk = keys.step({{0, ids}});
+  (void)full.step({{0, ids}});
+  const std::vector<int32_t> next(ids.begin() + 1, ids.end());
+  const std::vector<std::vector<float>> hidden = rows_between(trunk.hidden, 0, next.size());
+  const size_t last = next.size() - 1;
+  const SpecRunner::Rows expected = full.mtp_step({{0, next}}, hidden);
+  // Keys only for a prefix, a full row, keys only again, then the last row in full.
+  keys.mtp_write_keys({{0, rows_between(next, 0, 20)}}, rows_between(hidden, 0, 20));
+  const SpecRunner::Rows middle = keys.mtp_step({{0, rows_between(next, 20, 21)}}, rows_between(hidden, 20, 21));
+  keys.mtp_write_keys({{0, rows_between(next, 21, last)}}, rows_between(hidden, 21, last));
+  const SpecRunner::Rows tail =
+      keys.mtp_step({{0, rows_between(next, last, last + 1)}}, rows_between(hidden, last, last + 1));
+  EXPECT_LT(max_abs_difference(middle.logits, rows_between(expected.logits, 20, 21)), 1e-5);
+  EXPECT_LT(max_abs_difference(tail.logits, rows_between(expected.logits, last, last + 1)), 1e-5);
+  EXPECT_LT(max_abs_difference(tail.hidden, rows_between(expected.hidden, last, last + 1)), 1e-6);
+}
+
 // Random-weight hybrids whose config declares an MTP layer: the head loads with the family's FFN
 // (MoE for qwen3_5_moe and qwen3_next) and its KV cache works across steps.
 TEST(MtpRandom, MoeHeadsRunWholeEqualsIncremental) {

@@ -77,6 +77,19 @@ SpecRunner::Rows SpecRunner::mtp_step(const std::vector<Chunk>& chunks, const st
   return {split_rows(logits, tokens, vocab), split_rows(out, tokens, width)};
 }
 
+void SpecRunner::mtp_write_keys(const std::vector<Chunk>& chunks, const std::vector<std::vector<float>>& hidden,
+                                int64_t mtp_layer) {
+  HostBatch host;
+  cache_.build(chunks, mtp_cached_, /*last_rows_only=*/false, host);
+  const int64_t tokens = host.batch.num_tokens, width = model_.config().hidden_size;
+  METRALE_CHECK(static_cast<int64_t>(hidden.size()) == tokens, "{} hidden rows for {} tokens", hidden.size(), tokens);
+  std::vector<float> hidden_in;
+  for (const auto& row : hidden) hidden_in.insert(hidden_in.end(), row.begin(), row.end());
+  arena_.reset();
+  model_.mtp_write_keys(host.batch, cache_.layers(), Tensor(hidden_in.data(), DType::kF32, {tokens, width}), arena_,
+                        mtp_layer);
+}
+
 std::vector<float> SpecRunner::state(int64_t seq_id, size_t layer, size_t which) {
   const Tensor slot = cache_.layers().at(layer).states.at(which).select(0, cache_.state_slot(seq_id));
   const auto* data = slot.data_as<const float>();

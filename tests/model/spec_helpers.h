@@ -33,6 +33,9 @@ class SpecRunner {
   // An MTP step: chunk tokens x_{t+1} for the sequence's next MTP positions t (from mtp_cached),
   // `hidden` [T][H] the matching h_t rows.
   Rows mtp_step(const std::vector<Chunk>& chunks, const std::vector<std::vector<float>>& hidden, int64_t mtp_layer = 0);
+  // The same rows through Model::mtp_write_keys: the MTP keys only, no output.
+  void mtp_write_keys(const std::vector<Chunk>& chunks, const std::vector<std::vector<float>>& hidden,
+                      int64_t mtp_layer = 0);
 
   int64_t cached(int64_t seq_id) { return cached_[seq_id]; }
   int64_t mtp_cached(int64_t seq_id) { return mtp_cached_[seq_id]; }

@@ -89,4 +89,30 @@ void Attention::forward(const StepContext& step, const LayerCache& cache, const 
   kernels::linear(attn.reshape({tokens, config_.num_heads * d}), o_proj_, out);
 }
 
+void Attention::write_keys(const StepContext& step, const LayerCache& cache, const Tensor& x) {
+  const ForwardBatch& batch = step.batch;
+  const int64_t tokens = batch.num_tokens, d = config_.head_dim;
+  const int64_t q_rows = config_.num_heads * d * (config_.output_gate ? 2 : 1), kv_rows = config_.num_kv_heads * d;
+  const DType act = step.activation_dtype;
+  const Tensor kv = step.workspace.alloc(act, {tokens, 2 * kv_rows});  // [T, 2 nKV * D]: k then v
+  if (!qkv_proj_.tensor.empty()) {
+    kernels::linear(x, qkv_proj_.tensor.slice(0, q_rows, q_rows + 2 * kv_rows), kv);
+  } else {
+    kernels::linear(x, k_proj_, kv.slice(1, 0, kv_rows));
+    kernels::linear(x, v_proj_, kv.slice(1, kv_rows, 2 * kv_rows));
+  }
+  const int64_t row = kv.stride(0);
+  const Tensor k(kv.data(), act, {tokens, config_.num_kv_heads, d}, {row, d, 1}, kv.device());
+  const Tensor v(kv.slice(1, kv_rows, 2 * kv_rows).data(), act, {tokens, config_.num_kv_heads, d}, {row, d, 1},
+                 kv.device());
+  const Tensor no_queries(kv.data(), act, {tokens, 0, d}, {row, d, 1}, kv.device());  // [T, 0, D]
+  kernels::QkNormRopeParams prologue;
+  prologue.q_norm = false;
+  prologue.k_norm = k_norm_.has_value();
+  prologue.norm = k_norm_ ? k_norm_->params : kernels::RmsNormParams{};
+  prologue.rope = rope_->params();
+  kernels::qk_norm_rope_kv_write(no_queries, k, v, Tensor(), k_norm_ ? k_norm_->weight : Tensor(), batch.positions,
+                                 rope_->inv_freq(), batch.slot_mapping, cache.k_cache, cache.v_cache, prologue);
+}
+
 }  // namespace metrale

@@ -36,6 +36,7 @@ class Attention : public Mixer {
   LayerCacheSpec cache_spec() const override;
   size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
   void forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) override;
+  void write_keys(const StepContext& step, const LayerCache& cache, const Tensor& x) override;
 
  private:
   AttentionConfig config_;

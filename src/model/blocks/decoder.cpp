@@ -207,8 +207,7 @@ void DecoderModel::commit_kept_rows(const ForwardBatch& batch, const VerifyCommi
   }
 }
 
-void DecoderModel::mtp_forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& hidden,
-                               const Tensor& logits, Arena& workspace, int64_t mtp_layer) {
+size_t DecoderModel::mtp_cache_index(std::span<const LayerCache> caches, int64_t mtp_layer) const {
   if (!parts_.mtp) raise(ErrorCode::kUnsupported, "{}: the checkpoint has no MTP head", config_.source.string());
   if (mtp_layer < 0 || mtp_layer >= parts_.mtp->num_layers()) {
     raise(ErrorCode::kInvalidArgument, "MTP layer {} of {}", mtp_layer, parts_.mtp->num_layers());
@@ -216,6 +215,19 @@ void DecoderModel::mtp_forward(const ForwardBatch& batch, std::span<const LayerC
   const size_t cache_index = parts_.layers.size() + static_cast<size_t>(mtp_layer);
   METRALE_CHECK(caches.size() > cache_index, "{} caches: the MTP layer {} reads cache {}", caches.size(), mtp_layer,
                 cache_index);
+  return cache_index;
+}
+
+void DecoderModel::mtp_write_keys(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& hidden,
+                                  Arena& workspace, int64_t mtp_layer) {
+  const size_t cache_index = mtp_cache_index(caches, mtp_layer);
+  StepContext step{batch, workspace, activation_dtype(), Tensor(), Tensor()};
+  parts_.mtp->write_keys(step, caches[cache_index], mtp_layer, parts_.embed_tokens, hidden);
+}
+
+void DecoderModel::mtp_forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& hidden,
+                               const Tensor& logits, Arena& workspace, int64_t mtp_layer) {
+  const size_t cache_index = mtp_cache_index(caches, mtp_layer);
   const DType act = activation_dtype();
   StepContext step{batch, workspace, act, Tensor(), Tensor()};
   const size_t scratch = parts_.mtp->scratch_bytes(mtp_layer, batch, device_);

@@ -43,9 +43,13 @@ class DecoderModel : public Model {
   std::vector<LayerCacheSpec> mtp_cache_specs() const override;
   void mtp_forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& hidden,
                    const Tensor& logits, Arena& workspace, int64_t mtp_layer) override;
+  void mtp_write_keys(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& hidden,
+                      Arena& workspace, int64_t mtp_layer) override;
 
  private:
   DType activation_dtype() const;
+  // The index in `caches` of MTP layer `mtp_layer`'s KV; throws when there is no such layer.
+  size_t mtp_cache_index(std::span<const LayerCache> caches, int64_t mtp_layer) const;
   // Offsets of each layer's region in ForwardBatch::verify_scratch, and the total ([layers + 1]).
   std::vector<size_t> verify_scratch_offsets(int64_t num_tokens, int64_t num_seqs) const;
   // logits [R, V] = lm_head(final_hidden[logit_rows]); final_hidden [T, H].

@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "core/error.h"
 #include "model/blocks/norms.h"
 #include "model/cache_spec.h"
 #include "model/forward_batch.h"
@@ -33,6 +34,12 @@ class Mixer {
   virtual size_t scratch_bytes(const ForwardBatch& /*batch*/, Device /*device*/) const { return 0; }
   // x [T, H] (normalised layer input); out [T, H] is overwritten.
   virtual void forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) = 0;
+  // Only what forward() writes to the cache for x's rows (the batch's positions and slot_mapping),
+  // without computing the output: the MTP head's keys of positions that draft nothing. Attention
+  // mixers only.
+  virtual void write_keys(const StepContext& /*step*/, const LayerCache& /*cache*/, const Tensor& /*x*/) {
+    raise(ErrorCode::kUnsupported, "only attention layers write their keys without a forward");
+  }
 
   // Speculative verify. Mixers whose cache a verify step can leave exactly right (paged KV: the
   // engine drops the rejected tail by truncating the sequence) need neither hook. A recurrent mixer

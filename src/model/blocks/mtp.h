@@ -14,8 +14,9 @@
 // layers and addressed through the trunk's block tables and slot mapping: position t's MTP key sits
 // in the same cache slot as position t's trunk keys.
 //
-// Workspace per step (allocated in this order): embedded [T, H], joined [T, 2H], residual, normed,
-// sublayer [T, H], all in the activation dtype, then the layer's own temporaries.
+// Workspace per step (allocated in this order): residual, normed, sublayer [T, H] (write_keys: the
+// first two), embedded [T, H], joined [T, 2H], all in the activation dtype, then the layer's own
+// temporaries.
 #pragma once
 
 #include <vector>
@@ -47,8 +48,16 @@ class MtpHead {
   // the head has its own. `cache` is layer `layer`'s paged KV.
   void forward(const StepContext& step, const LayerCache& cache, int64_t layer, const Tensor& trunk_embedding,
                const Tensor& hidden, const Tensor& out);
+  // Only the keys forward() writes to `cache` for these rows (u, the layer's input norm, its K/V
+  // projection): rows whose output nobody reads, e.g. every catch-up row but a sequence's last.
+  void write_keys(const StepContext& step, const LayerCache& cache, int64_t layer, const Tensor& trunk_embedding,
+                  const Tensor& hidden);
 
  private:
+  // u = fc · [e | g] of the rows (see above) into `residual` [T, H]; checks the shapes.
+  void fused_input(const StepContext& step, const Tensor& trunk_embedding, const Tensor& hidden,
+                   const Tensor& residual);
+
   MtpHeadParts parts_;
   std::vector<Buffer> device_weights_;
 };
