@@ -507,6 +507,8 @@ std::vector<TokenEvent> Engine::step() {
     collect_mtp_drafter_fixed(result);
   } else if (mtp_active_) {
     run_mtp_drafter(result, kept_rows);
+  } else if (config_.speculative.method == SpeculativeMethod::kMtp) {
+    write_mtp_keys(result, kept_rows);
   }
   if (speculating()) {
     const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - step_start;

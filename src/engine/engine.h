@@ -151,6 +151,13 @@ class Engine {
   void launch_mtp_drafter_fixed(const StepResult& result, std::span<const int64_t> accepted,
                                 const std::vector<std::vector<SampledToken>>& emitted);
   void collect_mtp_drafter_fixed(const StepResult& result);
+  // After a step that ran no MTP head: the MTP keys of its kept rows, so that the head finds every
+  // earlier position when it runs again (and a probe measures the head's true acceptance). A decode
+  // step parks its hidden states in the runner's stash, written in one batch when the stash fills
+  // or before the head runs; other steps write theirs at once.
+  void write_mtp_keys(const StepResult& result, std::span<const int64_t> kept_rows);
+  // Writes the keys of the stashed rows whose sequences still hold their positions; empties the stash.
+  void flush_mtp_stash();
   // Every sequence of the step samples greedily (or acceptance is replayed), without penalties, top
   // logprobs or prompt logits: its next token is the argmax, its MTP drafts the head's argmax, and a
   // verify step accepts from the argmax rows alone.
@@ -178,6 +185,12 @@ class Engine {
   std::vector<float> host_logits_;          // logits rows copied from the device for sampling
   SpeculationController spec_controller_;
   bool mtp_active_ = false;                 // this step runs the MTP head afterwards
+  std::vector<MtpKeyRow> mtp_stash_rows_;   // rows waiting in Runner::mtp_stash() (hidden_row: stash row)
+  // Tests (EngineTestAccess): the next this many steps run plain with the MTP head off, whatever
+  // the controller chooses.
+  int64_t forced_plain_steps_ = 0;
+  friend class EngineTestAccess;
+  int64_t mtp_stash_used_ = 0;              // stash rows taken (finished sequences' rows included)
   std::vector<float> spec_scratch_;         // [V] rows for acceptance
   std::vector<float> spec_probs_;           // [V] target distribution
 

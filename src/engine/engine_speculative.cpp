@@ -94,7 +94,11 @@ void Engine::prepare_drafts() {
     acceptance.push_back(a);
     available.push_back(static_cast<int32_t>(std::max<int64_t>(limit, 0)));
   }
-  const SpeculationController::Choice choice = spec_controller_.choose(acceptance, available, other_rows);
+  SpeculationController::Choice choice = spec_controller_.choose(acceptance, available, other_rows);
+  if (forced_plain_steps_ > 0) {
+    --forced_plain_steps_;
+    choice = {0, true};
+  }
   // Proposals up to the step's cap.
   for (size_t i = 0; i < decoding.size(); ++i) {
     Sequence& sequence = *decoding[i];
@@ -129,17 +133,20 @@ void Engine::prepare_drafts() {
     }
   }
   // MTP: the head runs after this step (catch-up, and drafts for the next) when the next step is
-  // expected to verify drafts; it also keeps the trunk's hidden states. While it is off the MTP keys
-  // of the skipped positions are not written: later drafts attend to stale entries there, which
-  // lowers their acceptance but never changes the output. A step exploring plain runs no head: it
+  // expected to verify drafts. While it is off only its keys are written (write_mtp_keys), decode
+  // steps' in batches: the head's view of the sequence stays whole, so drafting can resume, and a
+  // probe measure acceptance, as if it had never stopped. A step exploring plain runs no head: it
   // measures plain decoding.
   // Prefill steps count the sequences about to decode: the waiting ones are admitted by this step's
-  // schedule, and the head must see their prompts.
+  // schedule.
   const auto next_decoding =
       std::min<int64_t>(static_cast<int64_t>(running_.size() + waiting_.size()), config_.scheduler.max_num_seqs);
+  // A probe runs the head too: when it finds that drafting pays, the next step probes again (see
+  // SpeculationController::record_step) and needs its drafts.
   mtp_active_ = spec.method == SpeculativeMethod::kMtp && !(choice.explored && choice.drafts == 0) &&
-                (!spec.adaptive || spec_controller_.planned_drafts(next_decoding) > 0);
-  runner_->set_keep_hidden(mtp_active_);
+                (!spec.adaptive || choice.probe || spec_controller_.planned_drafts(next_decoding) > 0);
+  // MTP: every step's hidden states are kept, for the head or for the keys it would have written.
+  runner_->set_keep_hidden(spec.method == SpeculativeMethod::kMtp);
 }
 
 int32_t Engine::mtp_chain_length() const {
@@ -210,42 +217,46 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
   const SpeculativeConfig& spec = config_.speculative;
   const int64_t vocab = model_->config().vocab_size;
   const int64_t num_layers = std::max<int64_t>(model_->num_mtp_layers(), 1);
-  // Catch-up: every kept row of this step gets its MTP keys (row t with h_t and x_{t+1}); the last
-  // row of a decoding sequence also drafts the token after its new one.
+  flush_mtp_stash();  // the head attends to every earlier position
+  // Catch-up: every kept row of this step gets its MTP keys (row t with h_t and x_{t+1}). The last
+  // row of a decoding sequence runs the whole head and drafts the token after its new one; the
+  // other rows (prompts, accepted drafts) only write their keys.
+  std::vector<MtpKeyRow> key_rows;
   std::vector<MtpRows> rows;
   std::vector<Sequence*> drafting;
   for (size_t u = 0; u < result.uses.size(); ++u) {
     const LogitRowUse& use = result.uses[u];
     Sequence& sequence = *use.chunk.sequence;
-    if (sequence.finished()) continue;
     const int64_t count = kept_rows[u];
+    if (sequence.finished() || count <= 0) continue;
     const int64_t first_position = sequence.num_computed - count;
-    MtpRows seq_rows;
-    seq_rows.seq_id = sequence.id;
-    seq_rows.first_position = first_position;
-    seq_rows.first_hidden_row = use.first_batch_row;
-    seq_rows.next_tokens.assign(sequence.tokens.begin() + first_position + 1,
-                                sequence.tokens.begin() + first_position + 1 + count);
-    seq_rows.wants_logits = is_decoding(sequence);
-    if (seq_rows.wants_logits) drafting.push_back(&sequence);
-    rows.push_back(std::move(seq_rows));
+    const bool drafts = is_decoding(sequence);
+    const int64_t keys_only = drafts ? count - 1 : count;
+    for (int64_t i = 0; i < keys_only; ++i) {
+      const int64_t position = first_position + i;
+      key_rows.push_back(
+          {sequence.id, position, sequence.tokens[static_cast<size_t>(position + 1)], use.first_batch_row + i});
+    }
+    if (drafts) {
+      MtpRows seq_rows;
+      seq_rows.seq_id = sequence.id;
+      seq_rows.first_position = sequence.num_computed - 1;
+      seq_rows.next_tokens = {sequence.tokens[static_cast<size_t>(sequence.num_computed)]};
+      seq_rows.first_hidden_row = use.first_batch_row + count - 1;
+      seq_rows.wants_logits = true;
+      rows.push_back(std::move(seq_rows));
+      drafting.push_back(&sequence);
+    }
     sequence.mtp_missed += std::max<int64_t>(0, first_position - sequence.mtp_computed);
     sequence.mtp_computed = sequence.num_computed;
   }
-  if (rows.empty()) return;
+  if (!key_rows.empty()) runner_->run_mtp_keys(key_rows, runner_->last_hidden());
+  if (drafting.empty()) return;
   Tensor hidden;
   Tensor logits = runner_->run_mtp(rows, runner_->last_hidden(), 0, hidden);
-  if (drafting.empty()) return;
-  // Draft j + 1 of a sequence continues from its o_t row of the step that drafted j.
+  // Draft j + 1 of a sequence continues from its o_t row of the step that drafted j (one row each).
   std::vector<int64_t> hidden_row(drafting.size());
-  {
-    int64_t t = 0;
-    size_t d = 0;
-    for (const MtpRows& seq_rows : rows) {
-      t += static_cast<int64_t>(seq_rows.next_tokens.size());
-      if (seq_rows.wants_logits) hidden_row[d++] = t - 1;
-    }
-  }
+  for (size_t d = 0; d < drafting.size(); ++d) hidden_row[d] = static_cast<int64_t>(d);
   const auto take_drafts = [&](const Tensor& step_logits, std::span<Sequence* const> sequences) {
     const bool argmax_only = std::all_of(sequences.begin(), sequences.end(), [&](const Sequence* sequence) {
       return sequence->request.sampling.is_greedy() || spec.replay_accept_rate >= 0.0;
@@ -396,6 +407,7 @@ bool Engine::accept_greedy_rows(const StepResult& result, std::vector<std::vecto
 
 void Engine::launch_mtp_drafter_fixed(const StepResult& result, std::span<const int64_t> accepted,
                                       const std::vector<std::vector<SampledToken>>& emitted) {
+  flush_mtp_stash();  // the head attends to every earlier position
   const int32_t wanted = mtp_chain_length();
   std::vector<MtpFixedRow> rows(result.uses.size());
   for (size_t u = 0; u < result.uses.size(); ++u) {
@@ -419,6 +431,57 @@ void Engine::launch_mtp_drafter_fixed(const StepResult& result, std::span<const 
     sequence.mtp_computed = t + a + 1;
   }
   runner_->launch_mtp_fixed(rows, wanted);
+}
+
+void Engine::write_mtp_keys(const StepResult& result, std::span<const int64_t> kept_rows) {
+  std::vector<MtpKeyRow> rows;
+  // A decode step without drafts: sequence u's hidden state sits in row u (both layouts).
+  bool decode_step = true;
+  for (size_t u = 0; u < result.uses.size(); ++u) {
+    const LogitRowUse& use = result.uses[u];
+    Sequence& sequence = *use.chunk.sequence;
+    decode_step = decode_step && use.chunk.decodes() && use.chunk.num_drafts == 0 &&
+                  use.first_batch_row == static_cast<int64_t>(u);
+    const int64_t count = kept_rows[u];
+    if (sequence.finished() || count <= 0) continue;
+    const int64_t first_position = sequence.num_computed - count;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t position = first_position + i;
+      rows.push_back(
+          {sequence.id, position, sequence.tokens[static_cast<size_t>(position + 1)], use.first_batch_row + i});
+    }
+    sequence.mtp_missed += std::max<int64_t>(0, first_position - sequence.mtp_computed);
+    sequence.mtp_computed = sequence.num_computed;
+  }
+  if (rows.empty()) return;
+  const auto step_rows = static_cast<int64_t>(result.uses.size());
+  if (!decode_step || step_rows > runner_->mtp_stash_rows()) {
+    runner_->run_mtp_keys(rows, runner_->last_hidden());
+    return;
+  }
+  if (mtp_stash_used_ + step_rows > runner_->mtp_stash_rows()) flush_mtp_stash();
+  runner_->stash_hidden_rows(0, step_rows, mtp_stash_used_);
+  for (MtpKeyRow& row : rows) {
+    row.hidden_row += mtp_stash_used_;
+    mtp_stash_rows_.push_back(row);
+  }
+  mtp_stash_used_ += step_rows;
+}
+
+void Engine::flush_mtp_stash() {
+  if (mtp_stash_rows_.empty()) return;
+  // A sequence that finished, or was preempted and has not recomputed the position, lost its blocks
+  // there: its rows are dropped.
+  std::vector<MtpKeyRow> rows;
+  rows.reserve(mtp_stash_rows_.size());
+  for (const MtpKeyRow& row : mtp_stash_rows_) {
+    const auto it = sequences_.find(row.seq_id);
+    if (it == sequences_.end() || it->second->finished() || row.position >= it->second->num_computed) continue;
+    rows.push_back(row);
+  }
+  mtp_stash_rows_.clear();
+  mtp_stash_used_ = 0;
+  if (!rows.empty()) runner_->run_mtp_keys(rows, runner_->mtp_stash());
 }
 
 void Engine::collect_mtp_drafter_fixed(const StepResult& result) {

@@ -378,6 +378,7 @@ void Runner::capture_decode_graphs(const std::vector<int64_t>& batch_sizes) {
   }
   synchronize(device);
   if (limits_.max_drafts > 0) capture_verify_graphs(batch_sizes);
+  warm_up_mtp_keys();
   METRALE_LOG_INFO("captured {} decode graphs and {} verify graph sets", graphs_.size(), verify_graphs_.size());
 #else
   (void)batch_sizes;

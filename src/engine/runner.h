@@ -63,6 +63,15 @@ struct MtpRows {
   bool wants_logits = false;         // the draft logits of the last row are needed
 };
 
+// One MTP catch-up row whose draft nobody reads (Model::mtp_write_keys): trunk position
+// `position` of a sequence, the token after it (x_{t+1}) and the row of a hidden source holding h_t.
+struct MtpKeyRow {
+  int64_t seq_id = 0;
+  int64_t position = 0;
+  int32_t next_token = 0;
+  int64_t hidden_row = 0;
+};
+
 struct StepResult {
   Tensor logits;                    // [R, vocab] f32 on the model's device
   std::vector<LogitRowUse> uses;    // one per scheduled chunk
@@ -142,6 +151,21 @@ class Runner {
   // (in order); `out_hidden` receives o_t of every row [T, H] (a runner-owned buffer, valid until
   // the second next call).
   Tensor run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_source, int64_t mtp_layer, Tensor& out_hidden);
+  // The MTP keys of `rows` only (Model::mtp_write_keys, layer 0), h_t gathered from `hidden_source`
+  // [*, H]; in batches of at most the step's token limit, each padded to a power of two rows. Each
+  // row's sequence must hold a cache block for its position. Eager; the row arrays go up in one
+  // synchronous copy per batch.
+  void run_mtp_keys(std::span<const MtpKeyRow> rows, const Tensor& hidden_source);
+  // GPU, with RunnerLimits::mtp and a cache: runs run_mtp_keys' batch shapes once (padding rows
+  // only), so that libraries choose and load their kernels before the first step.
+  void warm_up_mtp_keys();
+  // RunnerLimits::mtp: [mtp_stash_rows(), H] activation dtype, where the engine parks the hidden
+  // states of decode steps that ran no MTP head until it writes their keys in one batch.
+  const Tensor& mtp_stash() const { return mtp_stash_.tensor; }
+  int64_t mtp_stash_rows() const { return mtp_stash_.tensor.empty() ? 0 : mtp_stash_.tensor.size(0); }
+  // Queues a copy of rows [first, first + count) of the last step's hidden states to stash rows
+  // [at, at + count).
+  void stash_hidden_rows(int64_t first, int64_t count, int64_t at);
 
   size_t workspace_bytes() const { return workspace_.capacity_bytes(); }
 
@@ -173,6 +197,10 @@ class Runner {
   // Fill and upload the commit / MTP arrays of the last fixed-layout verify (empty spans: padding).
   void stage_fixed_commit(std::span<const int32_t> kept_rows);
   void stage_fixed_mtp(std::span<const MtpFixedRow> rows, int64_t drafts);
+  // run_mtp_keys' batches: `rows` (at most `padded`) padded to `padded` rows.
+  static constexpr int64_t kMinMtpKeyRows = 16;
+  int64_t mtp_key_batch_rows(int64_t count) const;
+  void run_mtp_key_batch(std::span<const MtpKeyRow> rows, int64_t padded, const Tensor& hidden_source);
   // Device arrays of the fixed-layout commit and MTP steps, views into one i32 buffer per shape.
   struct FixedArrays;
   FixedArrays fixed_arrays(int64_t seqs, int64_t k) const;
@@ -198,6 +226,8 @@ class Runner {
   ForwardBatch last_verify_;    // the last verify step's batch, until its commit
   bool commit_pending_ = false;
   OwnedTensor mtp_hidden_in_, mtp_out_[2], mtp_gather_, mtp_logits_;
+  OwnedTensor mtp_stash_;     // [rows, H] hidden states awaiting their MTP keys (see mtp_stash())
+  OwnedTensor mtp_key_ints_;  // run_mtp_keys' arrays: token ids, positions, slots, gather index
   int mtp_flip_ = 0;
   OwnedTensor logits_;        // [max_num_seqs, vocab] f32 (GPU); this step's logits (CPU)
   OwnedTensor score_logits_;  // one-off buffer for steps with more rows than logits_ holds

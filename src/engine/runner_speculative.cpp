@@ -163,6 +163,14 @@ void Runner::allocate_speculative_buffers() {
     mtp_fixed_hidden_[1] = OwnedTensor(act, {seqs, hidden}, device);
     mtp_fixed_hidden_[2] = OwnedTensor(act, {seqs, hidden}, device);
     mtp_fixed_logits_ = OwnedTensor(DType::kF32, {seqs, vocab}, device);
+    // Sixteen decode steps of hidden states between two batched MTP key catch-ups while the head
+    // is off; the batch then costs a few kernels over 16 x S rows instead of a head per step.
+    constexpr int64_t kStashSteps = 16;
+    mtp_stash_ = OwnedTensor(act, {kStashSteps * seqs, hidden}, device);
+    // Eager MTP steps (run_mtp, run_mtp_keys: at most `tokens` rows each) gather into these, sized
+    // up front so that no step allocates (and synchronises).
+    mtp_hidden_in_ = OwnedTensor(act, {tokens, hidden}, device);
+    mtp_key_ints_ = OwnedTensor(DType::kI32, {4 * tokens}, device);
   }
 }
 
@@ -682,6 +690,78 @@ Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_sourc
   workspace_.reset();
   model_.mtp_forward(batch, cache_->layer_caches(), hidden_in, logits, workspace_, mtp_layer);
   return logits;
+}
+
+void Runner::run_mtp_keys(std::span<const MtpKeyRow> rows, const Tensor& hidden_source) {
+  const int64_t most = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  for (size_t begin = 0; begin < rows.size(); begin += static_cast<size_t>(most)) {
+    const auto batch = rows.subspan(begin, std::min(rows.size() - begin, static_cast<size_t>(most)));
+    run_mtp_key_batch(batch, mtp_key_batch_rows(static_cast<int64_t>(batch.size())), hidden_source);
+  }
+}
+
+void Runner::run_mtp_key_batch(std::span<const MtpKeyRow> rows, int64_t padded, const Tensor& hidden_source) {
+  METRALE_CHECK(!commit_pending_, "an MTP step ran before the last verify step's commit");
+  METRALE_CHECK(static_cast<int64_t>(rows.size()) <= padded, "{} MTP key rows padded to {}", rows.size(), padded);
+  const Device device = model_.device();
+  const int64_t block_size = limits_.block_size;
+  // [4, padded] i32: token ids x_{t+1}, positions t, cache slots (-1: none), rows of hidden_source.
+  std::vector<int32_t> ints(static_cast<size_t>(4 * padded), 0);
+  std::fill(ints.begin() + 2 * padded, ints.begin() + 3 * padded, -1);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const MtpKeyRow& row = rows[i];
+    const auto table = cache_->block_table(row.seq_id);
+    METRALE_CHECK(static_cast<int64_t>(table.size()) * block_size > row.position,
+                  "MTP keys of sequence {} at position {} with {} blocks", row.seq_id, row.position, table.size());
+    const auto at = static_cast<int64_t>(i);
+    ints[static_cast<size_t>(at)] = row.next_token;
+    ints[static_cast<size_t>(padded + at)] = static_cast<int32_t>(row.position);
+    ints[static_cast<size_t>(2 * padded + at)] = cache_slot_of(table, row.position, block_size);
+    ints[static_cast<size_t>(3 * padded + at)] = static_cast<int32_t>(row.hidden_row);
+  }
+  const Tensor all = grown(mtp_key_ints_, DType::kI32, {4 * padded}, device);
+  copy_bytes(all.data(), device, ints.data(), Device::cpu(), ints.size() * sizeof(int32_t));
+  ForwardBatch batch;
+  batch.num_tokens = padded;
+  batch.block_size = block_size;
+  batch.token_ids = all.slice(0, 0, padded);
+  batch.positions = all.slice(0, padded, 2 * padded);
+  batch.slot_mapping = all.slice(0, 2 * padded, 3 * padded);
+  const Tensor hidden_in =
+      grown(mtp_hidden_in_, activation_dtype_of(device), {padded, model_.config().hidden_size}, device);
+  kernels::gather_rows(hidden_source, all.slice(0, 3 * padded, 4 * padded), hidden_in);
+  workspace_.reset();
+  model_.mtp_write_keys(batch, cache_->layer_caches(), hidden_in, workspace_, 0);
+}
+
+int64_t Runner::mtp_key_batch_rows(int64_t count) const {
+  const int64_t most = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  int64_t rows = kMinMtpKeyRows;
+  while (rows < count && rows < most) rows *= 2;
+  return std::min(rows, most);
+}
+
+void Runner::warm_up_mtp_keys() {
+  if (!limits_.mtp || cache_ == nullptr) return;
+  const int64_t most = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const Tensor source = mtp_stash_.tensor.slice(0, 0, 1);  // padding rows gather row 0 and write nothing
+  for (int64_t rows = kMinMtpKeyRows;; rows *= 2) {
+    run_mtp_key_batch({}, std::min(rows, most), source);
+    if (rows >= most) break;
+  }
+  synchronize(model_.device());
+}
+
+void Runner::stash_hidden_rows(int64_t first, int64_t count, int64_t at) {
+  METRALE_CHECK(!last_hidden_.empty() && first >= 0 && first + count <= last_hidden_.size(0),
+                "stash rows [{}, {}) of the last step's hidden states {}", first, first + count,
+                last_hidden_.describe());
+  METRALE_CHECK(at >= 0 && at + count <= mtp_stash_rows(), "stash rows [{}, {}) of {}", at, at + count,
+                mtp_stash_rows());
+  if (count == 0) return;
+  const Tensor source = last_hidden_.slice(0, first, first + count);
+  const Tensor target = mtp_stash_.tensor.slice(0, at, at + count);
+  copy_bytes_async(target.data(), model_.device(), source.data(), model_.device(), source.nbytes());
 }
 
 size_t Runner::profile_fixed_steps() {

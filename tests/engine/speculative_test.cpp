@@ -22,6 +22,14 @@
 #include "test_models_helpers.h"
 
 namespace metrale {
+
+// Reaches into the engine for tests that need a decision the controller would not make.
+class EngineTestAccess {
+ public:
+  static void run_plain(Engine& engine, int64_t steps) { engine.forced_plain_steps_ = steps; }
+  static bool mtp_stash_empty(const Engine& engine) { return engine.mtp_stash_rows_.empty(); }
+};
+
 namespace {
 
 // The unoptimised ASan+UBSan build checks memory, which few runs exercise as well as many: there the
@@ -366,6 +374,90 @@ TEST(SpeculativeDemo, MtpAcceptanceIsPlausible) {
   EXPECT_LE(rate, 1.0);
 }
 
+// While the MTP head is off (plain steps) the engine writes only its keys: decode steps' in batches
+// from the stash (here also when the stash fills), prefill steps' at once. When the head runs again
+// its cache must hold what it would have written itself had it never stopped (up to the rounding of
+// the trunk's hidden states, which verify and decode rows compute in different shapes).
+void expect_mtp_keys_while_head_off_equal_the_heads(Device device, double tolerance) {
+  struct Run {
+    std::vector<int32_t> tokens;
+    std::vector<float> keys, values;  // the MTP layer's cache rows of positions [0, computed)
+    int64_t computed = 0;
+  };
+  const std::vector<int32_t> prompt = {100, 237, 311, 17, 42, 42, 9, 640, 55, 1200, 3, 77, 8, 19, 260, 14, 90, 5};
+  const auto generate_with = [&](bool pauses) {
+    EngineConfig config;
+    config.speculative = spec_config(SpeculativeMethod::kMtp, 2);
+    config.max_model_len = 256;
+    config.scheduler.max_num_seqs = 1;            // a stash of 16 rows: a 20-step pause fills it
+    config.scheduler.max_num_batched_tokens = 8;  // a prompt of three prefill steps
+    config.kv_cache_bytes = 64ull << 20;
+    auto model = load_model(kDemo, device);
+    const size_t mtp_cache = model->cache_specs().size();
+    Engine engine(std::move(model), config);
+    const int64_t id = engine.add_request(greedy(prompt, 200, 0));
+    if (pauses) EngineTestAccess::run_plain(engine, 2);  // the first two prefill steps
+    std::map<int64_t, Generated> outputs;
+    for (int step = 0; step < 400; ++step) {
+      if (pauses && step == 10) EngineTestAccess::run_plain(engine, 5);
+      if (pauses && step == 24) EngineTestAccess::run_plain(engine, 20);
+      record(engine.step(), outputs);
+      if (engine.sequence(id).num_output() >= 60 && EngineTestAccess::mtp_stash_empty(engine) && step > 50) break;
+    }
+    Run result;
+    result.tokens = outputs[id].tokens;
+    const Sequence& sequence = engine.sequence(id);
+    EXPECT_FALSE(sequence.finished());
+    EXPECT_EQ(sequence.mtp_missed, 0);
+    result.computed = sequence.mtp_computed;
+    const LayerCache& cache = engine.cache().layer_caches()[mtp_cache];
+    const auto table = engine.cache().block_table(id);
+    const int64_t block_size = cache.k_cache.size(1), row = cache.k_cache.size(2) * cache.k_cache.size(3);
+    const size_t row_bytes = static_cast<size_t>(row) * cache.k_cache.element_size();
+    std::vector<char> bytes(row_bytes);
+    const auto read_row = [&](const Tensor& tensor, int64_t slot, std::vector<float>& into) {
+      copy_bytes(bytes.data(), Device::cpu(), static_cast<const char*>(tensor.data()) + slot * row_bytes,
+                 tensor.device(), row_bytes);
+      for (int64_t i = 0; i < row; ++i)
+        into.push_back(load_as_f32(tensor.dtype(), bytes.data(), static_cast<size_t>(i)));
+    };
+    for (int64_t p = 0; p < result.computed; ++p) {
+      const int64_t slot = table[static_cast<size_t>(p / block_size)] * block_size + p % block_size;
+      read_row(cache.k_cache, slot, result.keys);
+      read_row(cache.v_cache, slot, result.values);
+    }
+    return result;
+  };
+  const Run head = generate_with(false), paused = generate_with(true);
+  const size_t n = std::min(head.tokens.size(), paused.tokens.size());
+  ASSERT_GE(n, 60u);
+  const auto prefix = [n](const std::vector<int32_t>& tokens) {
+    return std::vector<int32_t>(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(n));
+  };
+  // bf16 verify and decode rows may round a near-tie the other way (see below): keys are compared
+  // up to the first differing token.
+  size_t same = 0;
+  while (same < n && head.tokens[same] == paused.tokens[same]) ++same;
+  if (device.is_cpu()) {
+    EXPECT_EQ(prefix(paused.tokens), prefix(head.tokens));
+  }
+  const int64_t positions = std::min({head.computed, paused.computed, static_cast<int64_t>(prompt.size() + same)});
+  ASSERT_GT(positions, static_cast<int64_t>(prompt.size()) + (device.is_cpu() ? 50 : 10));
+  const size_t width = head.keys.size() / static_cast<size_t>(head.computed);
+  double worst = 0.0;
+  for (size_t i = 0; i < static_cast<size_t>(positions) * width; ++i) {
+    worst = std::max(worst, static_cast<double>(std::abs(head.keys[i] - paused.keys[i])));
+    worst = std::max(worst, static_cast<double>(std::abs(head.values[i] - paused.values[i])));
+  }
+  EXPECT_LT(worst, tolerance) << "MTP keys over " << positions << " positions";
+  ::testing::Test::RecordProperty("worst_mtp_key_difference", std::to_string(worst));
+}
+
+TEST(SpeculativeDemo, MtpKeysWrittenWhileTheHeadIsOffEqualTheHeads) {
+  if (!have_demo()) GTEST_SKIP() << "no models/demo";
+  expect_mtp_keys_while_head_off_equal_the_heads(Device::cpu(), 1e-3);
+}
+
 // ---- The GPU: verify, commit and MTP graphs
 
 // Greedy tokens with speculation against plain decoding on the GPU. bf16 steps of different shapes
@@ -425,6 +517,14 @@ TEST(SpeculativeGpu, GraphedVerifyAndMtpGiveThePlainTokens) {
       EXPECT_LE(diverged, runs / 4) << name << " " << setup.name << ": too many near-tie divergences";
     }
   }
+}
+
+TEST(SpeculativeGpu, MtpKeysWrittenWhileTheHeadIsOffEqualTheHeads) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  if (!have_demo()) GTEST_SKIP() << "no models/demo";
+  // bf16 keys (|k| up to ~10 after the norm's weight) from hidden states that verify and decode
+  // rows round differently; a wrong row or position differs by whole units.
+  expect_mtp_keys_while_head_off_equal_the_heads(Device::cuda(0), 0.25);
 }
 
 // ---- Sampling: the distribution with speculation is the model's
