@@ -176,6 +176,9 @@ namespace {
 constexpr double kDraftMargin = 1.03;
 // An exploration re-measures a neighbour only when it is predicted within this of the best.
 constexpr double kExploreWithin = 0.7;
+// Per-sequence acceptance: an EMA of the per-draft rate with this weight on each verify. Over
+// Bernoulli(a) samples its variance is about kSequenceDecay / (2 - kSequenceDecay) a (1 - a).
+constexpr double kSequenceDecay = 0.15;
 
 }  // namespace
 
@@ -255,7 +258,18 @@ double SpeculationController::slow_acceptance(std::span<const double> acceptance
   std::vector<double> sorted(acceptance.begin(), acceptance.end());
   const auto tenth = static_cast<std::ptrdiff_t>(sorted.size() / 10);
   std::nth_element(sorted.begin(), sorted.begin() + tenth, sorted.end());
-  return std::clamp(sorted[static_cast<size_t>(tenth)], 0.0, 0.99);
+  const double lowest = sorted[static_cast<size_t>(tenth)];
+  // The estimates are EMAs of a dozen verifies: the lowest of eight of them sits well below the
+  // batch's mean even when every sequence accepts alike. Shrink the slow tenth toward the mean by
+  // the share of the spread that noise explains (empirical Bayes), so that only a real spread counts.
+  double mean = 0.0, spread = 0.0;
+  for (const double a : acceptance) mean += a;
+  mean /= static_cast<double>(acceptance.size());
+  for (const double a : acceptance) spread += (a - mean) * (a - mean);
+  spread /= static_cast<double>(acceptance.size());
+  const double noise = kSequenceDecay / (2.0 - kSequenceDecay) * mean * (1.0 - mean);
+  const double reliability = spread > 0.0 ? std::clamp(1.0 - noise / spread, 0.0, 1.0) : 0.0;
+  return std::clamp(mean + reliability * (lowest - mean), 0.0, 0.99);
 }
 
 int32_t SpeculationController::best_drafts(const Bucket* found, int64_t num_decoding, std::span<const double> tokens,
@@ -366,6 +380,7 @@ SpeculationController::Choice SpeculationController::choose(std::span<const doub
   last_tokens_ = tokens;
   last_slow_acceptance_ = slow;
   const Choice choice = decide(&found, found.steps, num_decoding, tokens, slow);
+  probe_pending_ = choice.probe;
   if (choice.probe) {
     // A probe: the next one waits twice as long unless drafting turns on meanwhile.
     found.next_probe = found.steps + found.probe_interval;
@@ -414,7 +429,6 @@ double SpeculationController::record_verify(double sequence_ema, int64_t drafted
   const double rejected = accepted < drafted ? 1.0 : 0.0;
   const double rate = static_cast<double>(accepted) / (static_cast<double>(accepted) + rejected);
   const double weight = std::min(1.0, static_cast<double>(accepted) + rejected);
-  constexpr double kSequenceDecay = 0.15;
   // The global estimate moves once per step (record_step), by the step's pooled rate: a step of
   // many sequences is one sample of the rate, not many.
   step_accepted_ += static_cast<double>(accepted);
@@ -426,14 +440,37 @@ double SpeculationController::record_verify(double sequence_ema, int64_t drafted
 }
 
 void SpeculationController::record_step(const SpeculativeStepRecord& step) {
+  const bool probe = probe_pending_;
+  probe_pending_ = false;
+  double pooled = -1.0;  // this step's acceptance
   if (step_trials_ > 0.0) {
     // Weight: a step's pooled rate counts fully from 8 trials on.
     constexpr double kGlobalDecay = 0.1;
     const double weight = std::min(1.0, step_trials_ / 8.0);
-    global_acceptance_ += kGlobalDecay * weight * (step_accepted_ / step_trials_ - global_acceptance_);
+    pooled = step_accepted_ / step_trials_;
+    global_acceptance_ += kGlobalDecay * weight * (pooled - global_acceptance_);
     step_accepted_ = step_trials_ = 0.0;
   }
   if (!(step.seconds > 0.0) || step.num_decoding <= 0) return;
+  if (probe) {
+    // Acceptance often changes while drafting is off (text turns repetitive as a generation goes
+    // on), and the EMAs follow one probe by a tenth of the way: a probe whose own acceptance and
+    // cost say drafting pays calls for the next one at once, until the estimates turn drafting on.
+    record_cost(step);
+    Bucket& found = bucket(step.num_decoding);
+    const int32_t drafts = std::clamp(step.drafts, 1, config_.num_drafts);
+    const double plain = estimate_seconds(&found, step.num_decoding, 0);
+    if (pooled >= 0.0 && expected_tokens(std::clamp(pooled, 0.0, 0.99), drafts) * plain >=
+                             kDraftMargin * estimate_seconds(&found, step.num_decoding, drafts)) {
+      found.next_probe = found.steps + 1;
+      found.probe_interval = kFirstProbe;
+    }
+    return;
+  }
+  record_cost(step);
+}
+
+void SpeculationController::record_cost(const SpeculativeStepRecord& step) {
   const int32_t drafts = std::clamp(step.drafts, 0, config_.num_drafts);
   const int64_t rows = step.other_rows + step.num_decoding * (1 + drafts);
   if (step.other_rows > 0) {

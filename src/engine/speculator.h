@@ -121,7 +121,9 @@ struct SpeculativeStepRecord {
 //
 // Only k under which the batch's slowest tenth (by acceptance) still progresses as fast as plain
 // decoding are candidates: every sequence pays the step's k, and a batch finishes with its slowest
-// sequence.
+// sequence. The slow tenth's acceptance is shrunk toward the batch mean by the share of the spread
+// that the per-sequence estimates' noise explains. A probe whose own acceptance and cost say that
+// drafting pays is followed by another at once, until the estimates catch up.
 //
 // Acceptance: per-sequence EMAs of the per-draft rate, and a global one that record_step moves by
 // the step's pooled rate (many sequences in one step are one sample). The engine leaves out verifies
@@ -192,9 +194,12 @@ class SpeculationController {
   // The choice at bucket step `step` (exploration and probes included).
   Choice decide(const Bucket* bucket, int64_t step, int64_t num_decoding, std::span<const double> tokens,
                 double slow_acceptance) const;
-  // The acceptance of the slowest tenth of the sequences (the lowest for fewer than ten).
+  // The acceptance of the slowest tenth of the sequences (the lowest for fewer than ten), shrunk
+  // toward the mean by the share of the spread that the estimates' noise explains.
   static double slow_acceptance(std::span<const double> acceptance);
   int32_t choose_mixed(std::span<const double> tokens, int64_t num_decoding, int64_t other_rows) const;
+  // The step's wall time into its cell (decode-only steps) or the mixed fits.
+  void record_cost(const SpeculativeStepRecord& step);
   std::vector<double> tokens_by_drafts(std::span<const double> acceptance, std::span<const int32_t> available) const;
 
   SpeculativeConfig config_;
@@ -203,6 +208,7 @@ class SpeculationController {
   double step_accepted_ = 0.0, step_trials_ = 0.0;  // this step's verifies, pooled (record_verify)
   std::vector<double> last_tokens_;                 // the last decode-only choice's expected tokens by k
   double last_slow_acceptance_ = 0.0;               // and its slowest tenth's acceptance
+  bool probe_pending_ = false;                      // the last choice was a probe (record_step follows)
   StepCostFit decode_fit_;                          // all decode-only steps: time against rows
   StepCostFit mixed_plain_, mixed_verify_;          // steps with prefill rows
 };
