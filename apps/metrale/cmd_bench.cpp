@@ -44,6 +44,7 @@ struct BenchOptions {
   bool json = false;
   int64_t spec_tokens = 128;  // speculative decode: tokens generated per sequence
   int64_t spec_prompt = 64;   // speculative decode: prompt tokens per sequence
+  int spec_repeat = 1;        // speculative decode: runs of each mode per batch size (medians reported)
 };
 
 // Times work on one device: CUDA events on the GPU, the steady clock on the CPU.
@@ -134,8 +135,16 @@ struct GenerationResult {
   int64_t steps = 0;
 };
 
+// METRALE_PROFILE_DECODE=1: steps [kProfileFirstStep, +kProfileSteps) of each speculative run are
+// bracketed by cudaProfilerStart/Stop, for `ncu --profile-from-start off` per-kernel timings.
+constexpr int64_t kProfileFirstStep = 48;
+constexpr int64_t kProfileSteps = 4;
+
 GenerationResult bench_generation(std::unique_ptr<Model> model, const EngineConfig& config, int64_t batch,
-                                  const BenchOptions& options) {
+                                  const BenchOptions& options, bool profile = false) {
+#if !METRALE_WITH_CUDA
+  (void)profile;
+#endif
   const int64_t vocab = model->config().vocab_size;
   Engine engine(std::move(model), config);
   const Device device = engine.model().device();
@@ -154,8 +163,14 @@ GenerationResult bench_generation(std::unique_ptr<Model> model, const EngineConf
   synchronize(device);
   const auto start = std::chrono::steady_clock::now();
   while (engine.has_unfinished()) {
+#if METRALE_WITH_CUDA
+    if (profile && steps == kProfileFirstStep) cudaProfilerStart();
+#endif
     generated += static_cast<int64_t>(engine.step().size());
     ++steps;
+#if METRALE_WITH_CUDA
+    if (profile && steps == kProfileFirstStep + kProfileSteps) cudaProfilerStop();
+#endif
   }
   synchronize(device);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -194,21 +209,47 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
                              spec_config.speculative.replay_accept_rate);
   }
   nlohmann::json results = nlohmann::json::array();
-  std::cout << fmt::format("speculative decoding: {} with up to {} drafts{}; prompt {} tokens, {} generated\n",
-                           options.engine.speculative_method, spec_config.speculative.num_drafts,
-                           spec_config.speculative.adaptive ? " (adaptive)" : "", options.spec_prompt, options.spec_tokens);
+  std::cout << fmt::format(
+      "speculative decoding: {} with up to {} drafts{}; prompt {} tokens, {} generated{}\n",
+      options.engine.speculative_method, spec_config.speculative.num_drafts,
+      spec_config.speculative.adaptive ? " (adaptive)" : "", options.spec_prompt, options.spec_tokens,
+      options.spec_repeat > 1 ? fmt::format("; medians of {} runs, paired speedups' range", options.spec_repeat) : "");
   std::cout << fmt::format("{:>6} {:>14} {:>14} {:>9} {:>11} {:>13}\n", "batch", "plain tok/s", "spec tok/s", "speedup",
                            "acceptance", "tok/seq/step");
+  const bool profile = std::getenv("METRALE_PROFILE_DECODE") != nullptr;
+  // The run with the median throughput of each mode; the modes alternate so that drifts of the
+  // machine (clocks, other tenants) reach both alike. Each run starts from a fresh engine.
+  const auto median_run = [](std::vector<GenerationResult> runs) {
+    std::sort(runs.begin(), runs.end(),
+              [](const GenerationResult& a, const GenerationResult& b) { return a.tokens_per_s < b.tokens_per_s; });
+    return runs[runs.size() / 2];
+  };
   for (const int64_t batch : batches) {
-    const GenerationResult plain = bench_generation(load(), plain_config, batch, options);
-    const GenerationResult spec = bench_generation(load(), spec_config, batch, options);
+    std::vector<GenerationResult> plain_runs, spec_runs;
+    for (int r = 0; r < options.spec_repeat; ++r) {
+      plain_runs.push_back(bench_generation(load(), plain_config, batch, options));
+      spec_runs.push_back(bench_generation(load(), spec_config, batch, options, profile && r == 0));
+    }
+    std::vector<double> speedups;
+    for (size_t r = 0; r < spec_runs.size(); ++r)
+      speedups.push_back(spec_runs[r].tokens_per_s / plain_runs[r].tokens_per_s);
+    const GenerationResult plain = median_run(plain_runs);
+    const GenerationResult spec = median_run(spec_runs);
     const double speedup = spec.tokens_per_s / plain.tokens_per_s;
-    std::cout << fmt::format("{:>6} {:>14.1f} {:>14.1f} {:>8.2f}x {:>11.3f} {:>13.2f}\n", batch, plain.tokens_per_s,
+    const auto [lowest, highest] = std::minmax_element(speedups.begin(), speedups.end());
+    std::cout << fmt::format("{:>6} {:>14.1f} {:>14.1f} {:>8.2f}x {:>11.3f} {:>13.2f}{}\n", batch, plain.tokens_per_s,
                              spec.tokens_per_s, speedup, spec.acceptance,
-                             spec.tokens_per_step / static_cast<double>(batch));
-    results.push_back({{"batch", batch}, {"plain_tokens_per_s", plain.tokens_per_s},
-                       {"spec_tokens_per_s", spec.tokens_per_s}, {"speedup", speedup},
-                       {"acceptance", spec.acceptance}, {"plain_step_ms", plain.step_ms}, {"spec_step_ms", spec.step_ms}});
+                             spec.tokens_per_step / static_cast<double>(batch),
+                             speedups.size() > 1 ? fmt::format("   {:.2f}-{:.2f}x", *lowest, *highest) : "");
+    results.push_back({{"batch", batch},
+                       {"plain_tokens_per_s", plain.tokens_per_s},
+                       {"spec_tokens_per_s", spec.tokens_per_s},
+                       {"speedup", speedup},
+                       {"acceptance", spec.acceptance},
+                       {"plain_step_ms", plain.step_ms},
+                       {"spec_step_ms", spec.step_ms},
+                       {"runs", options.spec_repeat},
+                       {"paired_speedups", speedups}});
   }
   if (options.json) {
     std::cout << nlohmann::json({{"speculative_method", options.engine.speculative_method},
@@ -402,6 +443,11 @@ void register_bench(CLI::App& root, Action& action) {
   command->add_option("--spec-tokens", options->spec_tokens,
                       "with --speculative-method: tokens each sequence generates (plain vs speculative decode)")
       ->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+  command
+      ->add_option("--spec-repeat", options->spec_repeat,
+                   "with --speculative-method: runs of each mode per batch size, alternating (medians reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
   command->add_option("--spec-prompt", options->spec_prompt, "with --speculative-method: prompt tokens per sequence")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   command->add_option("--spec-accept-rate", options->engine.spec_accept_rate,

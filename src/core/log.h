@@ -4,13 +4,9 @@
 
 #include <fmt/format.h>
 
+#include "core/log_level.h"
+
 namespace metrale {
-
-enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
-
-LogLevel log_level();
-void set_log_level(LogLevel level);
-void log_write(LogLevel level, std::string_view message);
 
 template <typename... Args>
 void log(LogLevel level, fmt::format_string<Args...> format, Args&&... args) {

@@ -18,6 +18,7 @@
 #include <cublasLt.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/log_level.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemm_gemv.cuh"
 #include "kernels/linear.h"
@@ -336,9 +338,16 @@ bool run_cublaslt(const Tensor& x, const Tensor& weight, const Tensor& out, bool
   LtDevice& device = lt_device_locked(out.device().index, stream);
   auto it = device.plans.find(key);
   if (it == device.plans.end()) {
+    const auto start = std::chrono::steady_clock::now();
     auto plan = std::make_unique<LtPlan>();
     if (!plan->build(device.handle, key)) plan.reset();
     it = device.plans.emplace(key, std::move(plan)).first;
+    if (log_level() <= LogLevel::kDebug) {
+      const double ms = 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      log_write(LogLevel::kDebug, "cuBLASLt plan " + std::to_string(device.plans.size()) + " for m " +
+                                      std::to_string(key.m) + " n " + std::to_string(key.n) + " k " +
+                                      std::to_string(key.k) + ": " + std::to_string(ms) + " ms");
+    }
   }
   if (!it->second) return false;
   it->second->run(device.handle, x.data(), weight.data(), out.data(), accumulate, device.workspace.data(), stream);
