@@ -45,6 +45,7 @@ struct BenchOptions {
   int64_t spec_tokens = 128;  // speculative decode: tokens generated per sequence
   int64_t spec_prompt = 64;   // speculative decode: prompt tokens per sequence
   int spec_repeat = 1;        // speculative decode: runs of each mode per batch size (medians reported)
+  int spec_warmup = 1;        // speculative decode: untimed runs of each mode per batch size first
 };
 
 // Times work on one device: CUDA events on the GPU, the steady clock on the CPU.
@@ -225,6 +226,12 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
     return runs[runs.size() / 2];
   };
   for (const int64_t batch : batches) {
+    // Untimed runs first: a process's first steps of a shape choose and load their kernels (several
+    // ms), which would otherwise land on whichever mode runs first.
+    for (int w = 0; w < options.spec_warmup; ++w) {
+      (void)bench_generation(load(), plain_config, batch, options);
+      (void)bench_generation(load(), spec_config, batch, options);
+    }
     std::vector<GenerationResult> plain_runs, spec_runs;
     for (int r = 0; r < options.spec_repeat; ++r) {
       plain_runs.push_back(bench_generation(load(), plain_config, batch, options));
@@ -448,6 +455,11 @@ void register_bench(CLI::App& root, Action& action) {
                    "with --speculative-method: runs of each mode per batch size, alternating (medians reported)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
+  command
+      ->add_option("--spec-warmup", options->spec_warmup,
+                   "with --speculative-method: untimed runs of each mode per batch size before the timed ones")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100));
   command->add_option("--spec-prompt", options->spec_prompt, "with --speculative-method: prompt tokens per sequence")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   command->add_option("--spec-accept-rate", options->engine.spec_accept_rate,
