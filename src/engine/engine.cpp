@@ -429,19 +429,16 @@ std::vector<TokenEvent> Engine::step() {
   // layers' slots advance over exactly those rows.
   std::vector<int64_t> kept_rows(num_uses);
   for (size_t u = 0; u < num_uses; ++u) kept_rows[u] = result.uses[u].chunk.num_new + accepted[u];
-  bool mtp_launched = false;
+  // MTP after a fixed-layout greedy verify or a decode step: queued now (beside the verify's commit),
+  // collected after the bookkeeping, which it overlaps.
+  const bool mtp_launched = mtp_active_ && runner_->fixed_mtp_ready() &&
+                            (plan.num_draft_rows == 0 || accepted_from_greedy) && all_greedy(result);
   if (plan.num_draft_rows > 0) {
     std::vector<int32_t> kept(kept_rows.begin(), kept_rows.end());
-    runner_->commit_verified(kept);
+    runner_->commit_verified(kept, /*mtp_follows=*/mtp_launched);
     ++stats_.verify_steps;
   }
-  // MTP after a fixed-layout greedy verify or a decode step: queued now, collected after the
-  // bookkeeping, which it overlaps.
-  if (mtp_active_ && runner_->fixed_mtp_ready() && (plan.num_draft_rows == 0 || accepted_from_greedy) &&
-      all_greedy(result)) {
-    launch_mtp_drafter_fixed(result, accepted, emitted);
-    mtp_launched = true;
-  }
+  if (mtp_launched) launch_mtp_drafter_fixed(result, accepted, emitted);
 
   // Pass 2: bookkeeping, stop conditions and events.
   std::vector<Sequence*> finished;

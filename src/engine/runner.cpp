@@ -12,8 +12,11 @@
 namespace metrale {
 
 Runner::Runner(Model& model, const RunnerLimits& limits)
-    : model_(model), limits_(limits), workspace_(model.device(), 16u << 20, /*growable=*/true),
-      host_(std::make_unique<HostStep>()) {
+    : model_(model),
+      limits_(limits),
+      workspace_(model.device(), 16u << 20, /*growable=*/true),
+      host_(std::make_unique<HostStep>()),
+      commit_workspace_(model.device(), 1u << 20, /*growable=*/true) {
   const int64_t tokens = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
   const int64_t seqs = limits_.max_num_seqs;
   const int64_t blocks = max_blocks_per_seq(limits_);
@@ -217,6 +220,7 @@ void Runner::run_forward(const ForwardBatch& batch, const Tensor& logits) {
 StepResult Runner::execute(const SchedulePlan& plan) {
   METRALE_CHECK(!plan.empty(), "empty step");
   METRALE_CHECK(cache_ != nullptr, "runner has no cache");
+  join_commit();
   StepResult result;
   const Device device = model_.device();
   const int64_t vocab = model_.config().vocab_size;

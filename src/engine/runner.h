@@ -124,7 +124,9 @@ class Runner {
   // [T, H] activation dtype: the last step's hidden states (empty unless set_keep_hidden).
   const Tensor& last_hidden() const { return last_hidden_; }
   // After a verify step: sequence s of the plan keeps kept_rows[s] of its rows (Model::commit_verified).
-  void commit_verified(std::span<const int32_t> kept_rows);
+  // `mtp_follows`: launch_mtp_fixed comes next; a graphed commit then runs on a stream of its own,
+  // beside the MTP chain (they share no data), and the model's stream waits for it after the chain.
+  void commit_verified(std::span<const int32_t> kept_rows, bool mtp_follows = false);
   // After a fixed-layout verify step and its commit: the MTP catch-up over each sequence's kept rows
   // (the verify's hidden states, in place) and up to `drafts` - 1 chained drafts (at least as many
   // as asked for, at most max_drafts), greedy on the device, in one CUDA graph when captured.
@@ -170,7 +172,10 @@ class Runner {
   size_t workspace_bytes() const { return workspace_.capacity_bytes(); }
 
  private:
-  struct HostStep;  // the step's host arrays
+  struct HostStep;      // the step's host arrays
+  struct CommitStream;  // the graphed commit's own stream and events (CUDA)
+  // Makes the model's stream wait for a commit running beside the MTP chain (no-op otherwise).
+  void join_commit();
   // Fills the host arrays for `plan`, padded to `padded_seqs` sequences when > 0. rows_per_seq > 0
   // lays every sequence out in exactly that many rows (decode graphs: 1; fixed-layout verify: 1 + k),
   // each of them a logits row; padding rows write no KV.
@@ -225,6 +230,10 @@ class Runner {
   OwnedTensor verify_scratch_;  // Model::verify_scratch_bytes of the largest verify step so far
   ForwardBatch last_verify_;    // the last verify step's batch, until its commit
   bool commit_pending_ = false;
+  // The fixed-layout commit's temporaries, apart from workspace_: it may run beside the MTP chain.
+  Arena commit_workspace_;
+  std::unique_ptr<CommitStream> commit_stream_;
+  bool commit_in_flight_ = false;  // a commit runs on commit_stream_; join_commit() before reading state
   OwnedTensor mtp_hidden_in_, mtp_out_[2], mtp_gather_, mtp_logits_;
   OwnedTensor mtp_stash_;     // [rows, H] hidden states awaiting their MTP keys (see mtp_stash())
   OwnedTensor mtp_key_ints_;  // run_mtp_keys' arrays: token ids, positions, slots, gather index

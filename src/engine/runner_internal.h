@@ -32,6 +32,16 @@ struct Runner::Graph {
   int64_t batch_size = 0;
 };
 
+// The fixed-layout commit's own stream (CUDA): it runs beside the MTP chain, which reads none of
+// what it writes (recurrent state slots) and writes none of what it reads (verify scratch, its own
+// workspace); the model's stream waits for `done` before anything else runs after the chain.
+struct Runner::CommitStream {
+#if METRALE_WITH_CUDA
+  CudaStream stream;
+  CudaEvent inputs_ready{false}, done{false};
+#endif
+};
+
 // The graphs of one fixed verify shape (padded sequences S, drafts k): the verify forward with its
 // greedy sampling, the commit of the kept rows, and (MTP) the catch-up plus n - 1 chained drafts for
 // each captured draft count n.

@@ -122,6 +122,9 @@ Runner::FixedArrays Runner::fixed_arrays(int64_t seqs, int64_t k) const {
 
 void Runner::allocate_speculative_buffers() {
   const Device device = model_.device();
+#if METRALE_WITH_CUDA
+  if (device.is_cuda() && limits_.mtp) commit_stream_ = std::make_unique<CommitStream>();
+#endif
   const int64_t tokens = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
   const int64_t seqs = limits_.max_num_seqs, k = limits_.max_drafts;
   const int64_t rows = seqs * (1 + k);
@@ -327,7 +330,7 @@ void Runner::attach_speculative_outputs(ForwardBatch& batch, bool verify, bool f
   }
 }
 
-void Runner::commit_verified(std::span<const int32_t> kept_rows) {
+void Runner::commit_verified(std::span<const int32_t> kept_rows, bool mtp_follows) {
   METRALE_CHECK(commit_pending_, "commit_verified without a verify step");
   commit_pending_ = false;
   if (!last_fixed_.graph) {
@@ -341,10 +344,30 @@ void Runner::commit_verified(std::span<const int32_t> kept_rows) {
   }
   stage_fixed_commit(kept_rows);
 #if METRALE_WITH_CUDA
-  verify_graphs_.at({last_fixed_.seqs, last_fixed_.k})
-      ->commit.launch(static_cast<cudaStream_t>(current_stream(model_.device())));
+  const auto stream = static_cast<cudaStream_t>(current_stream(model_.device()));
+  const CudaGraph& graph = verify_graphs_.at({last_fixed_.seqs, last_fixed_.k})->commit;
+  if (mtp_follows && commit_stream_ != nullptr) {
+    // After the staged commit arrays, on its own stream; join_commit() follows the MTP chain.
+    commit_stream_->inputs_ready.record(stream);
+    commit_stream_->inputs_ready.wait_in(commit_stream_->stream.get());
+    graph.launch(commit_stream_->stream.get());
+    commit_stream_->done.record(commit_stream_->stream.get());
+    commit_in_flight_ = true;
+  } else {
+    graph.launch(stream);
+  }
+#else
+  (void)mtp_follows;
 #endif
   last_verify_ = ForwardBatch();
+}
+
+void Runner::join_commit() {
+  if (!commit_in_flight_) return;
+  commit_in_flight_ = false;
+#if METRALE_WITH_CUDA
+  commit_stream_->done.wait_in(static_cast<cudaStream_t>(current_stream(model_.device())));
+#endif
 }
 
 void Runner::stage_fixed_commit(std::span<const int32_t> kept_rows) {
@@ -378,8 +401,8 @@ void Runner::run_fixed_commit(int64_t seqs, int64_t k) {
   kept.cu_parts = a.view(fixed_ints_, a.cu_parts, 2 * seqs + 1);
   kept.kv_lens = a.view(fixed_ints_, a.part_kv_lens, 2 * seqs);
   kept.slots = a.view(fixed_ints_, a.part_slots, 2 * seqs);
-  workspace_.reset();
-  model_.commit_kept_rows(last_verify_, kept, cache_->layer_caches(), workspace_);
+  commit_workspace_.reset();
+  model_.commit_kept_rows(last_verify_, kept, cache_->layer_caches(), commit_workspace_);
 }
 
 void Runner::launch_mtp_fixed(std::span<const MtpFixedRow> rows, int64_t drafts) {
@@ -425,6 +448,7 @@ void Runner::launch_mtp_fixed(std::span<const MtpFixedRow> rows, int64_t drafts)
   for (const MtpFixedRow& row : rows) pending_mtp_.chain_positions.push_back(row.drafting ? row.chain_positions : -1);
   copy_bytes_async(mtp_drafts_host_.data(), Device::cpu(), mtp_drafts_.tensor.data(), device,
                    static_cast<size_t>(drafts * seqs) * sizeof(int32_t));
+  join_commit();  // queued after the chain: it ran beside the commit
 }
 
 std::vector<std::vector<int32_t>> Runner::collect_mtp_fixed() {
@@ -779,6 +803,8 @@ size_t Runner::profile_fixed_steps() {
     run_fixed_mtp(seqs, k, k);
   }
   synchronize(device);
+  // The largest commit sized its workspace: fixed from here on (its graphs keep the addresses).
+  commit_workspace_.reserve(commit_workspace_.high_water_bytes() + (1u << 20), /*growable=*/false);
   last_fixed_ = FixedShape();
   last_verify_ = ForwardBatch();
   mtp_plan_ = {};

@@ -43,11 +43,26 @@ void CudaGraph::end_capture(cudaStream_t stream) {
 
 void CudaGraph::launch(cudaStream_t stream) const { METRALE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
 
-CudaEvent::CudaEvent() { METRALE_CUDA_CHECK(cudaEventCreate(&event_)); }
+CudaStream::CudaStream() {
+  METRALE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+CudaStream::~CudaStream() {
+  if (stream_ != nullptr) {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+}
+
+CudaEvent::CudaEvent(bool timing) {
+  METRALE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+}
 CudaEvent::~CudaEvent() {
   if (event_ != nullptr) cudaEventDestroy(event_);
 }
 void CudaEvent::record(cudaStream_t stream) { METRALE_CUDA_CHECK(cudaEventRecord(event_, stream)); }
+void CudaEvent::wait_in(cudaStream_t stream) const {
+  METRALE_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0));
+}
 void CudaEvent::synchronize() const { METRALE_CUDA_CHECK(cudaEventSynchronize(event_)); }
 float CudaEvent::elapsed_ms_since(const CudaEvent& start) const {
   float ms = 0.0f;

@@ -27,14 +27,30 @@ class CudaGraph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
+// A stream of its own (non-blocking: no implicit ordering with the legacy default stream).
+class CudaStream {
+ public:
+  CudaStream();
+  ~CudaStream();
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
 class CudaEvent {
  public:
-  CudaEvent();
+  // `timing` false: an ordering-only event (cheaper to record and wait for).
+  explicit CudaEvent(bool timing = true);
   ~CudaEvent();
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
 
   void record(cudaStream_t stream);
+  // Work queued on `stream` after this call waits until the last record() has completed.
+  void wait_in(cudaStream_t stream) const;
   void synchronize() const;
   // Milliseconds from `start` to this event; both must have completed.
   float elapsed_ms_since(const CudaEvent& start) const;
