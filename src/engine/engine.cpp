@@ -521,7 +521,8 @@ std::vector<TokenEvent> Engine::step() {
     // The step's k is its longest draft run (what the choice decides); a fixed layout may pad it
     // to a captured shape's, whose cost is then this k's.
     record.drafter_ran = mtp_active_;
-    record.seconds = seconds.count();
+    record.seconds = std::max(seconds.count() - spec_untimed_seconds_, 0.5 * seconds.count());
+    spec_untimed_seconds_ = 0.0;
     spec_controller_.record_step(record);
     if (log_level() <= LogLevel::kDebug) {  // the drafted count is for the log only
       METRALE_LOG_DEBUG(

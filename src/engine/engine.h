@@ -185,6 +185,7 @@ class Engine {
   std::vector<float> host_logits_;          // logits rows copied from the device for sampling
   SpeculationController spec_controller_;
   bool mtp_active_ = false;                 // this step runs the MTP head afterwards
+  double spec_untimed_seconds_ = 0.0;       // this step's one-off work left out of its measured cost
   std::vector<MtpKeyRow> mtp_stash_rows_;   // rows waiting in Runner::mtp_stash() (hidden_row: stash row)
   // Tests (EngineTestAccess): the next this many steps run plain with the MTP head off, whatever
   // the controller chooses.

@@ -1,5 +1,6 @@
 // Engine: the speculative-decoding parts of the step (engine/speculator.h has the scheme).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "core/error.h"
@@ -104,6 +105,14 @@ void Engine::prepare_drafts() {
     Sequence& sequence = *decoding[i];
     const int32_t limit = std::min(choice.drafts, available[i]);
     if (spec.method == SpeculativeMethod::kNgram) {
+      // Tokens appended while this sequence drafted nothing are indexed apart and left out of the
+      // step's measured cost: paid once, not by every step that drafts (a probe after a pause would
+      // otherwise measure drafting as dear as the backlog).
+      if (limit > 0 && sequence.ngram_index.pending(sequence.tokens) > 1 + spec.num_drafts) {
+        const auto start = std::chrono::steady_clock::now();
+        sequence.ngram_index.update(sequence.tokens, spec.ngram_min, spec.ngram_max);
+        spec_untimed_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
       sequence.draft_tokens = sequence.ngram_index.propose(sequence.tokens, spec.ngram_min, spec.ngram_max, limit);
       sequence.draft_probs.clear();
       sequence.draft_base = sequence.num_tokens();

@@ -34,9 +34,8 @@ void NgramIndex::reset(int32_t ngram_min, int32_t ngram_max) {
   indexed_end_ = 0;
 }
 
-std::vector<int32_t> NgramIndex::propose(std::span<const int32_t> tokens, int32_t ngram_min, int32_t ngram_max,
-                                         int32_t max_drafts) {
-  if (max_drafts <= 0 || ngram_min < 1 || ngram_max < ngram_min) return {};
+void NgramIndex::update(std::span<const int32_t> tokens, int32_t ngram_min, int32_t ngram_max) {
+  if (ngram_min < 1 || ngram_max < ngram_min) return;
   const auto size = static_cast<int64_t>(tokens.size());
   if (ngram_min != ngram_min_ || ngram_max != ngram_max_ || size < indexed_end_ + 1) reset(ngram_min, ngram_max);
   // Index every n-gram ending before the last token: all earlier occurrences of the suffixes.
@@ -47,6 +46,13 @@ std::vector<int32_t> NgramIndex::propose(std::span<const int32_t> tokens, int32_
                    [hash_tokens(tokens.subspan(static_cast<size_t>(start), static_cast<size_t>(n)))] = start;
     }
   }
+}
+
+std::vector<int32_t> NgramIndex::propose(std::span<const int32_t> tokens, int32_t ngram_min, int32_t ngram_max,
+                                         int32_t max_drafts) {
+  if (max_drafts <= 0 || ngram_min < 1 || ngram_max < ngram_min) return {};
+  const auto size = static_cast<int64_t>(tokens.size());
+  update(tokens, ngram_min, ngram_max);
   // The longest suffix that occurred before wins, at its latest earlier occurrence.
   for (int64_t n = std::min<int64_t>(ngram_max, size - 1); n >= ngram_min; --n) {
     const auto suffix = tokens.subspan(static_cast<size_t>(size - n));

@@ -21,6 +21,13 @@ class NgramIndex {
   // grows between calls (a shorter sequence or other n-gram sizes rebuild the index).
   std::vector<int32_t> propose(std::span<const int32_t> tokens, int32_t ngram_min, int32_t ngram_max,
                                int32_t max_drafts);
+  // Indexes the tokens appended since the last call (propose does it too).
+  void update(std::span<const int32_t> tokens, int32_t ngram_min, int32_t ngram_max);
+  // Tokens of `tokens` the next update or propose would index (all of them after a reset).
+  int64_t pending(std::span<const int32_t> tokens) const {
+    const auto size = static_cast<int64_t>(tokens.size());
+    return size < indexed_end_ + 1 ? size : size - 1 - indexed_end_;
+  }
 
  private:
   void reset(int32_t ngram_min, int32_t ngram_max);

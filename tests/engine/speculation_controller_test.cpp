@@ -279,8 +279,13 @@ TEST(NgramIndex, ProposesExactlyWhatTheScanProposes) {
       std::vector<int32_t> tokens;
       for (int i = 0; i < 300; ++i) {
         tokens.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
-        // Some calls are skipped (no drafts wanted): the index catches up on the next one.
+        // Some calls are skipped (no drafts wanted): the index catches up on the next one, some
+        // times through update() first.
         const int32_t max_drafts = i % 7 == 3 ? 0 : 1 + i % 5;
+        if (i % 11 == 5) {
+          index.update(tokens, ngram_min, ngram_max);
+          EXPECT_EQ(index.pending(tokens), 0);
+        }
         EXPECT_EQ(index.propose(tokens, ngram_min, ngram_max, max_drafts),
                   propose_ngram_drafts(tokens, ngram_min, ngram_max, max_drafts))
             << "vocab " << vocab << " n " << ngram_min << ".." << ngram_max << " length " << tokens.size();
