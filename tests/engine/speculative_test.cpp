@@ -122,11 +122,13 @@ constexpr EngineSetup kSetups[] = {
     {"tight-budget+preemption", false, 14, 0, 12},
 };
 
+// `plain_every` > 0: every that many steps the next half of them run plain with the MTP head off
+// (EngineTestAccess), whatever the controller would choose.
 std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineSetup& setup,
                                       SpeculativeConfig speculative,
                                       const std::vector<std::vector<int32_t>>& prompt_set, int32_t max_tokens,
                                       EngineStats* stats = nullptr, int32_t top_logprobs = 3,
-                                      Device device = Device::cpu()) {
+                                      Device device = Device::cpu(), int32_t plain_every = 0) {
   EngineConfig config;
   config.enable_prefix_caching = setup.prefix_caching;
   config.num_kv_blocks = setup.num_kv_blocks;
@@ -149,6 +151,10 @@ std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineS
     if (setup.prefix_caching && ids.size() == 1) {
       for (int i = 0; i < 3; ++i) record(engine.step(), early);
     }
+  }
+  for (int step = 0; plain_every > 0 && engine.has_unfinished() && step < 20000; ++step) {
+    if (step % plain_every == 0) EngineTestAccess::run_plain(engine, plain_every / 2);
+    record(engine.step(), early);
   }
   auto outputs = run(engine, std::move(early));
   if (stats) *stats = engine.stats();
@@ -344,6 +350,11 @@ TEST(SpeculativeDemo, NgramAndMtpGiveThePlainTokens) {
       if (method == SpeculativeMethod::kMtp) {
         // The chained drafts are the head's: it accepts about as often as the host-side chain.
         EXPECT_GT(argmax_stats.accepted_tokens, stats.accepted_tokens / 2) << what;
+        // The head paused every few steps: its keys stashed or written at once, flushed before it
+        // runs again, across prefix hits, chunked prefill and preemption.
+        const auto paused = generate(factory, setup, spec_config(method, 3), prompt_set, 16, nullptr, 0, Device::cpu(),
+                                     /*plain_every=*/6);
+        expect_same(paused, plain_argmax, what + " paused");
       }
     }
   }
