@@ -144,7 +144,7 @@ void Engine::prepare_drafts() {
   // MTP: the head runs after this step (catch-up, and drafts for the next) when the next step is
   // expected to verify drafts. While it is off only its keys are written (write_mtp_keys), decode
   // steps' in batches: the head's view of the sequence stays whole, so drafting can resume, and a
-  // probe measure acceptance, as if it had never stopped. A step exploring plain runs no head: it
+  // probe measures acceptance, as if it had never stopped. A step exploring plain runs no head: it
   // measures plain decoding.
   // Prefill steps count the sequences about to decode: the waiting ones are admitted by this step's
   // schedule.

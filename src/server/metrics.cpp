@@ -99,6 +99,11 @@ std::string ServerMetrics::render(const AsyncEngineStats& stats) const {
   counter(out, "metrale_num_preemptions_total", "Requests preempted for lack of KV-cache blocks.",
           engine.num_preemptions);
   counter(out, "metrale_engine_steps_total", "Engine steps.", engine.num_steps);
+  counter(out, "metrale_spec_decode_num_draft_tokens_total", "Draft tokens verified (speculative decoding).",
+          engine.drafted_tokens);
+  counter(out, "metrale_spec_decode_num_accepted_tokens_total", "Draft tokens accepted (speculative decoding).",
+          engine.accepted_tokens);
+  counter(out, "metrale_spec_decode_num_verify_steps_total", "Engine steps that verified drafts.", engine.verify_steps);
   out += "# HELP metrale_engine_requests_total Engine requests by how they ended.\n"
          "# TYPE metrale_engine_requests_total counter\n";
   out += fmt::format("metrale_engine_requests_total{{status=\"stop\"}} {}\n", stats.finished_stop);

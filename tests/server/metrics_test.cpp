@@ -64,6 +64,9 @@ TEST(Metrics, RenderCountersAndGauges) {
   stats.engine.prefix_cache_queries = 40;
   stats.engine.prefix_cache_hits = 10;
   stats.engine.hybrid_state_restores = 2;
+  stats.engine.drafted_tokens = 90;
+  stats.engine.accepted_tokens = 60;
+  stats.engine.verify_steps = 30;
   const auto values = parse(metrics.render(stats));
 
   EXPECT_EQ(values.at("metrale_num_requests_running"), 3);
@@ -73,6 +76,9 @@ TEST(Metrics, RenderCountersAndGauges) {
   EXPECT_EQ(values.at("metrale_prefix_cache_hits_total"), 10);
   EXPECT_EQ(values.at("metrale_hybrid_state_restores_total"), 2);
   EXPECT_EQ(values.at("metrale_queue_full_total"), 7);
+  EXPECT_EQ(values.at("metrale_spec_decode_num_draft_tokens_total"), 90);
+  EXPECT_EQ(values.at("metrale_spec_decode_num_accepted_tokens_total"), 60);
+  EXPECT_EQ(values.at("metrale_spec_decode_num_verify_steps_total"), 30);
   EXPECT_EQ(values.at("metrale_engine_requests_total{status=\"abort\"}"), 1);
   EXPECT_EQ(values.at("metrale_request_success_total{finished_reason=\"stop\"}"), 1);
   EXPECT_EQ(values.at("metrale_request_success_total{finished_reason=\"abort\"}"), 1);
