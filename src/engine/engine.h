@@ -158,6 +158,12 @@ class Engine {
   void write_mtp_keys(const StepResult& result, std::span<const int64_t> kept_rows);
   // Writes the keys of the stashed rows whose sequences still hold their positions; empties the stash.
   void flush_mtp_stash();
+  // After the step's bookkeeping: the first `count` of the `kept` rows `use` kept, as MTP key rows
+  // (position t, x_{t+1}, h_t's row of the step's batch).
+  void append_mtp_key_rows(const LogitRowUse& use, int64_t kept, int64_t count, std::vector<MtpKeyRow>& rows) const;
+  // The MTP head has seen the sequence up to `end`; positions from mtp_computed to `first_position`
+  // it never saw count as missed.
+  static void advance_mtp(Sequence& sequence, int64_t first_position, int64_t end);
   // Every sequence of the step samples greedily (or acceptance is replayed), without penalties, top
   // logprobs or prompt logits: its next token is the argmax, its MTP drafts the head's argmax, and a
   // verify step accepts from the argmax rows alone.

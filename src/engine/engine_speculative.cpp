@@ -240,12 +240,7 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
     if (sequence.finished() || count <= 0) continue;
     const int64_t first_position = sequence.num_computed - count;
     const bool drafts = is_decoding(sequence);
-    const int64_t keys_only = drafts ? count - 1 : count;
-    for (int64_t i = 0; i < keys_only; ++i) {
-      const int64_t position = first_position + i;
-      key_rows.push_back(
-          {sequence.id, position, sequence.tokens[static_cast<size_t>(position + 1)], use.first_batch_row + i});
-    }
+    append_mtp_key_rows(use, count, drafts ? count - 1 : count, key_rows);
     if (drafts) {
       MtpRows seq_rows;
       seq_rows.seq_id = sequence.id;
@@ -256,8 +251,7 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
       rows.push_back(std::move(seq_rows));
       drafting.push_back(&sequence);
     }
-    sequence.mtp_missed += std::max<int64_t>(0, first_position - sequence.mtp_computed);
-    sequence.mtp_computed = sequence.num_computed;
+    advance_mtp(sequence, first_position, sequence.num_computed);
   }
   if (!key_rows.empty()) runner_->run_mtp_keys(key_rows, runner_->last_hidden());
   if (drafting.empty()) return;
@@ -436,10 +430,25 @@ void Engine::launch_mtp_drafter_fixed(const StepResult& result, std::span<const 
       if (position + 1 > plan_.max_model_len || !cache_->reserve(sequence.id, position + 1)) break;
       row.chain_positions = j;
     }
-    sequence.mtp_missed += std::max<int64_t>(0, t - sequence.mtp_computed);
-    sequence.mtp_computed = t + a + 1;
+    advance_mtp(sequence, t, t + a + 1);
   }
   runner_->launch_mtp_fixed(rows, wanted);
+}
+
+void Engine::append_mtp_key_rows(const LogitRowUse& use, int64_t kept, int64_t count,
+                                 std::vector<MtpKeyRow>& rows) const {
+  const Sequence& sequence = *use.chunk.sequence;
+  const int64_t first_position = sequence.num_computed - kept;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t position = first_position + i;
+    rows.push_back(
+        {sequence.id, position, sequence.tokens[static_cast<size_t>(position + 1)], use.first_batch_row + i});
+  }
+}
+
+void Engine::advance_mtp(Sequence& sequence, int64_t first_position, int64_t end) {
+  sequence.mtp_missed += std::max<int64_t>(0, first_position - sequence.mtp_computed);
+  sequence.mtp_computed = end;
 }
 
 void Engine::write_mtp_keys(const StepResult& result, std::span<const int64_t> kept_rows) {
@@ -453,14 +462,8 @@ void Engine::write_mtp_keys(const StepResult& result, std::span<const int64_t> k
                   use.first_batch_row == static_cast<int64_t>(u);
     const int64_t count = kept_rows[u];
     if (sequence.finished() || count <= 0) continue;
-    const int64_t first_position = sequence.num_computed - count;
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t position = first_position + i;
-      rows.push_back(
-          {sequence.id, position, sequence.tokens[static_cast<size_t>(position + 1)], use.first_batch_row + i});
-    }
-    sequence.mtp_missed += std::max<int64_t>(0, first_position - sequence.mtp_computed);
-    sequence.mtp_computed = sequence.num_computed;
+    append_mtp_key_rows(use, count, count, rows);
+    advance_mtp(sequence, sequence.num_computed - count, sequence.num_computed);
   }
   if (rows.empty()) return;
   const auto step_rows = static_cast<int64_t>(result.uses.size());

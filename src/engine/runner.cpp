@@ -17,7 +17,7 @@ Runner::Runner(Model& model, const RunnerLimits& limits)
       workspace_(model.device(), 16u << 20, /*growable=*/true),
       host_(std::make_unique<HostStep>()),
       commit_workspace_(model.device(), 1u << 20, /*growable=*/true) {
-  const int64_t tokens = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const int64_t tokens = max_step_rows();
   const int64_t seqs = limits_.max_num_seqs;
   const int64_t blocks = max_blocks_per_seq(limits_);
   const auto ints = [](int64_t count) { return PinnedBuffer(static_cast<size_t>(count) * sizeof(int32_t)); };
@@ -102,8 +102,7 @@ void Runner::build_host_step(const SchedulePlan& plan, int64_t padded_seqs, int6
     const int64_t seq_rows = rows_per_seq > 0 ? rows_per_seq : chunk.num_rows();
     METRALE_CHECK(seq_rows >= chunk.num_rows(), "sequence {}: {} rows in a layout of {}", sequence.id, chunk.num_rows(),
                   seq_rows);
-    METRALE_CHECK(t + seq_rows <= std::max(limits_.max_num_tokens, limits_.max_num_seqs),
-                  "step exceeds the token limit");
+    METRALE_CHECK(t + seq_rows <= max_step_rows(), "step exceeds the token limit");
     std::copy(table.begin(), table.end(), tables + s * h.block_stride);
     const int64_t first_row = t;
     for (int64_t p = begin; p < end; ++p, ++t) {
@@ -294,8 +293,8 @@ size_t Runner::plan_workspace() {
   if (device.is_cpu()) return 0;
   // A scratch cache big enough for the profile batch: the largest step the scheduler can build.
   // No sequence is longer than max_model_len, so neither is a profile sequence.
-  const int64_t seqs = std::min(limits_.max_num_seqs, std::max(limits_.max_num_tokens, limits_.max_num_seqs));
-  const int64_t tokens = std::min(std::max(limits_.max_num_tokens, limits_.max_num_seqs), seqs * limits_.max_model_len);
+  const int64_t seqs = std::min(limits_.max_num_seqs, max_step_rows());
+  const int64_t tokens = std::min(max_step_rows(), seqs * limits_.max_model_len);
   const int64_t per_seq = (tokens + seqs - 1) / seqs;
   // No state slots of its own: profile sequences share the padding slot (see build_host_step).
   CacheConfig scratch_config;

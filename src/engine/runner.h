@@ -19,6 +19,7 @@
 // rows use the cache's padding slot, which no sequence reads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -172,6 +173,8 @@ class Runner {
   size_t workspace_bytes() const { return workspace_.capacity_bytes(); }
 
  private:
+  // Rows a step's buffers hold: the token budget, or one row per sequence when that is more.
+  int64_t max_step_rows() const { return std::max(limits_.max_num_tokens, limits_.max_num_seqs); }
   struct HostStep;      // the step's host arrays
   struct CommitStream;  // the graphed commit's own stream and events (CUDA)
   // Makes the model's stream wait for a commit running beside the MTP chain (no-op otherwise).

@@ -125,7 +125,7 @@ void Runner::allocate_speculative_buffers() {
 #if METRALE_WITH_CUDA
   if (device.is_cuda() && limits_.mtp) commit_stream_ = std::make_unique<CommitStream>();
 #endif
-  const int64_t tokens = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const int64_t tokens = max_step_rows();
   const int64_t seqs = limits_.max_num_seqs, k = limits_.max_drafts;
   const int64_t rows = seqs * (1 + k);
   const int64_t hidden = model_.config().hidden_size, vocab = model_.config().vocab_size;
@@ -681,8 +681,7 @@ Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_sourc
     METRALE_CHECK(count > 0 && static_cast<int64_t>(table.size()) * block_size >= end,
                   "MTP rows of sequence {}: {} rows to position {} with {} blocks", seq.seq_id, count, end,
                   table.size());
-    METRALE_CHECK(t + count <= std::max(limits_.max_num_tokens, limits_.max_num_seqs),
-                  "MTP step exceeds the token limit");
+    METRALE_CHECK(t + count <= max_step_rows(), "MTP step exceeds the token limit");
     std::copy(table.begin(), table.end(), tables + s * h.block_stride);
     for (int64_t i = 0; i < count; ++i, ++t) {
       const int64_t p = seq.first_position + i;
@@ -717,7 +716,7 @@ Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_sourc
 }
 
 void Runner::run_mtp_keys(std::span<const MtpKeyRow> rows, const Tensor& hidden_source) {
-  const int64_t most = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const int64_t most = max_step_rows();
   for (size_t begin = 0; begin < rows.size(); begin += static_cast<size_t>(most)) {
     const auto batch = rows.subspan(begin, std::min(rows.size() - begin, static_cast<size_t>(most)));
     run_mtp_key_batch(batch, mtp_key_batch_rows(static_cast<int64_t>(batch.size())), hidden_source);
@@ -759,7 +758,7 @@ void Runner::run_mtp_key_batch(std::span<const MtpKeyRow> rows, int64_t padded, 
 }
 
 int64_t Runner::mtp_key_batch_rows(int64_t count) const {
-  const int64_t most = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const int64_t most = max_step_rows();
   int64_t rows = kMinMtpKeyRows;
   while (rows < count && rows < most) rows *= 2;
   return std::min(rows, most);
@@ -767,7 +766,7 @@ int64_t Runner::mtp_key_batch_rows(int64_t count) const {
 
 void Runner::warm_up_mtp_keys() {
   if (!limits_.mtp || cache_ == nullptr) return;
-  const int64_t most = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const int64_t most = max_step_rows();
   const Tensor source = mtp_stash_.tensor.slice(0, 0, 1);  // padding rows gather row 0 and write nothing
   for (int64_t rows = kMinMtpKeyRows;; rows *= 2) {
     run_mtp_key_batch({}, std::min(rows, most), source);
@@ -790,7 +789,7 @@ void Runner::stash_hidden_rows(int64_t first, int64_t count, int64_t at) {
 
 size_t Runner::profile_fixed_steps() {
   const Device device = model_.device();
-  const int64_t capacity = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const int64_t capacity = max_step_rows();
   const int64_t k = limits_.max_drafts;
   const int64_t seqs = std::min(limits_.max_num_seqs, capacity / (1 + k));
   if (seqs <= 0) return 0;
@@ -829,7 +828,7 @@ void Runner::prepare_fixed_shape(int64_t seqs, int64_t k) {
 void Runner::capture_verify_graphs(const std::vector<int64_t>& batch_sizes) {
 #if METRALE_WITH_CUDA
   const Device device = model_.device();
-  const int64_t capacity = std::max(limits_.max_num_tokens, limits_.max_num_seqs);
+  const int64_t capacity = max_step_rows();
   if (limits_.mtp) {
     // MTP after a plain decode step (k = 0): one catch-up row per sequence, then the chain.
     for (const int64_t size : batch_sizes) {

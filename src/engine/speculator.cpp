@@ -452,22 +452,19 @@ void SpeculationController::record_step(const SpeculativeStepRecord& step) {
     step_accepted_ = step_trials_ = 0.0;
   }
   if (!(step.seconds > 0.0) || step.num_decoding <= 0) return;
-  if (probe) {
-    // Acceptance often changes while drafting is off (text turns repetitive as a generation goes
-    // on), and the EMAs follow one probe by a tenth of the way: a probe whose own acceptance and
-    // cost say drafting pays calls for the next one at once, until the estimates turn drafting on.
-    record_cost(step);
-    Bucket& found = bucket(step.num_decoding);
-    const int32_t drafts = std::clamp(step.drafts, 1, config_.num_drafts);
-    const double plain = estimate_seconds(&found, step.num_decoding, 0);
-    if (pooled >= 0.0 && expected_tokens(std::clamp(pooled, 0.0, 0.99), drafts) * plain >=
-                             kDraftMargin * estimate_seconds(&found, step.num_decoding, drafts)) {
-      found.next_probe = found.steps + 1;
-      found.probe_interval = kFirstProbe;
-    }
-    return;
-  }
   record_cost(step);
+  if (!probe || pooled < 0.0) return;
+  // Acceptance often changes while drafting is off (text turns repetitive as a generation goes on),
+  // and the EMAs follow one probe by a tenth of the way: a probe whose own acceptance and cost say
+  // drafting pays calls for the next one at once, until the estimates turn drafting on.
+  Bucket& found = bucket(step.num_decoding);
+  const int32_t drafts = std::clamp(step.drafts, 1, config_.num_drafts);
+  const double plain = estimate_seconds(&found, step.num_decoding, 0);
+  if (expected_tokens(std::clamp(pooled, 0.0, 0.99), drafts) * plain >=
+      kDraftMargin * estimate_seconds(&found, step.num_decoding, drafts)) {
+    found.next_probe = found.steps + 1;
+    found.probe_interval = kFirstProbe;
+  }
 }
 
 void SpeculationController::record_cost(const SpeculativeStepRecord& step) {

@@ -63,15 +63,7 @@ void Attention::forward(const StepContext& step, const LayerCache& cache, const 
                  qkv.device());
   const Tensor v(qkv.slice(1, q_rows + kv_rows, q_rows + 2 * kv_rows).data(), act, {tokens, config_.num_kv_heads, d},
                  {row, d, 1}, qkv.device());
-  // Qwen3 normalises q and k per head before RoPE; the cache holds post-norm, post-RoPE keys.
-  kernels::QkNormRopeParams prologue;
-  prologue.q_norm = q_norm_.has_value();
-  prologue.k_norm = k_norm_.has_value();
-  prologue.norm = q_norm_ ? q_norm_->params : kernels::RmsNormParams{};
-  prologue.rope = rope_->params();
-  kernels::qk_norm_rope_kv_write(q, k, v, q_norm_ ? q_norm_->weight : Tensor(), k_norm_ ? k_norm_->weight : Tensor(),
-                                 batch.positions, rope_->inv_freq(), batch.slot_mapping, cache.k_cache, cache.v_cache,
-                                 prologue);
+  write_rotated_keys(batch, cache, q, k, v);
   const Tensor attn = step.workspace.alloc(act, {tokens, config_.num_heads, d});  // [T, nH, D]
   kernels::AttentionParams params;
   params.scale = scale_;
@@ -106,13 +98,20 @@ void Attention::write_keys(const StepContext& step, const LayerCache& cache, con
   const Tensor v(kv.slice(1, kv_rows, 2 * kv_rows).data(), act, {tokens, config_.num_kv_heads, d}, {row, d, 1},
                  kv.device());
   const Tensor no_queries(kv.data(), act, {tokens, 0, d}, {row, d, 1}, kv.device());  // [T, 0, D]
+  write_rotated_keys(batch, cache, no_queries, k, v);
+}
+
+void Attention::write_rotated_keys(const ForwardBatch& batch, const LayerCache& cache, const Tensor& q, const Tensor& k,
+                                   const Tensor& v) const {
+  // Qwen3 normalises q and k per head before RoPE; the cache holds post-norm, post-RoPE keys.
   kernels::QkNormRopeParams prologue;
-  prologue.q_norm = false;
+  prologue.q_norm = q_norm_.has_value() && q.size(1) > 0;
   prologue.k_norm = k_norm_.has_value();
-  prologue.norm = k_norm_ ? k_norm_->params : kernels::RmsNormParams{};
+  prologue.norm = q_norm_ ? q_norm_->params : k_norm_ ? k_norm_->params : kernels::RmsNormParams{};
   prologue.rope = rope_->params();
-  kernels::qk_norm_rope_kv_write(no_queries, k, v, Tensor(), k_norm_ ? k_norm_->weight : Tensor(), batch.positions,
-                                 rope_->inv_freq(), batch.slot_mapping, cache.k_cache, cache.v_cache, prologue);
+  kernels::qk_norm_rope_kv_write(q, k, v, q_norm_ ? q_norm_->weight : Tensor(), k_norm_ ? k_norm_->weight : Tensor(),
+                                 batch.positions, rope_->inv_freq(), batch.slot_mapping, cache.k_cache, cache.v_cache,
+                                 prologue);
 }
 
 }  // namespace metrale

@@ -39,6 +39,11 @@ class Attention : public Mixer {
   void write_keys(const StepContext& step, const LayerCache& cache, const Tensor& x) override;
 
  private:
+  // q [T, nH or 0, D] rotated (and normalised) in place; k normalised and rotated, and v, written to
+  // the cache at the batch's slots.
+  void write_rotated_keys(const ForwardBatch& batch, const LayerCache& cache, const Tensor& q, const Tensor& k,
+                          const Tensor& v) const;
+
   AttentionConfig config_;
   // On the GPU q, k and v are one fused projection [(Q + 2 nKV * D), H] (one weight read per step);
   // on the CPU they stay three views into the mapped checkpoint. Q = nH * D, or 2 nH * D with the
