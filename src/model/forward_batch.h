@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "runtime/tensor.h"
 
@@ -56,6 +57,11 @@ struct ForwardBatch {
   Tensor verify_scratch;  // [>= Model::verify_scratch_bytes(T, S)] u8 on the device, caller-owned;
                           // must stay untouched until commit_verified
 
+  // Per-row inputs the model declared (Model::step_input_specs), prepared on the host by
+  // Model::prestage: step_inputs[i] is [T, per_row] of entry i's dtype on the model's device, at fixed
+  // addresses (CUDA graphs replay them). Empty when the model declares none.
+  std::span<const Tensor> step_inputs;
+
   bool all_decode() const { return num_tokens == num_seqs; }  // every sequence adds exactly one token
 };
 
@@ -70,6 +76,24 @@ struct VerifyCommit {
   Tensor cu_parts;       // [2S+1] i32 over the verify batch's rows; cu_parts[2S] = T
   Tensor kv_lens;        // [2S] i32: kept parts: context + kept_s; rejected parts: their length
   Tensor slots;          // [2S] i32: kept parts: the sequence's state slot; rejected parts: -1
+};
+
+// A per-row input of a step, prepared on the host before upload (e.g. PLE table rows).
+struct StepInputSpec {
+  std::string name;
+  DType dtype = DType::kI32;
+  int64_t per_row = 1;  // elements per batch row
+};
+
+// What prestage() sees of a step: the host arrays of the batch (padding rows included: their
+// sequence has an empty history and they may be filled with anything).
+struct PrestageRows {
+  int64_t num_tokens = 0, num_seqs = 0;
+  std::span<const int32_t> token_ids;  // [T]
+  std::span<const int32_t> positions;  // [T]
+  std::span<const int32_t> cu_q;       // [S + 1]
+  // [S]: sequence s's tokens before its first row of this step (its cached context, in order).
+  std::span<const std::span<const int32_t>> history;
 };
 
 }  // namespace metrale

@@ -63,7 +63,9 @@ TEST(MtpDemo, DraftsMatchTheTrainingReference) {
   ASSERT_TRUE(model->has_mtp());
   EXPECT_EQ(model->num_mtp_layers(), 1);
   ASSERT_EQ(model->mtp_cache_specs().size(), 1u);
-  EXPECT_EQ(model->mtp_cache_specs()[0].kind, LayerCacheKind::kPagedKv);
+  const CacheSpec mtp_cache = model->mtp_cache_specs()[0];
+  EXPECT_TRUE(mtp_cache.has_paged() && !mtp_cache.has_slots());
+  EXPECT_EQ(mtp_cache.tensors.size(), 2u);  // its attention's k and v
 
   SpecRunner runner(*model, /*with_mtp=*/true);
   const SpecRunner::Rows trunk = runner.step({{0, ids}});
