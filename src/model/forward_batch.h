@@ -28,8 +28,8 @@ struct ForwardBatch {
   Tensor block_tables;  // [S, max_blocks] i32
   Tensor slot_mapping;  // [T] i32, cache slot of each new token (block * block_size + offset)
   Tensor logit_rows;    // [R] i32, rows of the batch whose logits the step returns
-  // Recurrent layers: the state slot of each sequence ([S] i32; empty when the model has no
-  // recurrent layer). A sequence whose cached length is 0 (kv_lens[s] == q_len_s) starts from zero
+  // Per-slot cache tensors: the state slot of each sequence ([S] i32; empty when the model declares
+  // none). A sequence whose cached length is 0 (kv_lens[s] == q_len_s) starts from its initial
   // state whatever its slot holds; every forward leaves the state after the sequence's last row of
   // this step in its slot.
   Tensor state_slots;
@@ -47,11 +47,11 @@ struct ForwardBatch {
   // draft step.
   Tensor hidden_out;
 
-  // Speculative verify (Model::commit_verified). When set, the step's recurrent layers read their
-  // state slots but do not write them; they keep their per-row inputs in verify_scratch instead, and
-  // Model::commit_verified then advances every sequence's slots over its accepted rows. Attention
-  // layers write KV for every row as usual (the engine truncates the rejected tail). Logits and
-  // hidden_out are exactly those of a plain step over the same rows (the recurrent layers run the
+  // Speculative verify (Model::commit_verified). When set, blocks with per-slot state read their
+  // slots but do not write them; they keep their per-row inputs in verify_scratch instead, and
+  // Model::commit_verified then advances every sequence's slots over its accepted rows. Paged cache
+  // tensors are written for every row as usual (the engine truncates the rejected tail). Logits and
+  // hidden_out are exactly those of a plain step over the same rows (GDN layers run the
   // token-by-token delta rule, as decode does).
   bool verify = false;
   Tensor verify_scratch;  // [>= Model::verify_scratch_bytes(T, S)] u8 on the device, caller-owned;
