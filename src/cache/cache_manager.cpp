@@ -7,18 +7,12 @@
 
 namespace metrale {
 
-uint64_t kv_bytes_per_block(std::span<const LayerCacheSpec> specs, int32_t block_size, DType kv_dtype) {
-  uint64_t bytes = 0;
-  for (const auto& spec : specs) {
-    if (spec.kind == LayerCacheKind::kPagedKv) {
-      bytes += 2ull * static_cast<uint64_t>(block_size * spec.num_kv_heads * spec.head_dim) * dtype_size(kv_dtype);
-    }
-  }
-  return bytes;
-}
-
-CacheManager::CacheManager(std::span<const LayerCacheSpec> specs, const CacheConfig& config, Device device)
-    : config_(config), device_(device), pool_(config.num_blocks), prefix_(config.num_blocks, std::max(config.block_size, 1)) {
+CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& config, Device device)
+    : config_(config),
+      device_(device),
+      pool_(config.num_blocks),
+      prefix_(config.num_blocks, std::max(config.block_size, 1)),
+      specs_(specs.begin(), specs.end()) {
   if (config.block_size <= 0) raise(ErrorCode::kInvalidArgument, "block size must be positive, got {}", config.block_size);
   if (config.num_state_slots < 0 || config.num_checkpoint_slots < 0)
     raise(ErrorCode::kInvalidArgument, "negative state slot counts ({} sequence, {} checkpoint)", config.num_state_slots,
@@ -27,8 +21,11 @@ CacheManager::CacheManager(std::span<const LayerCacheSpec> specs, const CacheCon
     raise(ErrorCode::kInvalidArgument, "the state checkpoint interval must be positive, got {}", config.state_checkpoint_interval);
   // Checkpoints sit on block boundaries.
   config_.state_checkpoint_interval = (config.state_checkpoint_interval + config.block_size - 1) / config.block_size * config.block_size;
-  for (const auto& spec : specs) has_recurrent_ = has_recurrent_ || (spec.kind == LayerCacheKind::kRecurrent && !spec.states.empty());
-  if (has_recurrent_) {
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    check_cache_spec(specs_[i], config.block_size, fmt::format("cache {}", i));
+    has_slots_ = has_slots_ || specs_[i].has_slots();
+  }
+  if (has_slots_) {
     const int32_t checkpoints = config.enable_prefix_caching ? config.num_checkpoint_slots : 0;
     sequence_slots_ = StatePool(0, config.num_state_slots);
     checkpoint_slots_ = StatePool(config.num_state_slots, checkpoints);
@@ -36,45 +33,33 @@ CacheManager::CacheManager(std::span<const LayerCacheSpec> specs, const CacheCon
     checkpoint_block_.assign(static_cast<size_t>(checkpoints), -1);
     checkpoint_used_at_.assign(static_cast<size_t>(checkpoints), 0);
   }
-  const int64_t total_slots = has_recurrent_ ? padding_slot_ + 1 : 0;
-  layers_.resize(specs.size());
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const LayerCacheSpec& spec = specs[i];
-    if (spec.kind == LayerCacheKind::kPagedKv) {
-      const Shape shape{config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim};
-      // GPU: zeros, so that padding rows of graph layouts (which read keys nobody wrote) stay
-      // finite. (CPU caches come from fresh zero pages, and zeroing would commit all of them.)
-      kv_storage_.emplace_back(config.kv_dtype, shape, device);
-      layers_[i].k_cache = kv_storage_.back().tensor;
-      if (device.is_cuda()) kv_storage_.back().buffer.zero();
-      kv_storage_.emplace_back(config.kv_dtype, shape, device);
-      layers_[i].v_cache = kv_storage_.back().tensor;
-      if (device.is_cuda()) kv_storage_.back().buffer.zero();
-    } else if (spec.kind == LayerCacheKind::kRecurrent) {
-      for (const StateTensorSpec& state : spec.states) {
-        if (static_cast<int>(state.per_slot_shape.size()) + 1 > Shape::kMaxDims)
-          raise(ErrorCode::kInvalidArgument, "layer {}: a state of {} dims per slot is not supported", i,
-                state.per_slot_shape.size());
-        std::vector<int64_t> dims = {total_slots};
-        dims.insert(dims.end(), state.per_slot_shape.begin(), state.per_slot_shape.end());
-        state_storage_.emplace_back(state.fp32 ? DType::kF32 : config.kv_dtype, Shape(std::span<const int64_t>(dims)), device);
-        // Slots are only read after a forward wrote them, but zeros keep stray reads finite.
-        state_storage_.back().buffer.zero();
-        layers_[i].states.push_back(state_storage_.back().tensor);
-      }
+  const int64_t total_slots = has_slots_ ? padding_slot_ + 1 : 0;
+  caches_.resize(specs_.size());
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    for (const CacheTensorSpec& tensor : specs_[i].tensors) {
+      const Shape shape = tensor.storage_shape(config.num_blocks, config.block_size, total_slots);
+      const DType dtype = tensor.dtype_or(config.activation_dtype);
+      std::vector<OwnedTensor>& storage = tensor.paged() ? paged_storage_ : slot_storage_;
+      storage.emplace_back(dtype, shape, device);
+      // Paged tensors on the GPU and every per-slot tensor start as zeros: padding rows of graph
+      // layouts read rows nobody wrote, and slots are only read after a forward wrote them, but zeros
+      // keep stray reads finite. (CPU blocks come from fresh zero pages, and zeroing would commit
+      // all of them.)
+      if (!tensor.paged() || device.is_cuda()) storage.back().buffer.zero();
+      caches_[i].tensors.push_back(storage.back().tensor);
     }
   }
 }
 
 uint64_t CacheManager::kv_memory_bytes() const {
   uint64_t bytes = 0;
-  for (const auto& tensor : kv_storage_) bytes += tensor.buffer.size();
+  for (const auto& tensor : paged_storage_) bytes += tensor.buffer.size();
   return bytes;
 }
 
 uint64_t CacheManager::state_memory_bytes() const {
   uint64_t bytes = 0;
-  for (const auto& tensor : state_storage_) bytes += tensor.buffer.size();
+  for (const auto& tensor : slot_storage_) bytes += tensor.buffer.size();
   return bytes;
 }
 
@@ -99,8 +84,8 @@ std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t se
     if (entry.state_slot < 0) return std::nullopt;
   }
   PrefixMatch match;
-  // A hybrid sequence without a slot of its own (scratch caches) could not take a checkpoint.
-  if (use_prefix_cache && prefix_caching() && !tokens.empty() && (!has_recurrent_ || entry.state_slot >= 0)) {
+  // A sequence that needs state but has no slot of its own (scratch caches) could not take a checkpoint.
+  if (use_prefix_cache && prefix_caching() && !tokens.empty() && (!has_slots_ || entry.state_slot >= 0)) {
     const int64_t block_size = config_.block_size;
     const auto max_blocks = static_cast<size_t>((static_cast<int64_t>(tokens.size()) - 1) / block_size);
     BlockHash parent;
@@ -114,7 +99,7 @@ std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t se
       entry.blocks.push_back(block);
       entry.hashes.push_back(hash);
       parent = hash;
-      if (!has_recurrent_) {
+      if (!has_slots_) {
         usable = entry.blocks.size();
       } else if (prefix_.checkpoint(block) >= 0) {
         usable = entry.blocks.size();
@@ -184,11 +169,11 @@ int32_t CacheManager::state_slot(int64_t seq_id) const {
 }
 
 void CacheManager::copy_state_slot(int32_t dst, int32_t src) {
-  METRALE_CHECK(has_recurrent_, "state copy in a cache without recurrent layers");
+  METRALE_CHECK(has_slots_, "state copy in a cache without per-slot tensors");
   METRALE_CHECK(dst >= 0 && src >= 0 && dst <= padding_slot_ && src <= padding_slot_, "state copy {} -> {} out of range",
                 src, dst);
   if (dst == src) return;
-  for (const OwnedTensor& state : state_storage_) {
+  for (const OwnedTensor& state : slot_storage_) {
     const Tensor& tensor = state.tensor;
     const size_t slot_bytes = tensor.nbytes() / static_cast<size_t>(tensor.size(0));
     auto* base = static_cast<char*>(tensor.data());
@@ -219,14 +204,14 @@ void CacheManager::cache_full_blocks(int64_t seq_id, std::span<const int32_t> to
 }
 
 bool CacheManager::is_checkpoint_position(int64_t num_prompt, int64_t position) const {
-  if (!has_recurrent_ || checkpoint_slots_.num_slots() == 0) return false;
+  if (!has_slots_ || checkpoint_slots_.num_slots() == 0) return false;
   const int64_t last = last_prompt_checkpoint(num_prompt);
   if (position <= 0 || position % config_.block_size != 0 || position > last) return false;
   return position == last || position % config_.state_checkpoint_interval == 0;
 }
 
 int64_t CacheManager::next_checkpoint_position(int64_t num_prompt, int64_t num_computed) const {
-  if (!has_recurrent_ || checkpoint_slots_.num_slots() == 0) return -1;
+  if (!has_slots_ || checkpoint_slots_.num_slots() == 0) return -1;
   const int64_t last = last_prompt_checkpoint(num_prompt);
   if (num_computed >= last) return -1;
   const int64_t interval = config_.state_checkpoint_interval;
@@ -244,7 +229,7 @@ void CacheManager::drop_checkpoint(int32_t slot) {
 }
 
 void CacheManager::checkpoint_state(int64_t seq_id, int64_t position) {
-  if (!has_recurrent_ || checkpoint_slots_.num_slots() == 0) return;
+  if (!has_slots_ || checkpoint_slots_.num_slots() == 0) return;
   const auto it = sequences_.find(seq_id);
   METRALE_CHECK(it != sequences_.end(), "no cache entries for sequence {}", seq_id);
   const SequenceEntry& entry = it->second;
@@ -279,6 +264,21 @@ void CacheManager::checkpoint_state(int64_t seq_id, int64_t position) {
 // ---- Integrity
 
 void CacheManager::check_integrity() const {
+  const int64_t total_slots = has_slots_ ? padding_slot_ + 1 : 0;
+  METRALE_CHECK(caches_.size() == specs_.size(), "{} caches for {} specs", caches_.size(), specs_.size());
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const auto& tensors = specs_[i].tensors;
+    METRALE_CHECK(caches_[i].tensors.size() == tensors.size(), "cache {} holds {} tensors for {} declared", i,
+                  caches_[i].tensors.size(), tensors.size());
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      const Tensor& tensor = caches_[i].tensors[j];
+      const Shape expected = tensors[j].storage_shape(config_.num_blocks, config_.block_size, total_slots);
+      METRALE_CHECK(tensor.shape() == expected && tensor.dtype() == tensors[j].dtype_or(config_.activation_dtype) &&
+                        tensor.is_contiguous(),
+                    "cache {} tensor '{}' is {}, declared {} {}", i, tensors[j].name, tensor.describe(),
+                    expected.to_string(), dtype_name(tensors[j].dtype_or(config_.activation_dtype)));
+    }
+  }
   const int32_t total = pool_.num_blocks();
   std::vector<int32_t> references(static_cast<size_t>(total), 0);
   std::vector<uint8_t> slot_owned(static_cast<size_t>(std::max(padding_slot_, 0)), 0);

@@ -1,11 +1,13 @@
-// CacheManager: owns the memory of every layer's cache and maps sequences to it.
-// - Attention layers: one paged K and V pool per layer, all sharing one block numbering; each
+// CacheManager: owns the memory of every stateful block's cache and maps sequences to it, without
+// knowing what a tensor means (model/cache_spec.h).
+// - Paged tensors (per token and per group): one tensor each, all sharing one block numbering; each
 //   sequence has a block table. Full blocks can be shared between sequences through the prefix
-//   cache (reference counts in the BlockPool, hashes in the PrefixCache).
-// - Recurrent layers: one tensor per state, [num_slots, ...per_slot_shape]; each sequence holds one
-//   state slot (a StatePool of num_state_slots ids). Hybrid models with prefix caching also keep
-//   checkpoint slots: the state after the last token of a cached block, so that a later sequence
-//   reusing that prefix can start from it. One more slot takes the writes of padding rows.
+//   cache (reference counts in the BlockPool, hashes in the PrefixCache); a block's per-group rows
+//   travel with it.
+// - Per-slot tensors: one tensor each, [num_slots, ...shape]; each sequence holds one state slot
+//   (a StatePool of num_state_slots ids) valid in all of them. With prefix caching, checkpoint slots
+//   keep every per-slot tensor's entry after the last token of a cached block, so that a later
+//   sequence reusing that prefix can start from it. One more slot takes the writes of padding rows.
 //
 // Slot layout: [0, num_state_slots) sequences, then num_checkpoint_slots checkpoints, then the
 // padding slot.
@@ -26,34 +28,34 @@ namespace metrale {
 
 struct CacheConfig {
   int32_t block_size = 16;   // tokens per block
-  int32_t num_blocks = 0;    // blocks per attention layer (all layers share the numbering)
-  DType kv_dtype = DType::kF32;  // also the dtype of non-fp32 recurrent states
-  // Recurrent layers only (ignored for models without them). Slots for running sequences; 0 gives
+  int32_t num_blocks = 0;    // blocks of every paged tensor (all share the numbering)
+  DType activation_dtype = DType::kF32;  // the dtype of tensors declared without one
+  // Per-slot tensors only (ignored for specs without them). Slots for running sequences; 0 gives
   // sequences no slot at all (scratch caches for profiling, whose states are never read back).
   int32_t num_state_slots = 0;
-  // Prefix-cache checkpoints of the recurrent state (hybrid models with prefix caching).
+  // Prefix-cache checkpoints of the per-slot state (specs with per-slot tensors, prefix caching on).
   int32_t num_checkpoint_slots = 0;
   bool enable_prefix_caching = false;
-  // Hybrid models: a prefill checkpoint every this many tokens (rounded up to a multiple of
+  // Per-slot state: a prefill checkpoint every this many tokens (rounded up to a multiple of
   // block_size), besides the one at the end of the prompt's last full block.
   int64_t state_checkpoint_interval = 512;
 };
 
-// Bytes one block costs across all layers with a paged KV cache.
-uint64_t kv_bytes_per_block(std::span<const LayerCacheSpec> specs, int32_t block_size, DType kv_dtype);
-
 class CacheManager {
  public:
-  CacheManager(std::span<const LayerCacheSpec> specs, const CacheConfig& config, Device device);
+  // One BlockCache per spec, in order. Throws kInvalidArgument when a spec cannot be allocated
+  // (check_cache_spec).
+  CacheManager(std::span<const CacheSpec> specs, const CacheConfig& config, Device device);
 
   const CacheConfig& config() const { return config_; }
   int32_t block_size() const { return config_.block_size; }
   const BlockPool& pool() const { return pool_; }
   const PrefixCache& prefix_cache() const { return prefix_; }
-  std::span<const LayerCache> layer_caches() const { return layers_; }
+  std::span<const BlockCache> block_caches() const { return caches_; }
+  std::span<const CacheSpec> specs() const { return specs_; }  // block_caches()[i] holds specs()[i]
   uint64_t memory_bytes() const { return kv_memory_bytes() + state_memory_bytes(); }
-  uint64_t kv_memory_bytes() const;
-  uint64_t state_memory_bytes() const;
+  uint64_t kv_memory_bytes() const;     // every paged tensor (per token and per group)
+  uint64_t state_memory_bytes() const;  // every per-slot tensor
 
   // Blocks needed to hold `tokens` tokens.
   int32_t blocks_for(int64_t tokens) const {
@@ -63,12 +65,12 @@ class CacheManager {
   // ---- Sequences
   struct PrefixMatch {
     int64_t cached_tokens = 0;    // leading tokens whose blocks (and state) the sequence starts with
-    bool restored_state = false;  // a recurrent-state checkpoint was copied into its slot
+    bool restored_state = false;  // a state checkpoint was copied into its slot
   };
-  // Creates sequence `seq_id` (which must not exist), with its state slot when the model has
-  // recurrent layers. With `use_prefix_cache` (and prefix caching on) it starts from the longest
+  // Creates sequence `seq_id` (which must not exist), with its state slot when the specs have
+  // per-slot tensors. With `use_prefix_cache` (and prefix caching on) it starts from the longest
   // cached prefix of `tokens`: whole blocks, fewer than tokens.size() tokens (at least one token is
-  // left to compute, for its logits), and on hybrid models only a length that has a state
+  // left to compute, for its logits), and with per-slot tensors only a length that has a state
   // checkpoint, which is copied into the sequence's slot (queued on the device's stream). Returns
   // nullopt and changes nothing when no state slot is free.
   std::optional<PrefixMatch> begin_sequence(int64_t seq_id, std::span<const int32_t> tokens, bool use_prefix_cache);
@@ -85,17 +87,18 @@ class CacheManager {
   bool has_sequence(int64_t seq_id) const { return sequences_.count(seq_id) != 0; }
   size_t num_sequences() const { return sequences_.size(); }
 
-  // ---- Recurrent state
-  bool has_recurrent_state() const { return has_recurrent_; }
-  // The sequence's state slot, or -1 (no recurrent layers, or a scratch cache).
+  // ---- Per-slot state
+  // Whether any spec has a per-slot tensor (sequences then hold state slots).
+  bool has_recurrent_state() const { return has_slots_; }
+  // The sequence's state slot, or -1 (no per-slot tensors, or a scratch cache).
   int32_t state_slot(int64_t seq_id) const;
-  // The slot padding rows of a graph batch write to (never read); -1 without recurrent layers.
+  // The slot padding rows of a graph batch write to (never read); -1 without per-slot tensors.
   int32_t padding_state_slot() const { return padding_slot_; }
   int32_t num_state_slots() const { return sequence_slots_.num_slots() + checkpoint_slots_.num_slots(); }
   int32_t num_state_slots_used() const { return sequence_slots_.num_used() + checkpoint_slots_.num_used(); }
   int32_t num_checkpoints() const { return checkpoint_slots_.num_used(); }
-  // Copies slot `src` into slot `dst` in every state tensor of every recurrent layer (queued on
-  // the device's current stream, so it is ordered with the steps around it).
+  // Copies slot `src` into slot `dst` in every per-slot tensor of every block, whatever its dtype
+  // (queued on the device's current stream, so it is ordered with the steps around it).
   void copy_state_slot(int32_t dst, int32_t src);
 
   // ---- Prefix cache
@@ -103,7 +106,7 @@ class CacheManager {
   // After a step: indexes the sequence's full blocks among its first `num_computed` tokens so that
   // later sequences can share them. `tokens` are the sequence's tokens (at least num_computed).
   void cache_full_blocks(int64_t seq_id, std::span<const int32_t> tokens, int64_t num_computed);
-  // Hybrid models: whether `position` (tokens computed) is a state checkpoint point of a sequence
+  // Specs with per-slot tensors: whether `position` (tokens computed) is a state checkpoint point of a sequence
   // with `num_prompt` prompt tokens: the last block boundary before the prompt's end, and every
   // state_checkpoint_interval tokens before it. Always false without checkpoints. (The last point
   // is strictly before the end so that the same prompt again, whose lookup must leave a token to
@@ -117,9 +120,10 @@ class CacheManager {
   // checkpoint slot is taken the least recently used checkpoint is dropped.
   void checkpoint_state(int64_t seq_id, int64_t position);
 
-  // Throws kInternal unless every invariant holds: reference counts equal the number of tables
-  // holding each block; empty + cached + used == total; a block is cached exactly when the prefix
-  // index holds it; state and checkpoint slots are each owned once.
+  // Throws kInternal unless every invariant holds: every tensor has its spec's storage shape and
+  // dtype; reference counts equal the number of tables holding each block; empty + cached + used ==
+  // total; a block is cached exactly when the prefix index holds it; state and checkpoint slots are
+  // each owned once.
   void check_integrity() const;
 
  private:
@@ -128,7 +132,7 @@ class CacheManager {
     std::vector<BlockHash> hashes;  // hash chain of the leading full blocks indexed so far
     int32_t state_slot = -1;
   };
-  bool needs_state_slot() const { return has_recurrent_ && sequence_slots_.num_slots() > 0; }
+  bool needs_state_slot() const { return has_slots_ && sequence_slots_.num_slots() > 0; }
   int64_t last_prompt_checkpoint(int64_t num_prompt) const {
     return (num_prompt - 1) / config_.block_size * config_.block_size;
   }
@@ -141,13 +145,14 @@ class CacheManager {
   Device device_;
   BlockPool pool_;
   PrefixCache prefix_;
-  bool has_recurrent_ = false;
+  bool has_slots_ = false;  // some spec has a per-slot tensor
   StatePool sequence_slots_;
   StatePool checkpoint_slots_;
   int32_t padding_slot_ = -1;
-  std::vector<OwnedTensor> kv_storage_;     // K and V per attention layer
-  std::vector<OwnedTensor> state_storage_;  // every state tensor of every recurrent layer
-  std::vector<LayerCache> layers_;          // one per layer (empty tensors for stateless layers)
+  std::vector<CacheSpec> specs_;
+  std::vector<OwnedTensor> paged_storage_;  // every per-token and per-group tensor
+  std::vector<OwnedTensor> slot_storage_;   // every per-slot tensor
+  std::vector<BlockCache> caches_;          // one per spec, views of the storage
   std::unordered_map<int64_t, SequenceEntry> sequences_;
   // Per checkpoint slot (index slot - first checkpoint slot): the block it belongs to and when it
   // was last made or used, for LRU eviction among checkpoints.

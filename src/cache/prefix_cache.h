@@ -8,7 +8,7 @@
 //
 // The index knows block ids and hashes only; reference counts and eviction order live in the
 // BlockPool, and the CacheManager keeps the two in step (a block is in the index exactly when the
-// pool marks it cached). Hybrid models also keep, per cached block, an optional recurrent-state
+// pool marks it cached). Caches with per-slot tensors also keep, per cached block, an optional state
 // checkpoint: the state slot holding the state after the block's last token.
 #pragma once
 

@@ -1,5 +1,5 @@
-// StatePool: the free list of a range of recurrent-state slot ids. A slot is one index into every
-// recurrent layer's state tensors ([num_state_slots, ...per_slot_shape]); the pool only hands out
+// StatePool: the free list of a range of state slot ids. A slot is one index into every per-slot
+// cache tensor of every block ([num_slots, ...shape]); the pool only hands out
 // ids, the CacheManager owns the memory. Slots [first, first + count) belong to the pool.
 // Invariant: num_free() + num_used() == num_slots().
 #pragma once

@@ -102,7 +102,7 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     : model_(std::move(model)), config_(config), scheduler_(config.scheduler), seed_source_(std::random_device{}()) {
   const ModelConfig& model_config = model_->config();
   const Device device = model_->device();
-  std::vector<LayerCacheSpec> specs = model_->cache_specs();
+  std::vector<CacheSpec> specs = model_->cache_specs();
   configure_speculation(specs);
   if (config_.block_size <= 0) raise(ErrorCode::kInvalidArgument, "block size must be positive");
   if (config_.scheduler.max_num_seqs <= 0 || config_.scheduler.max_num_batched_tokens <= 0)
@@ -129,8 +129,8 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   runner_ = std::make_unique<Runner>(*model_, limits);
 
   const DType kv_dtype = device.is_cpu() ? DType::kF32 : DType::kBF16;
-  const uint64_t per_block = std::max<uint64_t>(1, kv_bytes_per_block(specs, config_.block_size, kv_dtype));
-  const uint64_t per_slot = state_bytes_per_slot(specs, dtype_size(kv_dtype));
+  const uint64_t per_block = std::max<uint64_t>(1, paged_bytes_per_block(specs, config_.block_size, kv_dtype));
+  const uint64_t per_slot = slot_bytes_per_slot(specs, kv_dtype);
   const int64_t blocks_per_seq = (plan_.max_model_len + config_.block_size - 1) / config_.block_size;
   uint64_t kv_budget = config_.kv_cache_bytes;
   if (device.is_cuda()) {
@@ -187,7 +187,7 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   CacheConfig cache_config;
   cache_config.block_size = config_.block_size;
   cache_config.num_blocks = plan_.num_kv_blocks;
-  cache_config.kv_dtype = kv_dtype;
+  cache_config.activation_dtype = kv_dtype;
   cache_config.num_state_slots = per_slot > 0 ? static_cast<int32_t>(max_seqs) : 0;
   cache_config.num_checkpoint_slots = static_cast<int32_t>(checkpoint_slots);
   cache_config.enable_prefix_caching = config_.enable_prefix_caching;

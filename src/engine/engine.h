@@ -133,7 +133,7 @@ class Engine {
   bool speculating() const { return config_.speculative.method != SpeculativeMethod::kNone; }
   // Validates the speculative config against the model (turning it off where the model cannot
   // verify) and appends the MTP layers' cache specs to `specs` for method mtp.
-  void configure_speculation(std::vector<LayerCacheSpec>& specs);
+  void configure_speculation(std::vector<CacheSpec>& specs);
   // Before scheduling: gives each decoding sequence its drafts for this step (n-gram lookup, or
   // the MTP drafts made after the last step), as many as the controller allows.
   void prepare_drafts();

@@ -33,17 +33,14 @@ constexpr double kMinDraftReach = 0.15;
 
 }  // namespace
 
-void Engine::configure_speculation(std::vector<LayerCacheSpec>& specs) {
+void Engine::configure_speculation(std::vector<CacheSpec>& specs) {
   SpeculativeConfig& spec = config_.speculative;
   spec.validate();
   if (spec.method == SpeculativeMethod::kNone) return;
-  const bool recurrent = std::any_of(specs.begin(), specs.end(), [](const LayerCacheSpec& layer) {
-    return layer.kind == LayerCacheKind::kRecurrent && !layer.states.empty();
-  });
-  if (recurrent && model_->verify_scratch_bytes(2, 1) == 0) {
-    // Without the verify contract a verify step would advance the recurrent state over rejected
+  if (!model_->capabilities().supports_verify) {
+    // Without the verify contract a verify step would advance the per-slot state over rejected
     // drafts: speculation would change the output.
-    METRALE_LOG_WARN("speculative decoding is off: model '{}' has recurrent layers that cannot verify drafts",
+    METRALE_LOG_WARN("speculative decoding is off: model '{}' has stateful blocks that cannot verify drafts",
                      model_->config().model_type);
     spec.method = SpeculativeMethod::kNone;
     return;
@@ -53,7 +50,7 @@ void Engine::configure_speculation(std::vector<LayerCacheSpec>& specs) {
       raise(ErrorCode::kInvalidArgument, "--speculative-method mtp: model '{}' has no MTP head (mtp.* weights)",
             model_->config().model_type);
     }
-    const std::vector<LayerCacheSpec> mtp = model_->mtp_cache_specs();
+    const std::vector<CacheSpec> mtp = model_->mtp_cache_specs();
     specs.insert(specs.end(), mtp.begin(), mtp.end());
   }
   // Priors until measured: the MTP head of a trained checkpoint accepts most drafts; n-gram lookup

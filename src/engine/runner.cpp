@@ -213,7 +213,7 @@ ForwardBatch Runner::upload(bool fixed_block_stride) {
 
 void Runner::run_forward(const ForwardBatch& batch, const Tensor& logits) {
   workspace_.reset();
-  model_.forward(batch, cache_->layer_caches(), logits, workspace_);
+  model_.forward(batch, model_caches(), logits, workspace_);
 }
 
 StepResult Runner::execute(const SchedulePlan& plan) {
@@ -300,8 +300,8 @@ size_t Runner::plan_workspace() {
   CacheConfig scratch_config;
   scratch_config.block_size = static_cast<int32_t>(limits_.block_size);
   scratch_config.num_blocks = static_cast<int32_t>(seqs * ((per_seq + limits_.block_size - 1) / limits_.block_size));
-  scratch_config.kv_dtype = DType::kBF16;
-  std::vector<LayerCacheSpec> specs = model_.cache_specs();
+  scratch_config.activation_dtype = DType::kBF16;
+  std::vector<CacheSpec> specs = model_.cache_specs();
   if (limits_.mtp) {
     const auto mtp = model_.mtp_cache_specs();
     specs.insert(specs.end(), mtp.begin(), mtp.end());

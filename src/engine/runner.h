@@ -221,6 +221,9 @@ class Runner {
   Model& model_;
   RunnerLimits limits_;
   CacheManager* cache_ = nullptr;
+  // seams: the caches by owner; the manager holds cache_specs() then (MTP) mtp_cache_specs().
+  size_t num_block_caches_ = model_.cache_specs().size();
+  ModelCaches model_caches() const { return split_model_caches(cache_->block_caches(), num_block_caches_); }
   Arena workspace_;
   std::unique_ptr<HostStep> host_;
 

@@ -338,7 +338,7 @@ void Runner::commit_verified(std::span<const int32_t> kept_rows, bool mtp_follow
     std::vector<int32_t> kept(kept_rows.begin(), kept_rows.end());
     kept.resize(static_cast<size_t>(last_verify_.num_seqs), 1);  // padding sequences of the layout keep one row
     workspace_.reset();
-    model_.commit_verified(last_verify_, kept, cache_->layer_caches(), workspace_);
+    model_.commit_verified(last_verify_, kept, model_caches(), workspace_);
     last_verify_ = ForwardBatch();
     return;
   }
@@ -402,7 +402,7 @@ void Runner::run_fixed_commit(int64_t seqs, int64_t k) {
   kept.kv_lens = a.view(fixed_ints_, a.part_kv_lens, 2 * seqs);
   kept.slots = a.view(fixed_ints_, a.part_slots, 2 * seqs);
   commit_workspace_.reset();
-  model_.commit_kept_rows(last_verify_, kept, cache_->layer_caches(), commit_workspace_);
+  model_.commit_kept_rows(last_verify_, kept, model_caches(), commit_workspace_);
 }
 
 void Runner::launch_mtp_fixed(std::span<const MtpFixedRow> rows, int64_t drafts) {
@@ -616,7 +616,7 @@ void Runner::run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts) {
   b0.hidden_out = mtp_fixed_hidden_[0].tensor.slice(0, 0, a.rows);
   const Tensor verify_hidden = Tensor(hidden_.tensor.data(), act, {a.rows, hidden}, device);
   workspace_.reset();
-  model_.mtp_forward(b0, cache_->layer_caches(), verify_hidden, logits, workspace_, 0);
+  model_.mtp_forward(b0, model_caches(), verify_hidden, logits, workspace_, 0);
   greedy(0);
   // Chained drafts: one row per sequence with the previous draft and the previous o_t.
   Tensor previous = mtp_fixed_hidden_[1].tensor.slice(0, 0, seqs);
@@ -642,7 +642,7 @@ void Runner::run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts) {
     b.host_logit_rows = host_span(a.rows1, seqs);
     b.hidden_out = out;
     workspace_.reset();
-    model_.mtp_forward(b, cache_->layer_caches(), previous, logits, workspace_, j % layers);
+    model_.mtp_forward(b, model_caches(), previous, logits, workspace_, j % layers);
     greedy(j);
     previous = out;
   }
@@ -711,7 +711,7 @@ Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_sourc
   batch.hidden_out = out_hidden;
   const Tensor logits = grown(mtp_logits_, DType::kF32, {r, model_.config().vocab_size}, device);
   workspace_.reset();
-  model_.mtp_forward(batch, cache_->layer_caches(), hidden_in, logits, workspace_, mtp_layer);
+  model_.mtp_forward(batch, model_caches(), hidden_in, logits, workspace_, mtp_layer);
   return logits;
 }
 
@@ -754,7 +754,7 @@ void Runner::run_mtp_key_batch(std::span<const MtpKeyRow> rows, int64_t padded, 
       grown(mtp_hidden_in_, activation_dtype_of(device), {padded, model_.config().hidden_size}, device);
   kernels::gather_rows(hidden_source, all.slice(0, 3 * padded, 4 * padded), hidden_in);
   workspace_.reset();
-  model_.mtp_write_keys(batch, cache_->layer_caches(), hidden_in, workspace_, 0);
+  model_.mtp_write_keys(batch, model_caches(), hidden_in, workspace_, 0);
 }
 
 int64_t Runner::mtp_key_batch_rows(int64_t count) const {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "runtime/tensor.h"
 
@@ -27,8 +28,8 @@ struct ForwardBatch {
   Tensor block_tables;  // [S, max_blocks] i32
   Tensor slot_mapping;  // [T] i32, cache slot of each new token (block * block_size + offset)
   Tensor logit_rows;    // [R] i32, rows of the batch whose logits the step returns
-  // Recurrent layers: the state slot of each sequence ([S] i32; empty when the model has no
-  // recurrent layer). A sequence whose cached length is 0 (kv_lens[s] == q_len_s) starts from zero
+  // Per-slot cache tensors: the state slot of each sequence ([S] i32; empty when the model declares
+  // none). A sequence whose cached length is 0 (kv_lens[s] == q_len_s) starts from its initial
   // state whatever its slot holds; every forward leaves the state after the sequence's last row of
   // this step in its slot.
   Tensor state_slots;
@@ -46,15 +47,20 @@ struct ForwardBatch {
   // draft step.
   Tensor hidden_out;
 
-  // Speculative verify (Model::commit_verified). When set, the step's recurrent layers read their
-  // state slots but do not write them; they keep their per-row inputs in verify_scratch instead, and
-  // Model::commit_verified then advances every sequence's slots over its accepted rows. Attention
-  // layers write KV for every row as usual (the engine truncates the rejected tail). Logits and
-  // hidden_out are exactly those of a plain step over the same rows (the recurrent layers run the
+  // Speculative verify (Model::commit_verified). When set, blocks with per-slot state read their
+  // slots but do not write them; they keep their per-row inputs in verify_scratch instead, and
+  // Model::commit_verified then advances every sequence's slots over its accepted rows. Paged cache
+  // tensors are written for every row as usual (the engine truncates the rejected tail). Logits and
+  // hidden_out are exactly those of a plain step over the same rows (GDN layers run the
   // token-by-token delta rule, as decode does).
   bool verify = false;
   Tensor verify_scratch;  // [>= Model::verify_scratch_bytes(T, S)] u8 on the device, caller-owned;
                           // must stay untouched until commit_verified
+
+  // Per-row inputs the model declared (Model::step_input_specs), prepared on the host by
+  // Model::prestage: step_inputs[i] is [T, per_row] of entry i's dtype on the model's device, at fixed
+  // addresses (CUDA graphs replay them). Empty when the model declares none.
+  std::span<const Tensor> step_inputs;
 
   bool all_decode() const { return num_tokens == num_seqs; }  // every sequence adds exactly one token
 };
@@ -70,6 +76,24 @@ struct VerifyCommit {
   Tensor cu_parts;       // [2S+1] i32 over the verify batch's rows; cu_parts[2S] = T
   Tensor kv_lens;        // [2S] i32: kept parts: context + kept_s; rejected parts: their length
   Tensor slots;          // [2S] i32: kept parts: the sequence's state slot; rejected parts: -1
+};
+
+// A per-row input of a step, prepared on the host before upload (e.g. PLE table rows).
+struct StepInputSpec {
+  std::string name;
+  DType dtype = DType::kI32;
+  int64_t per_row = 1;  // elements per batch row
+};
+
+// What prestage() sees of a step: the host arrays of the batch (padding rows included: their
+// sequence has an empty history and they may be filled with anything).
+struct PrestageRows {
+  int64_t num_tokens = 0, num_seqs = 0;
+  std::span<const int32_t> token_ids;  // [T]
+  std::span<const int32_t> positions;  // [T]
+  std::span<const int32_t> cu_q;       // [S + 1]
+  // [S]: sequence s's tokens before its first row of this step (its cached context, in order).
+  std::span<const std::span<const int32_t>> history;
 };
 
 }  // namespace metrale

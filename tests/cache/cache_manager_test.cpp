@@ -1,6 +1,7 @@
-// CacheManager: storage shapes per layer spec, kv_bytes_per_block, block accounting (reserve grows
+// CacheManager: storage shapes per block spec, paged_bytes_per_block, block accounting (reserve grows
 // tables all or nothing, blocks_needed, free_sequence), a randomized multi-sequence scenario, and
 // the storage and tables it hands out used by the attention kernels as a model would use them.
+// (cache_tensors_test.cpp covers every kind of cache tensor.)
 #include "cache/cache_manager.h"
 
 #include <gtest/gtest.h>
@@ -10,52 +11,55 @@
 #include <random>
 #include <set>
 
+#include "common/cache_specs.h"
 #include "core/test_support.h"
 #include "kernels/attention.h"
 
 namespace metrale {
 namespace {
 
+using testing::keys_and_values;
 using testing::throws_error;
 
-const std::vector<LayerCacheSpec> kSpecs = {
-    {LayerCacheKind::kPagedKv, 2, 8, {}},
-    {LayerCacheKind::kNone, 0, 0, {}},
-    {LayerCacheKind::kPagedKv, 1, 16, {}},
-};
+const std::vector<CacheSpec> kSpecs = {keys_and_values(2, 8), CacheSpec{}, keys_and_values(1, 16)};
 
-TEST(CacheManager, StorageFollowsTheLayerSpecs) {
+TEST(CacheManager, StorageFollowsTheBlockSpecs) {
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
     const CacheConfig config{4, 10, dtype};
     const CacheManager cache(kSpecs, config, Device::cpu());
-    const auto layers = cache.layer_caches();
-    ASSERT_EQ(layers.size(), 3u);
-    EXPECT_TRUE(layers[0].k_cache.shape() == (Shape{10, 4, 2, 8}));
-    EXPECT_TRUE(layers[0].v_cache.shape() == (Shape{10, 4, 2, 8}));
-    EXPECT_TRUE(layers[2].k_cache.shape() == (Shape{10, 4, 1, 16}));
-    EXPECT_TRUE(layers[1].k_cache.empty());  // stateless layer
-    EXPECT_TRUE(layers[1].v_cache.empty());
+    const auto blocks = cache.block_caches();
+    ASSERT_EQ(blocks.size(), 3u);
+    ASSERT_EQ(blocks[0].tensors.size(), 2u);
+    ASSERT_EQ(blocks[2].tensors.size(), 2u);
+    EXPECT_TRUE(blocks[0].tensors[0].shape() == (Shape{10, 4, 2, 8}));
+    EXPECT_TRUE(blocks[0].tensors[1].shape() == (Shape{10, 4, 2, 8}));
+    EXPECT_TRUE(blocks[2].tensors[0].shape() == (Shape{10, 4, 1, 16}));
+    EXPECT_TRUE(blocks[1].tensors.empty());  // stateless block
     for (const size_t i : {0u, 2u}) {
-      EXPECT_EQ(layers[i].k_cache.dtype(), dtype);
-      EXPECT_TRUE(layers[i].k_cache.is_contiguous());
-      EXPECT_NE(layers[i].k_cache.data(), layers[i].v_cache.data());
-      // The whole tensor is usable memory (ASan would flag an undersized allocation).
-      std::memset(layers[i].k_cache.data(), 0x3c, layers[i].k_cache.nbytes());
-      std::memset(layers[i].v_cache.data(), 0x3c, layers[i].v_cache.nbytes());
+      for (const Tensor& tensor : blocks[i].tensors) {
+        EXPECT_EQ(tensor.dtype(), dtype);
+        EXPECT_TRUE(tensor.is_contiguous());
+        // The whole tensor is usable memory (ASan would flag an undersized allocation).
+        std::memset(tensor.data(), 0x3c, tensor.nbytes());
+      }
+      EXPECT_NE(blocks[i].tensors[0].data(), blocks[i].tensors[1].data());
     }
     const uint64_t expected_bytes = 2ull * 10 * 4 * (2 * 8 + 1 * 16) * dtype_size(dtype);
     EXPECT_EQ(cache.memory_bytes(), expected_bytes);
-    EXPECT_EQ(kv_bytes_per_block(kSpecs, 4, dtype), expected_bytes / 10);
+    EXPECT_EQ(paged_bytes_per_block(kSpecs, 4, dtype), expected_bytes / 10);
+    EXPECT_FALSE(cache.has_recurrent_state());
+    EXPECT_NO_THROW(cache.check_integrity());
     EXPECT_EQ(cache.pool().num_blocks(), 10);
     EXPECT_EQ(cache.block_size(), 4);
   }
 }
 
-TEST(CacheManager, KvBytesPerBlock) {
-  EXPECT_EQ(kv_bytes_per_block(kSpecs, 16, DType::kBF16), 2u * 16 * (16 + 16) * 2);
-  EXPECT_EQ(kv_bytes_per_block({}, 16, DType::kBF16), 0u);
-  const std::vector<LayerCacheSpec> big = {{LayerCacheKind::kPagedKv, 8, 128, {}}};
-  EXPECT_EQ(kv_bytes_per_block(big, 256, DType::kF32), 2ull * 256 * 8 * 128 * 4);
+TEST(CacheManager, PagedBytesPerBlock) {
+  EXPECT_EQ(paged_bytes_per_block(kSpecs, 16, DType::kBF16), 2u * 16 * (16 + 16) * 2);
+  EXPECT_EQ(paged_bytes_per_block({}, 16, DType::kBF16), 0u);
+  const std::vector<CacheSpec> big = {keys_and_values(8, 128)};
+  EXPECT_EQ(paged_bytes_per_block(big, 256, DType::kF32), 2ull * 256 * 8 * 128 * 4);
+  EXPECT_EQ(slot_bytes_per_slot(big, DType::kF32), 0u);
 }
 
 TEST(CacheManager, InvalidConfigurations) {
@@ -177,7 +181,7 @@ TEST(CacheManager, RandomizedSequencesNeverShareBlocks) {
 // layer does; the result must equal single-head attention computed directly from the keys/values.
 TEST(CacheManager, StorageAndTablesServeTheAttentionKernels) {
   const int64_t head_dim = 8;
-  const std::vector<LayerCacheSpec> specs = {{LayerCacheKind::kPagedKv, 1, head_dim, {}}};
+  const std::vector<CacheSpec> specs = {keys_and_values(1, head_dim)};
   CacheManager cache(specs, {2, 16, DType::kF32}, Device::cpu());
   std::mt19937_64 rng(1401);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
@@ -206,13 +210,14 @@ TEST(CacheManager, StorageAndTablesServeTheAttentionKernels) {
     for (int64_t p = 0; p < kv_lens[static_cast<size_t>(s)]; ++p)
       slots.push_back(table[static_cast<size_t>(p / 2)] * 2 + static_cast<int32_t>(p % 2));
   }
-  const LayerCache& layer = cache.layer_caches()[0];
+  const Tensor& keys = cache.block_caches()[0].tensors[0];
+  const Tensor& values = cache.block_caches()[0].tensors[1];
   kernels::AttentionParams params;
   params.scale = 0.5f;
   kernels::kv_cache_write(Tensor(k.data(), DType::kF32, {tokens, 1, head_dim}),
                           Tensor(v.data(), DType::kF32, {tokens, 1, head_dim}),
-                          Tensor(slots.data(), DType::kI32, {tokens}), layer.k_cache, layer.v_cache);
-  kernels::paged_attention(Tensor(q.data(), DType::kF32, {tokens, 1, head_dim}), layer.k_cache, layer.v_cache,
+                          Tensor(slots.data(), DType::kI32, {tokens}), keys, values);
+  kernels::paged_attention(Tensor(q.data(), DType::kF32, {tokens, 1, head_dim}), keys, values,
                            Tensor(cu_q.data(), DType::kI32, {3}), Tensor(kv_lens.data(), DType::kI32, {2}),
                            Tensor(tables.data(), DType::kI32, {2, max_blocks}),
                            Tensor(out.data(), DType::kF32, {tokens, 1, head_dim}), params);

@@ -14,6 +14,7 @@
 #include <random>
 #include <set>
 
+#include "common/cache_specs.h"
 #include "core/test_support.h"
 
 namespace metrale {
@@ -111,7 +112,7 @@ TEST(BlockPool, CachedBlocksAreEvictedLeastRecentlyReleasedFirstAndOnlyWhenNoEmp
   EXPECT_TRUE(throws_error([&] { pool.mark_cached(1); }, ErrorCode::kInternal, {"used block"}));
 }
 
-const std::vector<LayerCacheSpec> kAttention = {{LayerCacheKind::kPagedKv, 1, 2, {}}};
+const std::vector<CacheSpec> kAttention = {testing::keys_and_values(1, 2)};
 
 CacheConfig prefix_config(int32_t block_size, int32_t num_blocks) {
   CacheConfig config;
@@ -237,7 +238,7 @@ float prefix_value(const std::vector<int32_t>& tokens, int64_t position) {
 TEST(CacheManagerPrefix, RandomizedSharingKeepsEveryInvariant) {
   const int32_t block_size = 3, num_blocks = 40;
   CacheManager cache(kAttention, prefix_config(block_size, num_blocks), Device::cpu());
-  float* keys = cache.layer_caches()[0].k_cache.data_as<float>();  // [blocks, block_size, 1, 2]
+  float* keys = cache.block_caches()[0].tensors[0].data_as<float>();  // [blocks, block_size, 1, 2]
   std::mt19937_64 rng(4242);
   // Prompts are drawn from a few stems so that prefixes are shared often.
   const std::vector<std::vector<int32_t>> stems = {iota_tokens(14, 1), iota_tokens(9, 50), {5, 5, 5, 5, 5, 5, 5}};

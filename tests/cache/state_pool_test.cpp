@@ -10,6 +10,7 @@
 #include <numeric>
 #include <set>
 
+#include "common/cache_specs.h"
 #include "core/test_support.h"
 
 namespace metrale {
@@ -42,13 +43,13 @@ TEST(StatePool, HandsOutEachSlotOnce) {
   EXPECT_EQ(none.allocate(), -1);
 }
 
-// Layer 0 attention, layer 1 recurrent with an fp32 state and one in the activation dtype, layer 2
+// Block 0 attention, block 1 recurrent with an fp32 state and one in the activation dtype, block 2
 // stateless.
-std::vector<LayerCacheSpec> hybrid_specs() {
-  std::vector<LayerCacheSpec> specs(3);
-  specs[0] = {LayerCacheKind::kPagedKv, 1, 4, {}};
-  specs[1].kind = LayerCacheKind::kRecurrent;
-  specs[1].states = {StateTensorSpec{{2, 3, 4}, true}, StateTensorSpec{{3, 5}, false}};
+std::vector<CacheSpec> hybrid_specs() {
+  std::vector<CacheSpec> specs(3);
+  specs[0] = testing::keys_and_values(1, 4);
+  specs[1].tensors = {CacheTensorSpec::per_slot("recurrent", {2, 3, 4}, DType::kF32),
+                      CacheTensorSpec::per_slot("conv", {3, 5})};
   return specs;
 }
 
@@ -56,7 +57,7 @@ CacheConfig hybrid_config(int32_t seq_slots, int32_t checkpoints, DType dtype = 
   CacheConfig config;
   config.block_size = 4;
   config.num_blocks = 16;
-  config.kv_dtype = dtype;
+  config.activation_dtype = dtype;
   config.num_state_slots = seq_slots;
   config.num_checkpoint_slots = checkpoints;
   config.enable_prefix_caching = true;
@@ -68,30 +69,30 @@ TEST(CacheManagerState, AllocatesStateTensorsForRecurrentSpecs) {
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
     const CacheManager cache(hybrid_specs(), hybrid_config(5, 2, dtype), Device::cpu());
     ASSERT_TRUE(cache.has_recurrent_state());
-    const auto layers = cache.layer_caches();
-    ASSERT_EQ(layers.size(), 3u);
-    EXPECT_TRUE(layers[0].states.empty());
-    ASSERT_EQ(layers[1].states.size(), 2u);
-    EXPECT_TRUE(layers[2].states.empty());
+    const auto blocks = cache.block_caches();
+    ASSERT_EQ(blocks.size(), 3u);
+    EXPECT_EQ(blocks[0].tensors.size(), 2u);  // k, v
+    ASSERT_EQ(blocks[1].tensors.size(), 2u);
+    EXPECT_TRUE(blocks[2].tensors.empty());
     // 5 sequence slots + 2 checkpoints + the padding slot.
-    EXPECT_TRUE(layers[1].states[0].shape() == (Shape{8, 2, 3, 4}));
-    EXPECT_EQ(layers[1].states[0].dtype(), DType::kF32);
-    EXPECT_TRUE(layers[1].states[1].shape() == (Shape{8, 3, 5}));
-    EXPECT_EQ(layers[1].states[1].dtype(), dtype);
-    EXPECT_TRUE(layers[1].states[0].is_contiguous());
+    EXPECT_TRUE(blocks[1].tensors[0].shape() == (Shape{8, 2, 3, 4}));
+    EXPECT_EQ(blocks[1].tensors[0].dtype(), DType::kF32);
+    EXPECT_TRUE(blocks[1].tensors[1].shape() == (Shape{8, 3, 5}));
+    EXPECT_EQ(blocks[1].tensors[1].dtype(), dtype);
+    EXPECT_TRUE(blocks[1].tensors[0].is_contiguous());
     EXPECT_EQ(cache.padding_state_slot(), 7);
     EXPECT_EQ(cache.num_state_slots(), 7);
-    const uint64_t per_slot = state_bytes_per_slot(hybrid_specs(), dtype_size(dtype));
+    const uint64_t per_slot = slot_bytes_per_slot(hybrid_specs(), dtype);
     EXPECT_EQ(per_slot, 24 * 4 + 15 * dtype_size(dtype));
     EXPECT_GE(cache.state_memory_bytes(), 8 * per_slot);
     EXPECT_LT(cache.state_memory_bytes(), 8 * per_slot + 2 * Buffer::kAlignment);
     EXPECT_EQ(cache.memory_bytes(), cache.kv_memory_bytes() + cache.state_memory_bytes());
     // The state starts as zeros (never garbage a stray read could turn into NaN).
-    const auto* first = static_cast<const uint8_t*>(layers[1].states[0].data());
-    EXPECT_TRUE(std::all_of(first, first + layers[1].states[0].nbytes(), [](uint8_t b) { return b == 0; }));
+    const auto* first = static_cast<const uint8_t*>(blocks[1].tensors[0].data());
+    EXPECT_TRUE(std::all_of(first, first + blocks[1].tensors[0].nbytes(), [](uint8_t b) { return b == 0; }));
   }
-  // A model without recurrent layers costs nothing.
-  const std::vector<LayerCacheSpec> attention_only = {{LayerCacheKind::kPagedKv, 1, 4, {}}};
+  // A model without per-slot tensors costs nothing.
+  const std::vector<CacheSpec> attention_only = {testing::keys_and_values(1, 4)};
   const CacheManager plain(attention_only, hybrid_config(5, 2), Device::cpu());
   EXPECT_FALSE(plain.has_recurrent_state());
   EXPECT_EQ(plain.state_memory_bytes(), 0u);
@@ -156,7 +157,7 @@ TEST(CacheManagerState, CheckpointPositions) {
   const CacheManager no_slots(hybrid_specs(), hybrid_config(2, 0), Device::cpu());
   EXPECT_FALSE(no_slots.is_checkpoint_position(30, 8));
   EXPECT_EQ(no_slots.next_checkpoint_position(30, 0), -1);
-  const std::vector<LayerCacheSpec> attention_only = {{LayerCacheKind::kPagedKv, 1, 4, {}}};
+  const std::vector<CacheSpec> attention_only = {testing::keys_and_values(1, 4)};
   const CacheManager plain(attention_only, hybrid_config(2, 2), Device::cpu());
   EXPECT_EQ(plain.next_checkpoint_position(30, 0), -1);
 }
@@ -164,7 +165,7 @@ TEST(CacheManagerState, CheckpointPositions) {
 // Writes a recognisable state into a slot: every element of every state tensor depends on the slot
 // contents' "version" and the element index.
 void write_state(const CacheManager& cache, int32_t slot, float version) {
-  for (const Tensor& state : cache.layer_caches()[1].states) {
+  for (const Tensor& state : cache.block_caches()[1].tensors) {
     const int64_t per_slot = state.numel() / state.size(0);
     auto* data = state.data_as<float>() + slot * per_slot;
     for (int64_t i = 0; i < per_slot; ++i) data[i] = version * 1000.0f + static_cast<float>(i);
@@ -172,7 +173,7 @@ void write_state(const CacheManager& cache, int32_t slot, float version) {
 }
 
 bool state_is(const CacheManager& cache, int32_t slot, float version) {
-  for (const Tensor& state : cache.layer_caches()[1].states) {
+  for (const Tensor& state : cache.block_caches()[1].tensors) {
     const int64_t per_slot = state.numel() / state.size(0);
     const auto* data = state.data_as<const float>() + slot * per_slot;
     for (int64_t i = 0; i < per_slot; ++i)

@@ -182,9 +182,11 @@ EngineConfig gpu_config() {
 std::vector<float> recurrent_state(const Engine& engine, int64_t seq_id) {
   const int32_t slot = engine.cache().state_slot(seq_id);
   EXPECT_GE(slot, 0);
-  for (const LayerCache& layer : engine.cache().layer_caches()) {
-    if (layer.states.size() < 2) continue;
-    const Tensor& state = layer.states[1];
+  const auto caches = engine.cache().block_caches();
+  for (size_t i = 0; i < caches.size(); ++i) {
+    const auto& tensors = engine.cache().specs()[i].tensors;
+    if (tensors.size() < 2 || tensors[1].name != "recurrent") continue;
+    const Tensor& state = caches[i].tensors[1];
     const int64_t per_slot = state.numel() / state.size(0);
     std::vector<float> host(static_cast<size_t>(per_slot));
     synchronize(state.device());

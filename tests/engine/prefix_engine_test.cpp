@@ -317,7 +317,7 @@ TEST(HybridPrefix, StateSlotsFollowRunningSequences) {
 // ---- Memory planner
 
 int64_t slot_bytes(const FakeHybridOptions& options) {
-  return static_cast<int64_t>(state_bytes_per_slot(make_fake_hybrid_model(options)->cache_specs(), 4));
+  return static_cast<int64_t>(slot_bytes_per_slot(make_fake_hybrid_model(options)->cache_specs(), DType::kF32));
 }
 
 TEST(StatePlanner, LowersMaxNumSeqsWhenTheBudgetCannotHoldEverySlot) {

@@ -189,13 +189,7 @@ ModelFactory golden_model(const std::string& name) {
   return [name] { return load_model(kGoldens / name / "model", Device::cpu()); };
 }
 
-bool can_verify(const Model& model) {
-  const auto specs = model.cache_specs();
-  const bool recurrent = std::any_of(specs.begin(), specs.end(), [](const LayerCacheSpec& spec) {
-    return spec.kind == LayerCacheKind::kRecurrent && !spec.states.empty();
-  });
-  return !recurrent || model.verify_scratch_bytes(2, 1) > 0;
-}
+bool can_verify(const Model& model) { return model.capabilities().supports_verify; }
 
 // ---- Unit pieces
 
@@ -421,10 +415,11 @@ void expect_mtp_keys_while_head_off_equal_the_heads(Device device, double tolera
     EXPECT_FALSE(sequence.finished());
     EXPECT_EQ(sequence.mtp_missed, 0);
     result.computed = sequence.mtp_computed;
-    const LayerCache& cache = engine.cache().layer_caches()[mtp_cache];
+    const BlockCache& cache = engine.cache().block_caches()[mtp_cache];
+    const Tensor& keys = cache.tensors[0];  // {k, v} per token
     const auto table = engine.cache().block_table(id);
-    const int64_t block_size = cache.k_cache.size(1), row = cache.k_cache.size(2) * cache.k_cache.size(3);
-    const size_t row_bytes = static_cast<size_t>(row) * cache.k_cache.element_size();
+    const int64_t block_size = keys.size(1), row = keys.size(2) * keys.size(3);
+    const size_t row_bytes = static_cast<size_t>(row) * keys.element_size();
     std::vector<char> bytes(row_bytes);
     const auto read_row = [&](const Tensor& tensor, int64_t slot, std::vector<float>& into) {
       copy_bytes(bytes.data(), Device::cpu(), static_cast<const char*>(tensor.data()) + slot * row_bytes,
@@ -434,8 +429,8 @@ void expect_mtp_keys_while_head_off_equal_the_heads(Device device, double tolera
     };
     for (int64_t p = 0; p < result.computed; ++p) {
       const int64_t slot = table[static_cast<size_t>(p / block_size)] * block_size + p % block_size;
-      read_row(cache.k_cache, slot, result.keys);
-      read_row(cache.v_cache, slot, result.values);
+      read_row(cache.tensors[0], slot, result.keys);
+      read_row(cache.tensors[1], slot, result.values);
     }
     return result;
   };
@@ -618,9 +613,11 @@ std::vector<std::vector<float>> slot_states(const Engine& engine, int64_t seq_id
   std::vector<std::vector<float>> out;
   const int32_t slot = engine.cache().state_slot(seq_id);
   if (slot < 0) return out;
-  for (const LayerCache& layer : engine.cache().layer_caches()) {
-    for (const Tensor& state : layer.states) {
-      if (state.dtype() != DType::kF32) continue;
+  const auto caches = engine.cache().block_caches();
+  for (size_t i = 0; i < caches.size(); ++i) {
+    for (size_t j = 0; j < caches[i].tensors.size(); ++j) {
+      const Tensor& state = caches[i].tensors[j];
+      if (engine.cache().specs()[i].tensors[j].paged() || state.dtype() != DType::kF32) continue;
       const int64_t per_slot = state.numel() / state.size(0);
       std::vector<float> host(static_cast<size_t>(per_slot));
       synchronize(state.device());

@@ -101,15 +101,13 @@ class FakeHybridModel : public Model {
   const ModelConfig& config() const override { return config_; }
   Device device() const override { return Device::cpu(); }
 
-  std::vector<LayerCacheSpec> cache_specs() const override {
-    std::vector<LayerCacheSpec> specs(1);
-    specs[0].kind = LayerCacheKind::kPagedKv;
-    specs[0].num_kv_heads = 1;
-    specs[0].head_dim = 2;
+  std::vector<CacheSpec> cache_specs() const override {
+    std::vector<CacheSpec> specs(1);
+    specs[0].tensors = {CacheTensorSpec::per_token("k", {1, 2}), CacheTensorSpec::per_token("v", {1, 2})};
     if (options_.recurrent) {
-      LayerCacheSpec recurrent;
-      recurrent.kind = LayerCacheKind::kRecurrent;
-      recurrent.states = {StateTensorSpec{{2}, true}, StateTensorSpec{{options_.state_width}, false}};
+      CacheSpec recurrent;
+      recurrent.tensors = {CacheTensorSpec::per_slot("a", {2}, DType::kF32),
+                           CacheTensorSpec::per_slot("b", {options_.state_width})};
       specs.push_back(recurrent);
     }
     return specs;
@@ -120,7 +118,7 @@ class FakeHybridModel : public Model {
     return options_.recurrent ? static_cast<size_t>(num_tokens) * 2 * sizeof(int64_t) : 0;
   }
 
-  void commit_verified(const ForwardBatch& batch, std::span<const int32_t> kept_rows, std::span<const LayerCache> caches,
+  void commit_verified(const ForwardBatch& batch, std::span<const int32_t> kept_rows, const ModelCaches& caches,
                        Arena&) override {
     if (!options_.recurrent) return;
     if (!batch.verify) raise(ErrorCode::kInternal, "fake model: commit of a step that was not a verify");
@@ -132,8 +130,8 @@ class FakeHybridModel : public Model {
       const int64_t row = first + kept - 1;
       const int64_t length = batch.host_kv_lens[static_cast<size_t>(s)] - (last - first) + kept;
       const int32_t slot = batch.host_state_slots[static_cast<size_t>(s)];
-      float* state0 = caches[1].states[0].data_as<float>() + slot * 2;
-      float* state1 = caches[1].states[1].data_as<float>() + slot * options_.state_width;
+      float* state0 = caches.blocks[1].tensors[0].data_as<float>() + slot * 2;
+      float* state1 = caches.blocks[1].tensors[1].data_as<float>() + slot * options_.state_width;
       state0[0] = static_cast<float>(rows[2 * row]);
       state0[1] = static_cast<float>(length);
       state1[0] = static_cast<float>(rows[2 * row + 1]);
@@ -142,16 +140,16 @@ class FakeHybridModel : public Model {
     }
   }
 
-  void forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& logits, Arena&) override {
+  void forward(const ForwardBatch& batch, const ModelCaches& caches, const Tensor& logits, Arena&) override {
     constexpr int64_t kModA = 65521, kModB = 8191;
     const int64_t vocab = config_.vocab_size;
     const auto* token_ids = batch.token_ids.data_as<const int32_t>();
     const auto* slot_mapping = batch.slot_mapping.data_as<const int32_t>();
     const auto* tables = batch.block_tables.data_as<const int32_t>();
     const int64_t table_stride = batch.block_tables.size(1);
-    const LayerCache& attention = caches[0];
-    auto* keys = attention.k_cache.data_as<float>();    // [blocks, block_size, 1, 2]: (token, position)
-    auto* values = attention.v_cache.data_as<float>();  // unused by the logits; written like a real layer
+    const BlockCache& attention = caches.blocks[0];
+    auto* keys = attention.tensors[0].data_as<float>();    // [blocks, block_size, 1, 2]: (token, position)
+    auto* values = attention.tensors[1].data_as<float>();  // unused by the logits; written like a real layer
     const int64_t block_size = batch.block_size;
     if (options_.recurrent && batch.host_state_slots.size() != static_cast<size_t>(batch.num_seqs))
       raise(ErrorCode::kInternal, "fake model: {} state slots for {} sequences", batch.host_state_slots.size(), batch.num_seqs);
@@ -168,10 +166,10 @@ class FakeHybridModel : public Model {
       float* state1 = nullptr;  // [state_width]: b, a, tokens covered
       if (options_.recurrent) {
         const int32_t slot = batch.host_state_slots[static_cast<size_t>(s)];
-        const LayerCache& recurrent = caches[1];
-        if (slot < 0 || slot >= recurrent.states[0].size(0)) raise(ErrorCode::kInternal, "fake model: state slot {}", slot);
-        state0 = recurrent.states[0].data_as<float>() + slot * 2;
-        state1 = recurrent.states[1].data_as<float>() + slot * options_.state_width;
+        const BlockCache& recurrent = caches.blocks[1];
+        if (slot < 0 || slot >= recurrent.tensors[0].size(0)) raise(ErrorCode::kInternal, "fake model: state slot {}", slot);
+        state0 = recurrent.tensors[0].data_as<float>() + slot * 2;
+        state1 = recurrent.tensors[1].data_as<float>() + slot * options_.state_width;
         if (start > 0) {
           if (state0[1] != static_cast<float>(start) || state1[2] != static_cast<float>(start) || state1[1] != state0[0])
             raise(ErrorCode::kInternal, "fake model: slot {} holds the state after {} tokens, the sequence has {} cached",

@@ -150,7 +150,7 @@ TEST_P(HybridForward, RestartingFromACopiedStateSlotReproducesTheContinuation) {
 INSTANTIATE_TEST_SUITE_P(Models, HybridForward, ::testing::Values("qwen3_next", "qwen3_5", "qwen3_5_moe"),
                          [](const auto& param_info) { return param_info.param; });
 
-TEST(HybridForward, CacheSpecsDeclareStateSlotsForGdnLayersAndPagedKvForAttention) {
+TEST(HybridForward, CacheSpecsDeclareSlotStateForGdnLayersAndKeysPerTokenForAttention) {
   const TinySpec spec = hybrid_spec("qwen3_5");
   const auto loaded = load_tiny(spec, testing::make_tiny_weights(spec, 35));
   const auto specs = loaded->model->cache_specs();
@@ -158,26 +158,39 @@ TEST(HybridForward, CacheSpecsDeclareStateSlotsForGdnLayersAndPagedKvForAttentio
   const int64_t conv_dim = 2 * spec.linear_num_key_heads * spec.linear_key_head_dim +
                            spec.linear_num_value_heads * spec.linear_value_head_dim;
   for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& tensors = specs[i].tensors;
+    ASSERT_EQ(tensors.size(), 2u) << "layer " << i;
     if (spec.layer_is_linear(static_cast<int64_t>(i))) {
-      ASSERT_EQ(specs[i].kind, LayerCacheKind::kRecurrent) << "layer " << i;
-      ASSERT_EQ(specs[i].states.size(), 2u);
-      EXPECT_EQ(specs[i].states[0].per_slot_shape, (std::vector<int64_t>{spec.linear_conv_kernel_dim - 1, conv_dim}));
-      EXPECT_FALSE(specs[i].states[0].fp32);
-      EXPECT_EQ(
-          specs[i].states[1].per_slot_shape,
-          (std::vector<int64_t>{spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim}));
-      EXPECT_TRUE(specs[i].states[1].fp32);
+      EXPECT_TRUE(specs[i].has_slots() && !specs[i].has_paged()) << "layer " << i;
+      EXPECT_EQ(tensors[0].name, "conv");
+      EXPECT_EQ(tensors[0].indexing, CacheIndexing::kPerSlot);
+      EXPECT_EQ(tensors[0].shape, (std::vector<int64_t>{spec.linear_conv_kernel_dim - 1, conv_dim}));
+      EXPECT_FALSE(tensors[0].dtype.has_value());  // the activation dtype
+      EXPECT_EQ(tensors[1].name, "recurrent");
+      EXPECT_EQ(tensors[1].indexing, CacheIndexing::kPerSlot);
+      EXPECT_EQ(tensors[1].shape, (std::vector<int64_t>{spec.linear_num_value_heads, spec.linear_key_head_dim,
+                                                        spec.linear_value_head_dim}));
+      EXPECT_EQ(tensors[1].dtype, DType::kF32);
     } else {
-      EXPECT_EQ(specs[i].kind, LayerCacheKind::kPagedKv) << "layer " << i;
-      EXPECT_EQ(specs[i].num_kv_heads, spec.num_kv_heads);
-      EXPECT_EQ(specs[i].head_dim, spec.head_dim);
+      EXPECT_TRUE(specs[i].has_paged() && !specs[i].has_slots()) << "layer " << i;
+      for (size_t j = 0; j < 2; ++j) {
+        EXPECT_EQ(tensors[j].name, j == 0 ? "k" : "v");
+        EXPECT_EQ(tensors[j].indexing, CacheIndexing::kPerToken);
+        EXPECT_EQ(tensors[j].shape, (std::vector<int64_t>{spec.num_kv_heads, spec.head_dim}));
+        EXPECT_FALSE(tensors[j].dtype.has_value());
+      }
     }
   }
+  const ModelCapabilities capabilities = loaded->model->capabilities();
+  EXPECT_TRUE(capabilities.graph_safe && capabilities.supports_verify && !capabilities.needs_prestage);
+  EXPECT_TRUE(loaded->model->step_input_specs().empty());
   // conv window (K-1) x conv_dim in f32 on the CPU + Hv dk dv fp32, per GDN layer.
   const uint64_t per_layer =
       static_cast<uint64_t>((spec.linear_conv_kernel_dim - 1) * conv_dim) * 4 +
       static_cast<uint64_t>(spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim) * 4;
-  EXPECT_EQ(state_bytes_per_slot(specs, 4), 2 * per_layer);
+  EXPECT_EQ(slot_bytes_per_slot(specs, DType::kF32), 2 * per_layer);
+  EXPECT_EQ(paged_bytes_per_block(specs, 16, DType::kF32),
+            2u * 2 * 16 * static_cast<uint64_t>(spec.num_kv_heads * spec.head_dim) * 4);  // 2 layers, k and v
 }
 
 // Composite configs (text_config, model.language_model. keys, mtp.* and model.visual.* present) and

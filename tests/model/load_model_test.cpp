@@ -41,10 +41,16 @@ TEST(LoadModel, TinyQwen3LoadsWithItsCacheSpecs) {
   const auto specs = model->cache_specs();
   ASSERT_EQ(specs.size(), static_cast<size_t>(spec.num_layers));
   for (const auto& s : specs) {
-    EXPECT_EQ(s.kind, LayerCacheKind::kPagedKv);
-    EXPECT_EQ(s.num_kv_heads, spec.num_kv_heads);
-    EXPECT_EQ(s.head_dim, spec.head_dim);
+    ASSERT_EQ(s.tensors.size(), 2u);
+    for (const CacheTensorSpec& tensor : s.tensors) {
+      EXPECT_EQ(tensor.indexing, CacheIndexing::kPerToken);
+      EXPECT_EQ(tensor.shape, (std::vector<int64_t>{spec.num_kv_heads, spec.head_dim}));
+    }
+    EXPECT_EQ(s.tensors[0].name, "k");
+    EXPECT_EQ(s.tensors[1].name, "v");
   }
+  EXPECT_TRUE(model->capabilities().supports_verify);
+  EXPECT_EQ(model->verify_scratch_bytes(8, 2), 0u);  // keys per token only: nothing to commit
 }
 
 TEST(LoadModel, UnknownModelTypeListsTheSupportedOnes) {

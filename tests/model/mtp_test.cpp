@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "common/fixtures.h"
 #include "core/test_support.h"
 #include "model/model_helpers.h"
 #include "model/registry.h"
@@ -22,6 +23,11 @@ namespace {
 using testing::SpecRunner;
 
 const std::filesystem::path kDemoDir = std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "demo";
+
+// The demo checkpoint and the reference its training script recorded.
+::testing::AssertionResult demo_present() {
+  return testing::fixtures_present({kDemoDir / "config.json", kDemoDir / "model.safetensors", kDemoDir / "train_log.json"});
+}
 
 nlohmann::json demo_reference() {
   std::ifstream file(kDemoDir / "train_log.json");
@@ -51,6 +57,7 @@ std::vector<T> rows_between(const std::vector<T>& rows, size_t begin, size_t end
 }
 
 TEST(MtpDemo, DraftsMatchTheTrainingReference) {
+  ASSERT_TRUE(demo_present());
   const nlohmann::json reference = demo_reference();
   const auto ids = reference.at("input_ids").get<std::vector<int32_t>>();
   const auto draft_ids = reference.at("mtp").at("draft_ids").get<std::vector<int64_t>>();
@@ -63,7 +70,9 @@ TEST(MtpDemo, DraftsMatchTheTrainingReference) {
   ASSERT_TRUE(model->has_mtp());
   EXPECT_EQ(model->num_mtp_layers(), 1);
   ASSERT_EQ(model->mtp_cache_specs().size(), 1u);
-  EXPECT_EQ(model->mtp_cache_specs()[0].kind, LayerCacheKind::kPagedKv);
+  const CacheSpec mtp_cache = model->mtp_cache_specs()[0];
+  EXPECT_TRUE(mtp_cache.has_paged() && !mtp_cache.has_slots());
+  EXPECT_EQ(mtp_cache.tensors.size(), 2u);  // its attention's k and v
 
   SpecRunner runner(*model, /*with_mtp=*/true);
   const SpecRunner::Rows trunk = runner.step({{0, ids}});
@@ -88,6 +97,7 @@ TEST(MtpDemo, DraftsMatchTheTrainingReference) {
 }
 
 TEST(MtpDemo, IncrementalStepsEqualOneStep) {
+  ASSERT_TRUE(demo_present());
   const auto ids = demo_reference().at("input_ids").get<std::vector<int32_t>>();
   const auto model = load_model(kDemoDir, Device::cpu());
   SpecRunner runner(*model, /*with_mtp=*/true);
@@ -114,6 +124,7 @@ TEST(MtpDemo, IncrementalStepsEqualOneStep) {
 }
 
 TEST(MtpDemo, ChainedDraftLeavesNoTraceAfterCatchUp) {
+  ASSERT_TRUE(demo_present());
   // A second draft runs at position t + 1 with o_t (the first draft's output hidden state) and the
   // first draft's token, writing MTP keys there; the catch-up after verification reruns position
   // t + 1 with the trunk's h_{t+1} and the true token, which must overwrite them.
@@ -144,6 +155,7 @@ TEST(MtpDemo, ChainedDraftLeavesNoTraceAfterCatchUp) {
 }
 
 TEST(MtpDemo, KeysOnlyCatchUpEqualsForward) {
+  ASSERT_TRUE(demo_present());
   // Positions whose draft nobody reads get only their MTP keys (Model::mtp_write_keys); the rows
   // that follow must see the keys a full MTP forward would have written.
   const auto ids = demo_reference().at("input_ids").get<std::vector<int32_t>>();

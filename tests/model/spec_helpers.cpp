@@ -5,30 +5,18 @@
 #include "core/error.h"
 
 namespace metrale::testing {
-namespace {
-
-// The MTP layers come after the trunk's, as an engine appends them.
-std::vector<LayerCacheSpec> trunk_and_mtp_cache_specs(Model& model, bool with_mtp) {
-  std::vector<LayerCacheSpec> specs = model.cache_specs();
-  if (with_mtp) {
-    const std::vector<LayerCacheSpec> mtp = model.mtp_cache_specs();
-    specs.insert(specs.end(), mtp.begin(), mtp.end());
-  }
-  return specs;
-}
-
-}  // namespace
 
 SpecRunner::SpecRunner(Model& model, bool with_mtp, int32_t block_size, int32_t num_blocks, int32_t num_state_slots,
                        uint64_t seed)
     : model_(model),
-      cache_(trunk_and_mtp_cache_specs(model, with_mtp), model.device(), block_size, num_blocks, num_state_slots, seed),
+      cache_(model.cache_specs(), with_mtp ? model.mtp_cache_specs() : std::vector<CacheSpec>{}, model.device(),
+             block_size, num_blocks, num_state_slots, seed),
       arena_(model.device(), 1 << 20) {}
 
 SpecRunner::Rows SpecRunner::step(const std::vector<Chunk>& chunks, bool verify) {
   METRALE_CHECK(pending_verify_.seq_ids.empty(), "a verify step waits for its commit");
   HostBatch host;
-  cache_.build(chunks, cached_, /*last_rows_only=*/false, host);
+  build_batch(chunks, cached_, /*last_rows_only=*/false, cache_, host);
   const int64_t tokens = host.batch.num_tokens, vocab = model_.config().vocab_size,
                 hidden = model_.config().hidden_size;
   std::vector<float> logits(static_cast<size_t>(tokens * vocab), std::nanf(""));
@@ -42,7 +30,7 @@ SpecRunner::Rows SpecRunner::step(const std::vector<Chunk>& chunks, bool verify)
     host.batch.verify_scratch = verify_scratch_.tensor;
   }
   arena_.reset();
-  model_.forward(host.batch, cache_.layers(), Tensor(logits.data(), DType::kF32, {tokens, vocab}), arena_);
+  model_.forward(host.batch, cache_.caches(), Tensor(logits.data(), DType::kF32, {tokens, vocab}), arena_);
   host.batch.hidden_out = Tensor();
   if (verify) pending_verify_ = std::move(host);
   // The batch's spans point into the moved vectors' buffers, which moving keeps in place.
@@ -52,7 +40,7 @@ SpecRunner::Rows SpecRunner::step(const std::vector<Chunk>& chunks, bool verify)
 void SpecRunner::commit(const std::vector<int32_t>& kept_rows) {
   METRALE_CHECK(!pending_verify_.seq_ids.empty(), "commit without a verify step");
   arena_.reset();
-  model_.commit_verified(pending_verify_.batch, kept_rows, cache_.layers(), arena_);
+  model_.commit_verified(pending_verify_.batch, kept_rows, cache_.caches(), arena_);
   for (size_t s = 0; s < pending_verify_.seq_ids.size(); ++s) {
     const int32_t q_len = pending_verify_.cu_q[s + 1] - pending_verify_.cu_q[s];
     cached_[pending_verify_.seq_ids[s]] -= q_len - kept_rows[s];
@@ -63,7 +51,7 @@ void SpecRunner::commit(const std::vector<int32_t>& kept_rows) {
 SpecRunner::Rows SpecRunner::mtp_step(const std::vector<Chunk>& chunks, const std::vector<std::vector<float>>& hidden,
                                       int64_t mtp_layer) {
   HostBatch host;
-  cache_.build(chunks, mtp_cached_, /*last_rows_only=*/false, host);
+  build_batch(chunks, mtp_cached_, /*last_rows_only=*/false, cache_, host);
   const int64_t tokens = host.batch.num_tokens, vocab = model_.config().vocab_size, width = model_.config().hidden_size;
   METRALE_CHECK(static_cast<int64_t>(hidden.size()) == tokens, "{} hidden rows for {} tokens", hidden.size(), tokens);
   std::vector<float> hidden_in;
@@ -72,7 +60,7 @@ SpecRunner::Rows SpecRunner::mtp_step(const std::vector<Chunk>& chunks, const st
   std::vector<float> out(static_cast<size_t>(tokens * width), std::nanf(""));
   host.batch.hidden_out = Tensor(out.data(), DType::kF32, {tokens, width});
   arena_.reset();
-  model_.mtp_forward(host.batch, cache_.layers(), Tensor(hidden_in.data(), DType::kF32, {tokens, width}),
+  model_.mtp_forward(host.batch, cache_.caches(), Tensor(hidden_in.data(), DType::kF32, {tokens, width}),
                      Tensor(logits.data(), DType::kF32, {tokens, vocab}), arena_, mtp_layer);
   return {split_rows(logits, tokens, vocab), split_rows(out, tokens, width)};
 }
@@ -80,18 +68,19 @@ SpecRunner::Rows SpecRunner::mtp_step(const std::vector<Chunk>& chunks, const st
 void SpecRunner::mtp_write_keys(const std::vector<Chunk>& chunks, const std::vector<std::vector<float>>& hidden,
                                 int64_t mtp_layer) {
   HostBatch host;
-  cache_.build(chunks, mtp_cached_, /*last_rows_only=*/false, host);
+  build_batch(chunks, mtp_cached_, /*last_rows_only=*/false, cache_, host);
   const int64_t tokens = host.batch.num_tokens, width = model_.config().hidden_size;
   METRALE_CHECK(static_cast<int64_t>(hidden.size()) == tokens, "{} hidden rows for {} tokens", hidden.size(), tokens);
   std::vector<float> hidden_in;
   for (const auto& row : hidden) hidden_in.insert(hidden_in.end(), row.begin(), row.end());
   arena_.reset();
-  model_.mtp_write_keys(host.batch, cache_.layers(), Tensor(hidden_in.data(), DType::kF32, {tokens, width}), arena_,
+  model_.mtp_write_keys(host.batch, cache_.caches(), Tensor(hidden_in.data(), DType::kF32, {tokens, width}), arena_,
                         mtp_layer);
 }
 
-std::vector<float> SpecRunner::state(int64_t seq_id, size_t layer, size_t which) {
-  const Tensor slot = cache_.layers().at(layer).states.at(which).select(0, cache_.state_slot(seq_id));
+std::vector<float> SpecRunner::state(int64_t seq_id, size_t block, size_t which) {
+  const Tensor slot = cache_.caches().blocks[block].tensors.at(which).select(0, cache_.state_slot(seq_id));
+  METRALE_CHECK(slot.dtype() == DType::kF32, "state {} of block {} is {}", which, block, slot.describe());
   const auto* data = slot.data_as<const float>();
   return {data, data + slot.numel()};
 }

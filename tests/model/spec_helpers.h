@@ -1,7 +1,7 @@
-// A test driver for the model side of speculative decoding: a paged KV cache and recurrent state
-// slots for a model's layers plus, optionally, its MTP layers (appended after the trunk's, as an
-// engine would), and hand-built ragged batches for Model::forward (plain or verify),
-// Model::commit_verified and Model::mtp_forward, over a TestCache (model_helpers.h).
+// A test driver for the model side of speculative decoding: the caches of a model's stateful blocks
+// plus, optionally, its MTP layers' (ModelCaches::mtp), and hand-built ragged batches for
+// Model::forward (plain or verify), Model::commit_verified and Model::mtp_forward, over a TestCache
+// (tests/common/step_runner.h).
 #pragma once
 
 #include <cstdint>
@@ -41,12 +41,12 @@ class SpecRunner {
   int64_t mtp_cached(int64_t seq_id) { return mtp_cached_[seq_id]; }
   // Sets how many tokens the MTP layer holds for the sequence (e.g. to redo drafted positions).
   void set_mtp_cached(int64_t seq_id, int64_t length) { mtp_cached_[seq_id] = length; }
-  // A copy of state tensor `which` of recurrent layer `layer` in the sequence's slot.
-  std::vector<float> state(int64_t seq_id, size_t layer, size_t which);
+  // A copy of the f32 per-slot tensor `which` of stateful block `block` in the sequence's slot.
+  std::vector<float> state(int64_t seq_id, size_t block, size_t which);
 
  private:
   Model& model_;
-  TestCache cache_;  // trunk layers, then the MTP layers
+  TestCache cache_;  // the trunk's blocks, then the MTP layers
   std::map<int64_t, int64_t> cached_, mtp_cached_;
   HostBatch pending_verify_;
   OwnedTensor verify_scratch_;

@@ -57,6 +57,7 @@ TEST_P(VerifyCommit, CommittedStateEqualsPlainDecoding) {
   testing::write_tiny_checkpoint(dir.path(), spec, testing::make_tiny_weights(spec, 41));
   const auto model = load_model(dir.path(), Device::cpu());
   ASSERT_GT(model->verify_scratch_bytes(10, 4), 0u);
+  EXPECT_TRUE(model->capabilities().supports_verify);
   const std::vector<size_t> prompt_lengths = {13, 6, 21, 9};
   const std::vector<size_t> drafts = {3, 1, 2, 0};
   std::vector<std::vector<int32_t>> prompts, verify_rows;
@@ -64,7 +65,7 @@ TEST_P(VerifyCommit, CommittedStateEqualsPlainDecoding) {
     prompts.push_back(random_tokens(spec, prompt_lengths[s], 100 + s));
     verify_rows.push_back(random_tokens(spec, 1 + drafts[s], 200 + s));
   }
-  const std::vector<LayerCacheSpec> specs = model->cache_specs();
+  const std::vector<CacheSpec> specs = model->cache_specs();
   const auto prefill = [&](SpecRunner& runner) {
     std::vector<SpecRunner::Chunk> chunks;
     for (size_t s = 0; s < prompts.size(); ++s) chunks.push_back({static_cast<int64_t>(s), prompts[s]});
@@ -101,8 +102,8 @@ TEST_P(VerifyCommit, CommittedStateEqualsPlainDecoding) {
       EXPECT_EQ(speculative.cached(seq), plain.cached(seq));
     }
     for (size_t layer = 0; layer < specs.size(); ++layer) {
-      if (specs[layer].kind != LayerCacheKind::kRecurrent) continue;
-      for (size_t which = 0; which < specs[layer].states.size(); ++which)
+      if (!specs[layer].has_slots()) continue;
+      for (size_t which = 0; which < specs[layer].tensors.size(); ++which)
         for (size_t s = 0; s < prompts.size(); ++s) {
           const auto seq = static_cast<int64_t>(s);
           EXPECT_LT(max_abs_difference(speculative.state(seq, layer, which), plain.state(seq, layer, which)),
@@ -131,17 +132,17 @@ TEST_P(VerifyCommit, VerifyForwardLeavesSlotsUntouched) {
   const auto model = load_model(dir.path(), Device::cpu());
   SpecRunner runner(*model, false);
   (void)runner.step({{0, random_tokens(spec, 11, 1)}, {1, random_tokens(spec, 5, 2)}});
-  const std::vector<LayerCacheSpec> specs = model->cache_specs();
+  const std::vector<CacheSpec> specs = model->cache_specs();
   std::vector<std::vector<float>> before;
   for (size_t layer = 0; layer < specs.size(); ++layer) {
-    if (specs[layer].kind != LayerCacheKind::kRecurrent) continue;
+    if (!specs[layer].has_slots()) continue;
     for (size_t which = 0; which < 2; ++which)
       for (int64_t seq = 0; seq < 2; ++seq) before.push_back(runner.state(seq, layer, which));
   }
   (void)runner.step({{0, random_tokens(spec, 4, 3)}, {1, random_tokens(spec, 3, 4)}}, /*verify=*/true);
   size_t index = 0;
   for (size_t layer = 0; layer < specs.size(); ++layer) {
-    if (specs[layer].kind != LayerCacheKind::kRecurrent) continue;
+    if (!specs[layer].has_slots()) continue;
     for (size_t which = 0; which < 2; ++which)
       for (int64_t seq = 0; seq < 2; ++seq) {
         EXPECT_EQ(max_abs_difference(runner.state(seq, layer, which), before[index++]), 0.0);

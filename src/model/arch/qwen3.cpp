@@ -1,10 +1,11 @@
 // Qwen3 dense (model_type "qwen3"): GQA attention with per-head q/k RMSNorm and full RoPE, SwiGLU
-// MLP, plain RMSNorms, tied or untied LM head. Optional sliding-window layers from layer_types.
+// MLP, plain RMSNorms in a pre-norm residual, tied or untied LM head. Optional sliding-window layers from layer_types.
 #include "core/error.h"
 #include "model/arch/architectures.h"
 #include "model/blocks/attention.h"
 #include "model/blocks/decoder.h"
 #include "model/blocks/mlp.h"
+#include "model/blocks/pre_norm.h"
 
 namespace metrale::arch {
 
@@ -54,17 +55,21 @@ std::unique_ptr<Model> build_qwen3(const ModelConfig& config, Weights& weights) 
   DecoderParts parts;
   parts.embed_tokens = load_embedding(weights, config);
   const auto norm = kernels::RmsNormKind::kPlain;
+  std::vector<RmsNorm> site_norms;  // per layer: input_layernorm, post_attention_layernorm
   for (int64_t i = 0; i < config.num_layers; ++i) {
     const std::string prefix = "layers." + std::to_string(i) + ".";
     AttentionConfig attention = qwen3_attention_config(config);
     attention.window = windows[static_cast<size_t>(i)];
-    parts.layers.push_back(DecoderLayer{
-        RmsNorm::load(weights, prefix + "input_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm),
-        std::make_unique<Attention>(attention, weights, prefix + "self_attn.", rope),
-        RmsNorm::load(weights, prefix + "post_attention_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm),
-        std::make_unique<Mlp>(weights, prefix + "mlp.", config.hidden_size, config.intermediate_size)});
+    site_norms.push_back(
+        RmsNorm::load(weights, prefix + "input_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm));
+    auto mixer = std::make_unique<Attention>(attention, weights, prefix + "self_attn.", rope);
+    site_norms.push_back(RmsNorm::load(weights, prefix + "post_attention_layernorm.weight", config.hidden_size,
+                                       config.rms_norm_eps, norm));
+    auto ffn = std::make_unique<Mlp>(weights, prefix + "mlp.", config.hidden_size, config.intermediate_size);
+    parts.layers.push_back(DecoderLayer{std::move(mixer), std::move(ffn)});
   }
-  parts.final_norm = RmsNorm::load(weights, "norm.weight", config.hidden_size, config.rms_norm_eps, norm);
+  parts.residual = std::make_unique<PreNormResidual>(
+      std::move(site_norms), RmsNorm::load(weights, "norm.weight", config.hidden_size, config.rms_norm_eps, norm));
   parts.lm_head = load_lm_head(weights, config, parts.embed_tokens);
   return std::make_unique<DecoderModel>(config, weights, std::move(parts));
 }

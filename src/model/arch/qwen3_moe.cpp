@@ -7,6 +7,7 @@
 #include "model/blocks/decoder.h"
 #include "model/blocks/mlp.h"
 #include "model/blocks/moe.h"
+#include "model/blocks/pre_norm.h"
 
 #include <algorithm>
 
@@ -33,25 +34,30 @@ std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& config, Weights& weigh
   DecoderParts parts;
   parts.embed_tokens = load_embedding(weights, config);
   const auto norm = kernels::RmsNormKind::kPlain;
+  std::vector<RmsNorm> site_norms;  // per layer: input_layernorm, post_attention_layernorm
   for (int64_t i = 0; i < config.num_layers; ++i) {
     const std::string prefix = "layers." + std::to_string(i) + ".";
     AttentionConfig attention = qwen3_attention_config(config);
     attention.window = window;
     const bool is_moe = std::find(mlp_only.begin(), mlp_only.end(), i) == mlp_only.end() && moe.num_experts > 0 &&
                         sparse_step > 0 && (i + 1) % sparse_step == 0;
+    // Load order (random weights draw in it): the FFN, input_layernorm, attention,
+    // post_attention_layernorm.
     std::unique_ptr<FeedForward> ffn;
     if (is_moe) {
       ffn = std::make_unique<Moe>(moe, weights, prefix + "mlp.");
     } else {
       ffn = std::make_unique<Mlp>(weights, prefix + "mlp.", config.hidden_size, config.intermediate_size);
     }
-    parts.layers.push_back(DecoderLayer{
-        RmsNorm::load(weights, prefix + "input_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm),
-        std::make_unique<Attention>(attention, weights, prefix + "self_attn.", rope),
-        RmsNorm::load(weights, prefix + "post_attention_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm),
-        std::move(ffn)});
+    site_norms.push_back(
+        RmsNorm::load(weights, prefix + "input_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm));
+    auto mixer = std::make_unique<Attention>(attention, weights, prefix + "self_attn.", rope);
+    site_norms.push_back(RmsNorm::load(weights, prefix + "post_attention_layernorm.weight", config.hidden_size,
+                                       config.rms_norm_eps, norm));
+    parts.layers.push_back(DecoderLayer{std::move(mixer), std::move(ffn)});
   }
-  parts.final_norm = RmsNorm::load(weights, "norm.weight", config.hidden_size, config.rms_norm_eps, norm);
+  parts.residual = std::make_unique<PreNormResidual>(
+      std::move(site_norms), RmsNorm::load(weights, "norm.weight", config.hidden_size, config.rms_norm_eps, norm));
   parts.lm_head = load_lm_head(weights, config, parts.embed_tokens);
   return std::make_unique<DecoderModel>(config, weights, std::move(parts));
 }

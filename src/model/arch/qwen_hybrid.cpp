@@ -14,6 +14,7 @@
 #include "model/blocks/mlp.h"
 #include "model/blocks/moe.h"
 #include "model/blocks/mtp.h"
+#include "model/blocks/pre_norm.h"
 
 namespace metrale::arch {
 
@@ -123,9 +124,11 @@ std::unique_ptr<Model> build_qwen_hybrid(const ModelConfig& config, Weights& wei
   }
 
   const auto norm = kernels::RmsNormKind::kZeroCentered;
-  // One decoder layer from `layer_weights` under `prefix`; the MTP layers are built like the trunk's
-  // full_attention layers.
-  const auto build_layer = [&](Weights& layer_weights, const std::string& prefix, bool attention, bool moe_ffn) {
+  // One decoder layer from `layer_weights` under `prefix`, its two site norms appended to
+  // `site_norms`; the MTP layers are built like the trunk's full_attention layers. Load order (random
+  // weights draw in it): mixer, FFN, input_layernorm, post_attention_layernorm.
+  const auto build_layer = [&](Weights& layer_weights, const std::string& prefix, bool attention, bool moe_ffn,
+                               std::vector<RmsNorm>& site_norms) {
     std::unique_ptr<Mixer> mixer;
     if (attention) {
       mixer = std::make_unique<Attention>(attention_config, layer_weights, prefix + "self_attn.", rope);
@@ -142,25 +145,27 @@ std::unique_ptr<Model> build_qwen_hybrid(const ModelConfig& config, Weights& wei
       }
       ffn = std::make_unique<Mlp>(layer_weights, prefix + "mlp.", config.hidden_size, dense_width);
     }
-    return DecoderLayer{
-        RmsNorm::load(layer_weights, prefix + "input_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm),
-        std::move(mixer),
-        RmsNorm::load(layer_weights, prefix + "post_attention_layernorm.weight", config.hidden_size,
-                      config.rms_norm_eps, norm),
-        std::move(ffn)};
+    site_norms.push_back(
+        RmsNorm::load(layer_weights, prefix + "input_layernorm.weight", config.hidden_size, config.rms_norm_eps, norm));
+    site_norms.push_back(RmsNorm::load(layer_weights, prefix + "post_attention_layernorm.weight", config.hidden_size,
+                                       config.rms_norm_eps, norm));
+    return DecoderLayer{std::move(mixer), std::move(ffn)};
   };
 
   DecoderParts parts;
   parts.embed_tokens = load_embedding(weights, config);
+  std::vector<RmsNorm> site_norms;
   for (int64_t i = 0; i < config.num_layers; ++i) {
     const bool attention = full_attention[static_cast<size_t>(i)];
     try {
-      parts.layers.push_back(build_layer(weights, "layers." + std::to_string(i) + ".", attention, layer_is_moe(i)));
+      parts.layers.push_back(
+          build_layer(weights, "layers." + std::to_string(i) + ".", attention, layer_is_moe(i), site_norms));
     } catch (const Error& e) {
       rethrow_with_context(e, "layer {} ({})", i, attention ? "attention" : "gdn");
     }
   }
-  parts.final_norm = RmsNorm::load(weights, "norm.weight", config.hidden_size, config.rms_norm_eps, norm);
+  parts.residual = std::make_unique<PreNormResidual>(
+      std::move(site_norms), RmsNorm::load(weights, "norm.weight", config.hidden_size, config.rms_norm_eps, norm));
   parts.lm_head = load_lm_head(weights, config, parts.embed_tokens);
 
   // The MTP draft head (mtp.* at the checkpoint's root): loaded when the config declares MTP layers
@@ -178,17 +183,19 @@ std::unique_ptr<Model> build_qwen_hybrid(const ModelConfig& config, Weights& wei
           RmsNorm::load(mtp_weights, "pre_fc_norm_embedding.weight", h, config.rms_norm_eps, norm);
       head.pre_fc_norm_hidden = RmsNorm::load(mtp_weights, "pre_fc_norm_hidden.weight", h, config.rms_norm_eps, norm);
       head.fc = mtp_weights.get("fc.weight", {h, 2 * h});
+      std::vector<RmsNorm> head_norms;
       for (int64_t i = 0; i < declared_mtp_layers; ++i) {
         const std::string prefix = "layers." + std::to_string(i) + ".";
         // vLLM builds MTP layer i with the trunk's FFN rule for index i; a checkpoint says it directly.
         const bool moe_ffn = weights.is_random() ? layer_is_moe(i) : mtp_weights.has(prefix + "mlp.gate.weight");
         try {
-          head.layers.push_back(build_layer(mtp_weights, prefix, true, moe_ffn));
+          head.layers.push_back(build_layer(mtp_weights, prefix, true, moe_ffn, head_norms));
         } catch (const Error& e) {
           rethrow_with_context(e, "MTP layer {}", i);
         }
       }
-      head.norm = RmsNorm::load(mtp_weights, "norm.weight", h, config.rms_norm_eps, norm);
+      head.residual = std::make_unique<PreNormResidual>(
+          std::move(head_norms), RmsNorm::load(mtp_weights, "norm.weight", h, config.rms_norm_eps, norm));
       if (config.get_bool("mtp_use_dedicated_embeddings", false)) {
         head.embed_tokens = mtp_weights.get("embed_tokens.weight", {config.vocab_size, h});
       }

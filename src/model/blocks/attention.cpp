@@ -37,11 +37,12 @@ size_t Attention::scratch_bytes(const ForwardBatch& batch, Device device) const 
                                                   config_.head_dim, batch.max_kv_len);
 }
 
-LayerCacheSpec Attention::cache_spec() const {
-  return {LayerCacheKind::kPagedKv, config_.num_kv_heads, config_.head_dim, {}};
+CacheSpec Attention::cache_spec() const {
+  return {{CacheTensorSpec::per_token("k", {config_.num_kv_heads, config_.head_dim}),
+           CacheTensorSpec::per_token("v", {config_.num_kv_heads, config_.head_dim})}};
 }
 
-void Attention::forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) {
+void Attention::forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) {
   const ForwardBatch& batch = step.batch;
   const int64_t tokens = batch.num_tokens, d = config_.head_dim;
   // With the output gate, q_proj's output holds per head the query then the gate (2 D columns).
@@ -71,7 +72,7 @@ void Attention::forward(const StepContext& step, const LayerCache& cache, const 
   params.max_q_len = batch.max_q_len;
   params.max_kv_len = batch.max_kv_len;
   if (!step.layer_scratch.empty()) params.workspace = step.layer_scratch;
-  kernels::paged_attention(q, cache.k_cache, cache.v_cache, batch.cu_q, batch.kv_lens, batch.block_tables, attn,
+  kernels::paged_attention(q, cache.tensors[kKeys], cache.tensors[kValues], batch.cu_q, batch.kv_lens, batch.block_tables, attn,
                            params);
   if (config_.output_gate) {
     const Tensor gate(qkv.slice(1, d, q_rows).data(), act, {tokens, config_.num_heads, d}, {row, q_head_stride, 1},
@@ -81,7 +82,7 @@ void Attention::forward(const StepContext& step, const LayerCache& cache, const 
   kernels::linear(attn.reshape({tokens, config_.num_heads * d}), o_proj_, out);
 }
 
-void Attention::write_keys(const StepContext& step, const LayerCache& cache, const Tensor& x) {
+void Attention::write_keys(const StepContext& step, const BlockCache& cache, const Tensor& x) {
   const ForwardBatch& batch = step.batch;
   const int64_t tokens = batch.num_tokens, d = config_.head_dim;
   const int64_t q_rows = config_.num_heads * d * (config_.output_gate ? 2 : 1), kv_rows = config_.num_kv_heads * d;
@@ -101,7 +102,7 @@ void Attention::write_keys(const StepContext& step, const LayerCache& cache, con
   write_rotated_keys(batch, cache, no_queries, k, v);
 }
 
-void Attention::write_rotated_keys(const ForwardBatch& batch, const LayerCache& cache, const Tensor& q, const Tensor& k,
+void Attention::write_rotated_keys(const ForwardBatch& batch, const BlockCache& cache, const Tensor& q, const Tensor& k,
                                    const Tensor& v) const {
   // Qwen3 normalises q and k per head before RoPE; the cache holds post-norm, post-RoPE keys.
   kernels::QkNormRopeParams prologue;
@@ -110,7 +111,8 @@ void Attention::write_rotated_keys(const ForwardBatch& batch, const LayerCache& 
   prologue.norm = q_norm_ ? q_norm_->params : k_norm_ ? k_norm_->params : kernels::RmsNormParams{};
   prologue.rope = rope_->params();
   kernels::qk_norm_rope_kv_write(q, k, v, q_norm_ ? q_norm_->weight : Tensor(), k_norm_ ? k_norm_->weight : Tensor(),
-                                 batch.positions, rope_->inv_freq(), batch.slot_mapping, cache.k_cache, cache.v_cache,
+                                 batch.positions, rope_->inv_freq(), batch.slot_mapping, cache.tensors[kKeys],
+                                 cache.tensors[kValues],
                                  prologue);
 }
 

@@ -1,6 +1,9 @@
 // Grouped-query attention over the paged KV cache, with optional per-head q/k RMSNorm (Qwen3),
 // partial or full RoPE, optional sliding window, and optionally the sigmoid output gate of gated
 // attention (Qwen3-Next, Qwen3.5, qwen.md §3.5).
+//
+// Cache: {k, v} per token, each [n_kv_heads, head_dim] in the activation dtype (post-norm,
+// post-RoPE keys): BlockCache::tensors [num_blocks, block_size, n_kv_heads, head_dim] each.
 #pragma once
 
 #include <memory>
@@ -33,16 +36,18 @@ class Attention : public Mixer {
   Attention(const AttentionConfig& config, Weights& weights, const std::string& prefix,
             std::shared_ptr<const RotaryEmbedding> rope);
 
-  LayerCacheSpec cache_spec() const override;
+  CacheSpec cache_spec() const override;
   size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
-  void forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) override;
-  void write_keys(const StepContext& step, const LayerCache& cache, const Tensor& x) override;
+  void forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) override;
+  void write_keys(const StepContext& step, const BlockCache& cache, const Tensor& x) override;
 
  private:
   // q [T, nH or 0, D] rotated (and normalised) in place; k normalised and rotated, and v, written to
   // the cache at the batch's slots.
-  void write_rotated_keys(const ForwardBatch& batch, const LayerCache& cache, const Tensor& q, const Tensor& k,
+  void write_rotated_keys(const ForwardBatch& batch, const BlockCache& cache, const Tensor& q, const Tensor& k,
                           const Tensor& v) const;
+
+  static constexpr size_t kKeys = 0, kValues = 1;  // BlockCache::tensors
 
   AttentionConfig config_;
   // On the GPU q, k and v are one fused projection [(Q + 2 nKV * D), H] (one weight read per step);

@@ -30,17 +30,28 @@ DecoderModel::DecoderModel(ModelConfig config, Weights& weights, DecoderParts pa
       device_(weights.device()),
       store_(weights.store_ptr()),
       device_weights_(weights.take_device_buffers()),
-      parts_(std::move(parts)) {}
-
-std::vector<LayerCacheSpec> DecoderModel::cache_specs() const {
-  std::vector<LayerCacheSpec> specs;
-  specs.reserve(parts_.layers.size());
-  for (const auto& layer : parts_.layers) specs.push_back(layer.mixer->cache_spec());
-  return specs;
+      embed_tokens_(parts.embed_tokens),
+      lm_head_(parts.lm_head),
+      trunk_(std::move(parts.layers), std::move(parts.residual), "layer"),
+      mtp_(std::move(parts.mtp)) {
+  METRALE_CHECK(trunk_.num_layers() > 0, "{}: a decoder without layers", config_.source.string());
+  METRALE_CHECK(trunk_.residual().hidden_size() == config_.hidden_size, "residual scheme of width {} for hidden size {}",
+                trunk_.residual().hidden_size(), config_.hidden_size);
 }
 
-std::vector<LayerCacheSpec> DecoderModel::mtp_cache_specs() const {
-  return parts_.mtp ? parts_.mtp->cache_specs() : std::vector<LayerCacheSpec>{};
+ModelCapabilities DecoderModel::capabilities() const {
+  const BlockCapabilities trunk = trunk_.capabilities();
+  const BlockCapabilities head = mtp_ ? mtp_->capabilities() : BlockCapabilities{};
+  return {trunk.graph_safe && head.graph_safe, trunk.needs_prestage || head.needs_prestage,
+          trunk.supports_verify && head.supports_verify};
+}
+
+void DecoderModel::prestage(const PrestageRows& rows, std::span<const Tensor> host_inputs) const {
+  trunk_.prestage(rows, host_inputs);
+}
+
+std::vector<CacheSpec> DecoderModel::mtp_cache_specs() const {
+  return mtp_ ? mtp_->cache_specs() : std::vector<CacheSpec>{};
 }
 
 DType DecoderModel::activation_dtype() const {
@@ -50,9 +61,6 @@ DType DecoderModel::activation_dtype() const {
 }
 
 namespace {
-
-// Regions of the verify scratch start on 256-byte boundaries (vectorised device access).
-constexpr size_t kVerifyRegionAlignment = 256;
 
 // A host i32 array as a tensor on `device`: a view on the CPU, a workspace copy on the GPU.
 Tensor device_i32(std::span<const int32_t> values, Arena& workspace, Device device) {
@@ -65,19 +73,8 @@ Tensor device_i32(std::span<const int32_t> values, Arena& workspace, Device devi
 
 }  // namespace
 
-std::vector<size_t> DecoderModel::verify_scratch_offsets(int64_t num_tokens, int64_t num_seqs) const {
-  std::vector<size_t> offsets{0};
-  offsets.reserve(parts_.layers.size() + 1);
-  for (const auto& layer : parts_.layers) {
-    size_t bytes = layer.mixer->verify_scratch_bytes(num_tokens, num_seqs, activation_dtype());
-    bytes = (bytes + kVerifyRegionAlignment - 1) / kVerifyRegionAlignment * kVerifyRegionAlignment;
-    offsets.push_back(offsets.back() + bytes);
-  }
-  return offsets;
-}
-
 size_t DecoderModel::verify_scratch_bytes(int64_t num_tokens, int64_t num_seqs) const {
-  return verify_scratch_offsets(num_tokens, num_seqs).back();
+  return trunk_.verify_scratch_offsets(num_tokens, num_seqs, activation_dtype()).back();
 }
 
 void DecoderModel::compute_logits(const ForwardBatch& batch, const Tensor& final_hidden, const Tensor& logits,
@@ -88,22 +85,19 @@ void DecoderModel::compute_logits(const ForwardBatch& batch, const Tensor& final
                 logits.describe(), rows);
   const Tensor selected = workspace.alloc(final_hidden.dtype(), {rows, config_.hidden_size});
   kernels::gather_rows(final_hidden, batch.logit_rows, selected);
-  kernels::linear(selected, parts_.lm_head, logits);
+  kernels::linear(selected, lm_head_, logits);
 }
 
-void DecoderModel::forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& logits,
+void DecoderModel::forward(const ForwardBatch& batch, const ModelCaches& caches, const Tensor& logits,
                            Arena& workspace) {
-  METRALE_CHECK(caches.size() >= parts_.layers.size(), "{} layer caches for {} layers", caches.size(),
-                parts_.layers.size());
   const int64_t tokens = batch.num_tokens, hidden = config_.hidden_size;
   const DType act = activation_dtype();
   StepContext step{batch, workspace, act, Tensor(), Tensor()};
-  size_t scratch = 0;
-  for (const auto& layer : parts_.layers) scratch = std::max(scratch, layer.mixer->scratch_bytes(batch, device_));
+  const size_t scratch = trunk_.scratch_bytes(batch, device_, 0, trunk_.num_layers());
   if (scratch > 0) step.layer_scratch = workspace.alloc(DType::kU8, {static_cast<int64_t>(scratch)});
   std::vector<size_t> verify_offsets;
   if (batch.verify) {
-    verify_offsets = verify_scratch_offsets(tokens, batch.num_seqs);
+    verify_offsets = trunk_.verify_scratch_offsets(tokens, batch.num_seqs, act);
     METRALE_CHECK(batch.verify_scratch.nbytes() >= verify_offsets.back() && batch.verify_scratch.ndim() == 1,
                   "verify step: verify_scratch {} for {} bytes", batch.verify_scratch.describe(),
                   verify_offsets.back());
@@ -113,49 +107,26 @@ void DecoderModel::forward(const ForwardBatch& batch, std::span<const LayerCache
                       batch.hidden_out.size(1) == hidden && batch.hidden_out.dtype() == act,
                   "hidden_out {} for {} rows of {} ({})", batch.hidden_out.describe(), tokens, hidden, dtype_name(act));
   }
-  const Tensor residual = workspace.alloc(act, {tokens, hidden});  // [T, H] the residual stream h
-  const Tensor normed = workspace.alloc(act, {tokens, hidden});    // [T, H] normalised sublayer input
-  const Tensor sublayer = workspace.alloc(act, {tokens, hidden});  // [T, H] sublayer output
-  // [T, H] the final norm's output: the caller's hidden_out when asked for.
+  const ResidualScheme& scheme = trunk_.residual();
+  const ResidualStreams streams = scheme.allocate(step);          // the residual streams [T, W]
+  const Tensor normed = workspace.alloc(act, {tokens, hidden});    // [T, H] site input
+  const Tensor sublayer = workspace.alloc(act, {tokens, hidden});  // [T, H] site output
+  // [T, H] the final hidden state: the caller's hidden_out when asked for.
   const Tensor final_hidden = batch.hidden_out.empty() ? normed : batch.hidden_out;
-  kernels::embedding(batch.token_ids, parts_.embed_tokens, residual);
-  parts_.layers.front().input_norm.apply(residual, normed);
-  for (size_t i = 0; i < parts_.layers.size(); ++i) {
-    DecoderLayer& layer = parts_.layers[i];
-    const Arena::Scope layer_temporaries(workspace);
-    if (batch.verify) {
-      step.verify_scratch = batch.verify_scratch.slice(0, static_cast<int64_t>(verify_offsets[i]),
-                                                       static_cast<int64_t>(verify_offsets[i + 1]));
-    }
-    try {
-      layer.mixer->forward(step, caches[i], normed, sublayer);
-      layer.post_norm.add_and_apply(residual, sublayer, normed);
-      layer.ffn->forward(step, normed, sublayer);
-      if (i + 1 < parts_.layers.size()) {
-        parts_.layers[i + 1].input_norm.add_and_apply(residual, sublayer, normed);
-      } else {
-        parts_.final_norm.add_and_apply(residual, sublayer, final_hidden);
-      }
-    } catch (const Error& e) {
-      rethrow_with_context(e, "layer {}", i);
-    }
-  }
+  kernels::embedding(batch.token_ids, embed_tokens_, streams.input);
+  scheme.begin(step, streams);
+  trunk_.forward(step, caches.blocks, streams, 0, trunk_.num_layers(), normed, sublayer, final_hidden, verify_offsets);
   compute_logits(batch, final_hidden, logits, workspace);
 }
 
 void DecoderModel::commit_verified(const ForwardBatch& batch, std::span<const int32_t> kept_rows,
-                                   std::span<const LayerCache> caches, Arena& workspace) {
+                                   const ModelCaches& caches, Arena& workspace) {
   METRALE_CHECK(batch.verify, "commit_verified needs the batch of a verify step");
-  METRALE_CHECK(caches.size() >= parts_.layers.size(), "{} layer caches for {} layers", caches.size(),
-                parts_.layers.size());
   const int64_t seqs = batch.num_seqs;
   if (static_cast<int64_t>(kept_rows.size()) != seqs) {
     raise(ErrorCode::kInvalidArgument, "commit_verified: {} kept-row counts for {} sequences", kept_rows.size(), seqs);
   }
-  const std::vector<size_t> offsets = verify_scratch_offsets(batch.num_tokens, seqs);
-  if (offsets.back() == 0) return;  // no layer keeps anything: the verify forward left every cache right
-  METRALE_CHECK(batch.verify_scratch.nbytes() >= offsets.back(), "verify_scratch {} for {} bytes",
-                batch.verify_scratch.describe(), offsets.back());
+  if (!trunk_.needs_commit()) return;  // no per-slot state: the verify forward left every cache right
   std::vector<int32_t> cu_parts{0}, kv_lens, slots;
   int64_t max_rows = 0;
   for (int64_t s = 0; s < seqs; ++s) {
@@ -182,59 +153,47 @@ void DecoderModel::commit_verified(const ForwardBatch& batch, std::span<const in
   commit_kept_rows(batch, kept, caches, workspace);
 }
 
-void DecoderModel::commit_kept_rows(const ForwardBatch& batch, const VerifyCommit& kept,
-                                    std::span<const LayerCache> caches, Arena& workspace) {
+void DecoderModel::commit_kept_rows(const ForwardBatch& batch, const VerifyCommit& kept, const ModelCaches& caches,
+                                    Arena& workspace) {
   METRALE_CHECK(batch.verify, "commit_kept_rows needs the batch of a verify step");
-  METRALE_CHECK(caches.size() >= parts_.layers.size(), "{} layer caches for {} layers", caches.size(),
-                parts_.layers.size());
   METRALE_CHECK(kept.cu_parts.numel() == 2 * batch.num_seqs + 1 && kept.kv_lens.numel() == 2 * batch.num_seqs &&
                     kept.slots.numel() == 2 * batch.num_seqs,
                 "commit: cu_parts {}, kv_lens {}, slots {} for {} sequences", kept.cu_parts.describe(),
                 kept.kv_lens.describe(), kept.slots.describe(), batch.num_seqs);
-  const std::vector<size_t> offsets = verify_scratch_offsets(batch.num_tokens, batch.num_seqs);
-  if (offsets.back() == 0) return;
-  StepContext step{batch, workspace, activation_dtype(), Tensor(), Tensor()};
-  for (size_t i = 0; i < parts_.layers.size(); ++i) {
-    if (offsets[i + 1] == offsets[i]) continue;
-    const Arena::Scope layer_temporaries(workspace);
-    step.verify_scratch =
-        batch.verify_scratch.slice(0, static_cast<int64_t>(offsets[i]), static_cast<int64_t>(offsets[i + 1]));
-    try {
-      parts_.layers[i].mixer->commit(step, caches[i], kept);
-    } catch (const Error& e) {
-      rethrow_with_context(e, "layer {} (commit)", i);
-    }
-  }
+  if (!trunk_.needs_commit()) return;
+  const DType act = activation_dtype();
+  const std::vector<size_t> offsets = trunk_.verify_scratch_offsets(batch.num_tokens, batch.num_seqs, act);
+  METRALE_CHECK(batch.verify_scratch.nbytes() >= offsets.back(), "verify_scratch {} for {} bytes",
+                batch.verify_scratch.describe(), offsets.back());
+  const StepContext step{batch, workspace, act, Tensor(), Tensor()};
+  trunk_.commit(step, caches.blocks, kept, offsets);
 }
 
-size_t DecoderModel::mtp_cache_index(std::span<const LayerCache> caches, int64_t mtp_layer) const {
-  if (!parts_.mtp) raise(ErrorCode::kUnsupported, "{}: the checkpoint has no MTP head", config_.source.string());
-  if (mtp_layer < 0 || mtp_layer >= parts_.mtp->num_layers()) {
-    raise(ErrorCode::kInvalidArgument, "MTP layer {} of {}", mtp_layer, parts_.mtp->num_layers());
+MtpHead& DecoderModel::mtp_head(int64_t mtp_layer) const {
+  if (!mtp_) raise(ErrorCode::kUnsupported, "{}: the checkpoint has no MTP head", config_.source.string());
+  if (mtp_layer < 0 || mtp_layer >= mtp_->num_layers()) {
+    raise(ErrorCode::kInvalidArgument, "MTP layer {} of {}", mtp_layer, mtp_->num_layers());
   }
-  const size_t cache_index = parts_.layers.size() + static_cast<size_t>(mtp_layer);
-  METRALE_CHECK(caches.size() > cache_index, "{} caches: the MTP layer {} reads cache {}", caches.size(), mtp_layer,
-                cache_index);
-  return cache_index;
+  return *mtp_;
 }
 
-void DecoderModel::mtp_write_keys(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& hidden,
+void DecoderModel::mtp_write_keys(const ForwardBatch& batch, const ModelCaches& caches, const Tensor& hidden,
                                   Arena& workspace, int64_t mtp_layer) {
-  const size_t cache_index = mtp_cache_index(caches, mtp_layer);
-  StepContext step{batch, workspace, activation_dtype(), Tensor(), Tensor()};
-  parts_.mtp->write_keys(step, caches[cache_index], mtp_layer, parts_.embed_tokens, hidden);
+  MtpHead& head = mtp_head(mtp_layer);
+  const StepContext step{batch, workspace, activation_dtype(), Tensor(), Tensor()};
+  head.write_keys(step, caches.mtp, mtp_layer, embed_tokens_, hidden);
 }
 
-void DecoderModel::mtp_forward(const ForwardBatch& batch, std::span<const LayerCache> caches, const Tensor& hidden,
+void DecoderModel::mtp_forward(const ForwardBatch& batch, const ModelCaches& caches, const Tensor& hidden,
                                const Tensor& logits, Arena& workspace, int64_t mtp_layer) {
-  const size_t cache_index = mtp_cache_index(caches, mtp_layer);
+  MtpHead& head = mtp_head(mtp_layer);
   const DType act = activation_dtype();
   StepContext step{batch, workspace, act, Tensor(), Tensor()};
-  const size_t scratch = parts_.mtp->scratch_bytes(mtp_layer, batch, device_);
+  const size_t scratch = head.scratch_bytes(mtp_layer, batch, device_);
   if (scratch > 0) step.layer_scratch = workspace.alloc(DType::kU8, {static_cast<int64_t>(scratch)});
   const Tensor out = batch.hidden_out.empty() ? workspace.alloc(act, {batch.num_tokens, config_.hidden_size})
                                               : batch.hidden_out;  // [T, H] o_t
-  parts_.mtp->forward(step, caches[cache_index], mtp_layer, parts_.embed_tokens, hidden, out);
+  head.forward(step, caches.mtp, mtp_layer, embed_tokens_, hidden, out);
   compute_logits(batch, out, logits, workspace);
 }
 

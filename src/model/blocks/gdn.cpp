@@ -113,12 +113,10 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
   out_proj_ = weights.get(prefix + "out_proj.weight", {h, value_dim});
 }
 
-LayerCacheSpec GatedDeltaNet::cache_spec() const {
-  LayerCacheSpec spec;
-  spec.kind = LayerCacheKind::kRecurrent;
-  spec.states = {StateTensorSpec{{config_.conv_kernel - 1, config_.conv_dim()}, false},
-                 StateTensorSpec{{config_.num_v_heads, config_.head_k_dim, config_.head_v_dim}, true}};
-  return spec;
+CacheSpec GatedDeltaNet::cache_spec() const {
+  return {{CacheTensorSpec::per_slot("conv", {config_.conv_kernel - 1, config_.conv_dim()}),
+           CacheTensorSpec::per_slot("recurrent", {config_.num_v_heads, config_.head_k_dim, config_.head_v_dim},
+                                     DType::kF32)}};
 }
 
 size_t GatedDeltaNet::scratch_bytes(const ForwardBatch& batch, Device device) const {
@@ -185,11 +183,11 @@ void GatedDeltaNet::delta_rule(const StepContext& step, const Tensor& conv_out, 
   }
 }
 
-void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) {
+void GatedDeltaNet::forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) {
   const ForwardBatch& batch = step.batch;
   const int64_t tokens = batch.num_tokens, seqs = batch.num_seqs;
-  METRALE_CHECK(cache.states.size() == 2, "GDN layer: {} state tensors, expected the conv and recurrent states",
-                cache.states.size());
+  METRALE_CHECK(cache.tensors.size() == 2, "GDN layer: {} cache tensors, expected the conv and recurrent states",
+                cache.tensors.size());
   METRALE_CHECK(batch.state_slots.numel() == seqs, "GDN layer: state_slots {} for {} sequences",
                 batch.state_slots.describe(), seqs);
   if (tokens == 0) return;
@@ -215,7 +213,7 @@ void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, co
 
   // Verify: the kernels read the slots and leave them as they were (the commit advances them).
   const Tensor conv_out = ws.alloc(act, {tokens, conv_dim});  // [T, conv_dim] silu(conv(qkv))
-  kernels::causal_conv1d(projected.slice(1, 0, conv_dim), conv_weight_, cache.states[0], batch.cu_q, batch.kv_lens,
+  kernels::causal_conv1d(projected.slice(1, 0, conv_dim), conv_weight_, cache.tensors[kConv], batch.cu_q, batch.kv_lens,
                          batch.state_slots, conv_out, {true, batch.max_q_len, /*write_state=*/!batch.verify});
   // [T, Hv] f32 log decay (<= 0) and write strength.
   const Tensor g = batch.verify ? kept.g : ws.alloc(DType::kF32, {tokens, hv});
@@ -225,7 +223,7 @@ void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, co
   // Decode and verify take the token-by-token form (a verify row computes exactly what decoding it
   // would); prefill the chunked one.
   const Tensor core = ws.alloc(act, {tokens, hv, dv});  // [T, Hv, dv] delta-rule output
-  delta_rule(step, conv_out, g, beta, cache.states[1], batch.cu_q, batch.kv_lens, batch.state_slots, batch.max_q_len,
+  delta_rule(step, conv_out, g, beta, cache.tensors[kRecurrent], batch.cu_q, batch.kv_lens, batch.state_slots, batch.max_q_len,
              batch.all_decode() || batch.verify, /*write_state=*/!batch.verify, core);
 
   const Tensor z(projected.slice(1, conv_dim, conv_dim + value_dim).data(), act, {tokens, hv, dv},
@@ -234,7 +232,7 @@ void GatedDeltaNet::forward(const StepContext& step, const LayerCache& cache, co
   kernels::linear(core.reshape({tokens, value_dim}), out_proj_, out);
 }
 
-void GatedDeltaNet::commit(const StepContext& step, const LayerCache& cache, const VerifyCommit& kept_rows) {
+void GatedDeltaNet::commit(const StepContext& step, const BlockCache& cache, const VerifyCommit& kept_rows) {
   const ForwardBatch& batch = step.batch;
   const int64_t tokens = batch.num_tokens;
   if (tokens == 0) return;
@@ -246,10 +244,10 @@ void GatedDeltaNet::commit(const StepContext& step, const LayerCache& cache, con
   // (slot -1, nothing kept): the conv window and the delta rule advance exactly as the verify
   // forward computed them (same kernels, same inputs, same order) over the kept rows only.
   const Tensor conv_out = ws.alloc(act, {tokens, conv_dim});
-  kernels::causal_conv1d(kept.projected.slice(1, 0, conv_dim), conv_weight_, cache.states[0], kept_rows.cu_parts,
+  kernels::causal_conv1d(kept.projected.slice(1, 0, conv_dim), conv_weight_, cache.tensors[kConv], kept_rows.cu_parts,
                          kept_rows.kv_lens, kept_rows.slots, conv_out, {true, kept_rows.max_rows});
   const Tensor core = ws.alloc(act, {tokens, hv, dv});  // the outputs again; only the state matters here
-  delta_rule(step, conv_out, kept.g, kept.beta, cache.states[1], kept_rows.cu_parts, kept_rows.kv_lens, kept_rows.slots,
+  delta_rule(step, conv_out, kept.g, kept.beta, cache.tensors[kRecurrent], kept_rows.cu_parts, kept_rows.kv_lens, kept_rows.slots,
              kept_rows.max_rows, true, /*write_state=*/true, core);
 }
 

@@ -9,8 +9,8 @@
 // head ([q_g | k_g | v_g | z_g] per group g, §6.1); their rows are permuted at load into Qwen3.5's
 // split order [Q all heads | K | V | Z] and [B | A], so the forward is the same for both.
 //
-// State (LayerCacheSpec kRecurrent, per slot): states[0] the conv window {K-1, conv_dim} in the
-// activation dtype, states[1] the recurrent matrices {Hv, dk, dv} fp32. The delta rule runs the
+// Cache (per slot): "conv", the conv window {K-1, conv_dim} in the activation dtype, and
+// "recurrent", the matrices {Hv, dk, dv} fp32 (BlockCache::tensors[0], [1]). The delta rule runs the
 // recurrent kernel when every sequence adds one token (decode) and the chunked kernel otherwise.
 //
 // Speculative verify (ForwardBatch::verify): conv and the recurrent delta rule read each sequence's
@@ -58,11 +58,11 @@ class GatedDeltaNet : public Mixer {
   // Loads `<prefix>in_proj_*`, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`, `out_proj.weight`.
   GatedDeltaNet(const GdnConfig& config, Weights& weights, const std::string& prefix);
 
-  LayerCacheSpec cache_spec() const override;
+  CacheSpec cache_spec() const override;
   size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
-  void forward(const StepContext& step, const LayerCache& cache, const Tensor& x, const Tensor& out) override;
+  void forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) override;
   size_t verify_scratch_bytes(int64_t num_tokens, int64_t num_seqs, DType activation) const override;
-  void commit(const StepContext& step, const LayerCache& cache, const VerifyCommit& kept_rows) override;
+  void commit(const StepContext& step, const BlockCache& cache, const VerifyCommit& kept_rows) override;
 
  private:
   // What a verify step keeps for the commit, in StepContext::verify_scratch (256-byte aligned parts).
@@ -75,6 +75,8 @@ class GatedDeltaNet : public Mixer {
   void delta_rule(const StepContext& step, const Tensor& conv_out, const Tensor& g, const Tensor& beta,
                   const Tensor& state, const Tensor& cu_q, const Tensor& kv_lens, const Tensor& slots,
                   int64_t max_q_len, bool recurrent, bool write_state, const Tensor& core) const;
+
+  static constexpr size_t kConv = 0, kRecurrent = 1;  // BlockCache::tensors
 
   GdnConfig config_;
   // [conv_dim + value_dim, H] rows [Q | K | V | Z] and [2 Hv, H] rows [B | A], when owned (GPU, or the

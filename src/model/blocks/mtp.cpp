@@ -7,26 +7,28 @@
 namespace metrale {
 
 MtpHead::MtpHead(MtpHeadParts parts, std::vector<Buffer> device_weights)
-    : parts_(std::move(parts)), device_weights_(std::move(device_weights)) {
-  METRALE_CHECK(!parts_.layers.empty(), "MTP head without layers");
-}
-
-std::vector<LayerCacheSpec> MtpHead::cache_specs() const {
-  std::vector<LayerCacheSpec> specs;
-  for (const auto& layer : parts_.layers) {
-    specs.push_back(layer.mixer->cache_spec());
-    METRALE_CHECK(specs.back().kind == LayerCacheKind::kPagedKv, "MTP layers are attention layers");
+    : pre_fc_norm_embedding_(std::move(parts.pre_fc_norm_embedding)),
+      pre_fc_norm_hidden_(std::move(parts.pre_fc_norm_hidden)),
+      fc_(parts.fc),
+      embed_tokens_(parts.embed_tokens),
+      layers_(std::move(parts.layers), std::move(parts.residual), "MTP layer"),
+      device_weights_(std::move(device_weights)) {
+  METRALE_CHECK(layers_.num_layers() > 0, "MTP head without layers");
+  for (int64_t i = 0; i < layers_.num_layers(); ++i) {
+    const auto [first, end] = layers_.layer_blocks(i);
+    METRALE_CHECK(end - first == 1 && static_cast<int64_t>(first) == i, "MTP layer {}: stream blocks are not supported",
+                  i);
   }
-  return specs;
+  METRALE_CHECK(layers_.step_input_specs().empty(), "MTP layers read no step inputs");
 }
 
 size_t MtpHead::scratch_bytes(int64_t layer, const ForwardBatch& batch, Device device) const {
-  return parts_.layers.at(static_cast<size_t>(layer)).mixer->scratch_bytes(batch, device);
+  return layers_.scratch_bytes(batch, device, layer, layer + 1);
 }
 
 void MtpHead::fused_input(const StepContext& step, const Tensor& trunk_embedding, const Tensor& hidden,
                           const Tensor& residual) {
-  const int64_t tokens = step.batch.num_tokens, h = parts_.fc.size(0);
+  const int64_t tokens = step.batch.num_tokens, h = fc_.size(0);
   METRALE_CHECK(
       hidden.ndim() == 2 && hidden.size(0) == tokens && hidden.size(1) == h && hidden.dtype() == step.activation_dtype,
       "MTP hidden {} for {} rows of {} ({})", hidden.describe(), tokens, h, dtype_name(step.activation_dtype));
@@ -34,50 +36,38 @@ void MtpHead::fused_input(const StepContext& step, const Tensor& trunk_embedding
   const DType act = step.activation_dtype;
   const Tensor embedded = ws.alloc(act, {tokens, h});    // [T, H] embed(x_{t+1})
   const Tensor joined = ws.alloc(act, {tokens, 2 * h});  // [T, 2H] [e_t | g_t]
-  kernels::embedding(step.batch.token_ids, parts_.embed_tokens.empty() ? trunk_embedding : parts_.embed_tokens,
-                     embedded);
-  parts_.pre_fc_norm_embedding.apply(embedded, joined.slice(1, 0, h));
-  parts_.pre_fc_norm_hidden.apply(hidden, joined.slice(1, h, 2 * h));
-  kernels::linear(joined, parts_.fc, residual);
+  kernels::embedding(step.batch.token_ids, embed_tokens_.empty() ? trunk_embedding : embed_tokens_, embedded);
+  pre_fc_norm_embedding_.apply(embedded, joined.slice(1, 0, h));
+  pre_fc_norm_hidden_.apply(hidden, joined.slice(1, h, 2 * h));
+  kernels::linear(joined, fc_, residual);
 }
 
-void MtpHead::write_keys(const StepContext& step, const LayerCache& cache, int64_t layer, const Tensor& trunk_embedding,
-                         const Tensor& hidden) {
+void MtpHead::write_keys(const StepContext& step, std::span<const BlockCache> caches, int64_t layer,
+                         const Tensor& trunk_embedding, const Tensor& hidden) {
   METRALE_CHECK(layer >= 0 && layer < num_layers(), "MTP layer {} of {}", layer, num_layers());
-  const int64_t tokens = step.batch.num_tokens, h = parts_.fc.size(0);
-  const Tensor residual = step.workspace.alloc(step.activation_dtype, {tokens, h});  // [T, H] u_t
+  const int64_t tokens = step.batch.num_tokens, h = fc_.size(0);
+  const ResidualScheme& scheme = layers_.residual();
+  const ResidualStreams streams = scheme.allocate(step);  // u_t, then the layer's residual
   const Tensor normed = step.workspace.alloc(step.activation_dtype, {tokens, h});
-  fused_input(step, trunk_embedding, hidden, residual);
-  DecoderLayer& block = parts_.layers[static_cast<size_t>(layer)];
-  try {
-    block.input_norm.apply(residual, normed);
-    block.mixer->write_keys(step, cache, normed);
-  } catch (const Error& e) {
-    rethrow_with_context(e, "MTP layer {} (keys)", layer);
-  }
+  fused_input(step, trunk_embedding, hidden, streams.input);
+  scheme.begin(step, streams);
+  layers_.write_keys(step, caches, streams, layer, normed);
 }
 
-void MtpHead::forward(const StepContext& step, const LayerCache& cache, int64_t layer, const Tensor& trunk_embedding,
-                      const Tensor& hidden, const Tensor& out) {
+void MtpHead::forward(const StepContext& step, std::span<const BlockCache> caches, int64_t layer,
+                      const Tensor& trunk_embedding, const Tensor& hidden, const Tensor& out) {
   METRALE_CHECK(layer >= 0 && layer < num_layers(), "MTP layer {} of {}", layer, num_layers());
-  const int64_t tokens = step.batch.num_tokens, h = parts_.fc.size(0);
+  const int64_t tokens = step.batch.num_tokens, h = fc_.size(0);
   METRALE_CHECK(out.ndim() == 2 && out.size(0) == tokens && out.size(1) == h, "MTP output {}", out.describe());
   Arena& ws = step.workspace;
   const DType act = step.activation_dtype;
-  const Tensor residual = ws.alloc(act, {tokens, h});  // [T, H] u_t, then the layer's residual stream
+  const ResidualScheme& scheme = layers_.residual();
+  const ResidualStreams streams = scheme.allocate(step);  // u_t, then the layer's residual
   const Tensor normed = ws.alloc(act, {tokens, h});
   const Tensor sublayer = ws.alloc(act, {tokens, h});
-  fused_input(step, trunk_embedding, hidden, residual);
-  DecoderLayer& block = parts_.layers[static_cast<size_t>(layer)];
-  try {
-    block.input_norm.apply(residual, normed);
-    block.mixer->forward(step, cache, normed, sublayer);
-    block.post_norm.add_and_apply(residual, sublayer, normed);
-    block.ffn->forward(step, normed, sublayer);
-    parts_.norm.add_and_apply(residual, sublayer, out);
-  } catch (const Error& e) {
-    rethrow_with_context(e, "MTP layer {}", layer);
-  }
+  fused_input(step, trunk_embedding, hidden, streams.input);
+  scheme.begin(step, streams);
+  layers_.forward(step, caches, streams, layer, layer + 1, normed, sublayer, out);
 }
 
 }  // namespace metrale
