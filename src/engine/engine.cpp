@@ -431,11 +431,11 @@ std::vector<TokenEvent> Engine::step() {
   for (size_t u = 0; u < num_uses; ++u) kept_rows[u] = result.uses[u].chunk.num_new + accepted[u];
   // MTP after a fixed-layout greedy verify or a decode step: queued now (beside the verify's commit),
   // collected after the bookkeeping, which it overlaps.
-  const bool mtp_launched = mtp_active_ && runner_->fixed_mtp_ready() &&
+  const bool mtp_launched = mtp_active_ && !result.fixed.empty() &&
                             (plan.num_draft_rows == 0 || accepted_from_greedy) && all_greedy(result);
   if (plan.num_draft_rows > 0) {
     std::vector<int32_t> kept(kept_rows.begin(), kept_rows.end());
-    runner_->commit_verified(kept, /*mtp_follows=*/mtp_launched);
+    runner_->commit_verified(result, kept, /*mtp_follows=*/mtp_launched);
     ++stats_.verify_steps;
   }
   if (mtp_launched) launch_mtp_drafter_fixed(result, accepted, emitted);

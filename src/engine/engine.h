@@ -193,6 +193,7 @@ class Engine {
   bool mtp_active_ = false;                 // this step runs the MTP head afterwards
   double spec_untimed_seconds_ = 0.0;       // this step's one-off work left out of its measured cost
   std::vector<MtpKeyRow> mtp_stash_rows_;   // rows waiting in Runner::mtp_stash() (hidden_row: stash row)
+  MtpChain mtp_chain_;                      // launched by launch_mtp_drafter_fixed until collected
   // Tests (EngineTestAccess): the next this many steps run plain with the MTP head off, whatever
   // the controller chooses.
   int64_t forced_plain_steps_ = 0;

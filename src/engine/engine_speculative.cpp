@@ -253,10 +253,10 @@ void Engine::run_mtp_drafter(const StepResult& result, std::span<const int64_t> 
     }
     advance_mtp(sequence, first_position, sequence.num_computed);
   }
-  if (!key_rows.empty()) runner_->run_mtp_keys(key_rows, runner_->last_hidden());
+  if (!key_rows.empty()) runner_->run_mtp_keys(key_rows, result.hidden);
   if (drafting.empty()) return;
   Tensor hidden;
-  Tensor logits = runner_->run_mtp(rows, runner_->last_hidden(), 0, hidden);
+  Tensor logits = runner_->run_mtp(rows, result.hidden, 0, hidden);
   // Draft j + 1 of a sequence continues from its o_t row of the step that drafted j (one row each).
   std::vector<int64_t> hidden_row(drafting.size());
   for (size_t d = 0; d < drafting.size(); ++d) hidden_row[d] = static_cast<int64_t>(d);
@@ -432,7 +432,7 @@ void Engine::launch_mtp_drafter_fixed(const StepResult& result, std::span<const 
     }
     advance_mtp(sequence, t, t + a + 1);
   }
-  runner_->launch_mtp_fixed(rows, wanted);
+  mtp_chain_ = runner_->launch_mtp_fixed(result.fixed, rows, wanted);
 }
 
 void Engine::append_mtp_key_rows(const LogitRowUse& use, int64_t kept, int64_t count,
@@ -468,11 +468,11 @@ void Engine::write_mtp_keys(const StepResult& result, std::span<const int64_t> k
   if (rows.empty()) return;
   const auto step_rows = static_cast<int64_t>(result.uses.size());
   if (!decode_step || step_rows > runner_->mtp_stash_rows()) {
-    runner_->run_mtp_keys(rows, runner_->last_hidden());
+    runner_->run_mtp_keys(rows, result.hidden);
     return;
   }
   if (mtp_stash_used_ + step_rows > runner_->mtp_stash_rows()) flush_mtp_stash();
-  runner_->stash_hidden_rows(0, step_rows, mtp_stash_used_);
+  runner_->stash_hidden_rows(result.hidden, 0, step_rows, mtp_stash_used_);
   for (MtpKeyRow& row : rows) {
     row.hidden_row += mtp_stash_used_;
     mtp_stash_rows_.push_back(row);
@@ -497,7 +497,8 @@ void Engine::flush_mtp_stash() {
 }
 
 void Engine::collect_mtp_drafter_fixed(const StepResult& result) {
-  const std::vector<std::vector<int32_t>> drafts = runner_->collect_mtp_fixed();
+  const std::vector<std::vector<int32_t>> drafts = runner_->collect_mtp_fixed(mtp_chain_);
+  mtp_chain_ = MtpChain();
   for (size_t u = 0; u < result.uses.size(); ++u) {
     Sequence& sequence = *result.uses[u].chunk.sequence;
     sequence.draft_tokens.clear();
