@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -15,9 +16,10 @@ enum class FinishReason {
   kStop,    // an EOS id or a stop token id was generated
   kLength,  // max_tokens reached, or the model's context is full
   kAbort,   // cancelled by the caller
+  kError,   // the engine failed while running it (Sequence::error says why)
 };
 
-std::string_view finish_reason_name(FinishReason reason);  // "stop", "length", "abort", ""
+std::string_view finish_reason_name(FinishReason reason);  // "stop", "length", "abort", "error", ""
 
 struct Request {
   std::vector<int32_t> prompt;            // token ids, at least one
@@ -42,6 +44,7 @@ struct Sequence {
   int64_t arrival = 0;          // admission order, for FCFS and preemption
   int32_t num_preemptions = 0;
   std::vector<float> prompt_logits;  // [num_prompt, vocab] when requested
+  std::string error;                 // FinishReason::kError: why the request failed
 
   // Speculative decoding (engine/speculator.h). Drafts proposed to follow tokens.back(): verified by
   // the next step when the scheduler gives them rows, dropped otherwise.

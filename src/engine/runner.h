@@ -156,11 +156,12 @@ class Runner {
   // Ask every step for the final hidden state of each row (the MTP drafter's h_t). With
   // RunnerLimits::mtp the decode and verify graphs always write it (into a fixed buffer).
   void set_keep_hidden(bool keep) { keep_hidden_ = keep; }
-  // After verify step `step`: sequence s of its plan keeps kept_rows[s] of its rows
-  // (Model::commit_verified). `mtp_follows`: launch_mtp_fixed comes next; a graphed commit then
-  // runs on a stream of its own, beside the MTP chain (they share no data), and the model's stream
-  // waits for it after the chain.
-  void commit_verified(const StepResult& step, std::span<const int32_t> kept_rows, bool mtp_follows = false);
+  // After a verify step (its StepResult::verify and ::fixed): sequence s of its plan keeps
+  // kept_rows[s] of its rows (Model::commit_verified). `mtp_follows`: launch_mtp_fixed comes next;
+  // a graphed commit then runs on a stream of its own, beside the MTP chain (they share no data),
+  // and the model's stream waits for it after the chain.
+  void commit_verified(const ForwardBatch& verify, const FixedStep& fixed, std::span<const int32_t> kept_rows,
+                       bool mtp_follows = false);
   // After a fixed-layout step (StepResult::fixed) and its commit: the MTP catch-up over each
   // sequence's kept rows (the step's hidden states, in place) and up to `drafts` - 1 chained drafts
   // (at least as many as asked for, at most max_drafts), greedy on the device, in one CUDA graph

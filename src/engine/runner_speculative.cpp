@@ -272,10 +272,10 @@ void Runner::attach_speculative_outputs(ForwardBatch& batch, bool verify, bool f
   }
 }
 
-void Runner::commit_verified(const StepResult& step, std::span<const int32_t> kept_rows, bool mtp_follows) {
-  const ForwardBatch& verify = step.verify;
+void Runner::commit_verified(const ForwardBatch& verify, const FixedStep& fixed, std::span<const int32_t> kept_rows,
+                             bool mtp_follows) {
   METRALE_CHECK(verify.verify, "commit_verified without a verify step");
-  if (!step.fixed.graph) {
+  if (!fixed.graph) {
     // Eager: the model builds the exact commit rows from the host counts.
     std::vector<int32_t> kept(kept_rows.begin(), kept_rows.end());
     kept.resize(static_cast<size_t>(verify.num_seqs), 1);  // padding sequences of the layout keep one row
@@ -283,10 +283,10 @@ void Runner::commit_verified(const StepResult& step, std::span<const int32_t> ke
     model_.commit_verified(verify, kept, model_caches(), workspace_);
     return;
   }
-  builder_.stage_commit(builder_.fixed_layout(step.fixed.seqs, step.fixed.k), verify, kept_rows);
+  builder_.stage_commit(builder_.fixed_layout(fixed.seqs, fixed.k), verify, kept_rows);
 #if METRALE_WITH_CUDA
   const auto stream = static_cast<cudaStream_t>(current_stream(model_.device()));
-  const CudaGraph& graph = verify_graphs_.at({step.fixed.seqs, step.fixed.k})->commit;
+  const CudaGraph& graph = verify_graphs_.at({fixed.seqs, fixed.k})->commit;
   if (mtp_follows && commit_stream_ != nullptr) {
     // After the staged commit arrays, on its own stream; join_commit() follows the MTP chain.
     commit_stream_->inputs_ready.record(stream);

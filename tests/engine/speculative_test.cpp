@@ -26,8 +26,8 @@ namespace metrale {
 // Reaches into the engine for tests that need a decision the controller would not make.
 class EngineTestAccess {
  public:
-  static void run_plain(Engine& engine, int64_t steps) { engine.forced_plain_steps_ = steps; }
-  static bool mtp_stash_empty(const Engine& engine) { return engine.mtp_stash_rows_.empty(); }
+  static void run_plain(Engine& engine, int64_t steps) { engine.speculative_->force_plain_steps(steps); }
+  static bool mtp_stash_empty(const Engine& engine) { return engine.speculative_->mtp_stash_empty(); }
 };
 
 namespace {
