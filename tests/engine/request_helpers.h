@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -31,12 +32,16 @@ struct Generated {
   bool operator==(const Generated&) const = default;
 };
 
+// The tokens, for test messages.
+void PrintTo(const Generated& generated, std::ostream* out);
+
 void record(const std::vector<TokenEvent>& events, std::map<int64_t, Generated>& outputs);
 // Steps `engine` until every request finished (the test fails after `max_steps`), recording into
-// `outputs` (which may hold the events of earlier steps); `after_step` runs after every step.
+// `outputs` (which may hold the events of earlier steps); `after_step` runs after every step. The
+// loop stops at the first step that fails the test.
 std::map<int64_t, Generated> run_to_completion(Engine& engine, const std::function<void(const Engine&)>& after_step = {},
                                                std::map<int64_t, Generated> outputs = {}, int max_steps = 20000);
-// The generated tokens of each request.
+// The generated tokens of each request that generated any.
 std::map<int64_t, std::vector<int32_t>> tokens_of(const std::map<int64_t, Generated>& outputs);
 // A check for after_step: the cache's books balance.
 void expect_cache_integrity(const Engine& engine);
