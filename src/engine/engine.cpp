@@ -98,15 +98,12 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     : model_(std::move(model)), config_(config), scheduler_(config.scheduler), seed_source_(std::random_device{}()) {
   faults_ = config_.fault_injection ? FaultInjector::parse(*config_.fault_injection) : FaultInjector::from_environment();
   if (faults_.armed()) METRALE_LOG_WARN("fault injection armed: {} (METRALE_FAULT_INJECT)", faults_.describe());
-  // seams: at the merge the specs are model_->cache_specs() followed (MTP) by mtp_cache_specs(),
-  // handed to the model as ModelCaches{blocks, mtp}.
-  std::vector<LayerCacheSpec> specs = model_->cache_specs();
-  configure_speculation(config_.speculative, *model_, specs);
+  configure_speculation(config_.speculative, *model_);
   validate_config();
   plan_.block_size = config_.block_size;
   plan_.max_model_len = config_.max_model_len > 0 ? config_.max_model_len : model_->config().max_position_embeddings;
   runner_ = std::make_unique<Runner>(*model_, runner_limits());
-  plan_cache(specs);
+  plan_cache(engine_cache_specs(*model_, config_.speculative.method == SpeculativeMethod::kMtp));
   runner_->set_cache(cache_.get());
   // seams: at the merge, CUDA graphs also need model_->capabilities().graph_safe.
   if (model_->device().is_cuda() && config_.cuda_graphs) {
@@ -387,9 +384,7 @@ void Engine::advance(const LogitRowUse& use, int64_t kept_rows, int64_t accepted
     stats_.accepted_tokens += accepted;
     speculative_->record_verify(sequence, use.chunk.num_drafts, accepted);
   }
-  sequence.draft_tokens.clear();
-  sequence.draft_probs.clear();
-  sequence.draft_base = -1;
+  sequence.clear_drafts();
   // Full blocks become shareable; at a checkpoint point the state after them is kept too (the
   // copy is queued after this step's forward). Accepted drafts are computed tokens: they join the
   // sequence first; rejected drafts never do (their keys lie beyond num_computed and are

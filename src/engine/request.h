@@ -58,6 +58,12 @@ struct Sequence {
   int64_t mtp_missed = 0;         // positions below mtp_computed the MTP head skipped (drafting was off)
   NgramIndex ngram_index;         // the n-gram drafter's index of `tokens`
 
+  // Drops the drafts (verified, or made for a state the sequence left).
+  void clear_drafts() {
+    draft_tokens.clear();
+    draft_probs.clear();
+    draft_base = -1;
+  }
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_output() const { return num_tokens() - num_prompt; }
   std::span<const int32_t> prompt() const { return {tokens.data(), static_cast<size_t>(num_prompt)}; }

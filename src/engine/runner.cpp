@@ -11,6 +11,15 @@
 
 namespace metrale {
 
+std::vector<LayerCacheSpec> engine_cache_specs(const Model& model, bool mtp) {
+  std::vector<LayerCacheSpec> specs = model.cache_specs();
+  if (mtp) {
+    const std::vector<LayerCacheSpec> heads = model.mtp_cache_specs();
+    specs.insert(specs.end(), heads.begin(), heads.end());
+  }
+  return specs;
+}
+
 namespace {
 
 BatchLimits batch_limits(const RunnerLimits& limits) {
@@ -239,12 +248,7 @@ size_t Runner::plan_workspace() {
   scratch_config.block_size = static_cast<int32_t>(limits_.block_size);
   scratch_config.num_blocks = static_cast<int32_t>(seqs * ((per_seq + limits_.block_size - 1) / limits_.block_size));
   scratch_config.kv_dtype = DType::kBF16;
-  std::vector<LayerCacheSpec> specs = model_.cache_specs();
-  if (limits_.mtp) {
-    const auto mtp = model_.mtp_cache_specs();
-    specs.insert(specs.end(), mtp.begin(), mtp.end());
-  }
-  CacheManager scratch(specs, scratch_config, device);
+  CacheManager scratch(engine_cache_specs(model_, limits_.mtp), scratch_config, device);
   CacheManager* real_cache = cache_;
   cache_ = &scratch;
   std::vector<std::unique_ptr<Sequence>> sequences;

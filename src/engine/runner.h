@@ -35,6 +35,12 @@
 
 namespace metrale {
 
+// The cache specs the engine's CacheManager is built from: the model's layers', then with MTP
+// drafting its MTP layers' (same block numbering; MTP layer i reads cache cache_specs().size() + i).
+// seams: at the merge, cache_specs() followed by mtp_cache_specs() as CacheSpecs, which the runner
+// hands to the model as ModelCaches{blocks, mtp} (two subspans of the manager's block caches).
+std::vector<LayerCacheSpec> engine_cache_specs(const Model& model, bool mtp);
+
 struct RunnerLimits {
   int64_t max_num_tokens = 2048;  // tokens per step
   int64_t max_num_seqs = 64;      // sequences per step

@@ -18,7 +18,8 @@ constexpr int64_t kMtpMissedShare = 8;
 constexpr double kMinDraftReach = 0.15;
 
 // seams: at the merge, `model.capabilities().supports_verify` (no probing of the specs).
-bool model_supports_verify(const Model& model, const std::vector<LayerCacheSpec>& specs) {
+bool model_supports_verify(const Model& model) {
+  const std::vector<LayerCacheSpec> specs = model.cache_specs();
   const bool recurrent = std::any_of(specs.begin(), specs.end(), [](const LayerCacheSpec& layer) {
     return layer.kind == LayerCacheKind::kRecurrent && !layer.states.empty();
   });
@@ -27,10 +28,10 @@ bool model_supports_verify(const Model& model, const std::vector<LayerCacheSpec>
 
 }  // namespace
 
-void configure_speculation(SpeculativeConfig& config, const Model& model, std::vector<LayerCacheSpec>& specs) {
+void configure_speculation(SpeculativeConfig& config, const Model& model) {
   config.validate();
   if (config.method == SpeculativeMethod::kNone) return;
-  if (!model_supports_verify(model, specs)) {
+  if (!model_supports_verify(model)) {
     // Without the verify contract a verify step would advance the recurrent state over rejected
     // drafts: speculation would change the output.
     METRALE_LOG_WARN("speculative decoding is off: model '{}' has recurrent layers that cannot verify drafts",
@@ -38,14 +39,9 @@ void configure_speculation(SpeculativeConfig& config, const Model& model, std::v
     config.method = SpeculativeMethod::kNone;
     return;
   }
-  if (config.method == SpeculativeMethod::kMtp) {
-    if (!model.has_mtp()) {
-      raise(ErrorCode::kInvalidArgument, "--speculative-method mtp: model '{}' has no MTP head (mtp.* weights)",
-            model.config().model_type);
-    }
-    // seams: at the merge the MTP layers' specs stay apart (ModelCaches::mtp), after the blocks'.
-    const std::vector<LayerCacheSpec> mtp = model.mtp_cache_specs();
-    specs.insert(specs.end(), mtp.begin(), mtp.end());
+  if (config.method == SpeculativeMethod::kMtp && !model.has_mtp()) {
+    raise(ErrorCode::kInvalidArgument, "--speculative-method mtp: model '{}' has no MTP head (mtp.* weights)",
+          model.config().model_type);
   }
 }
 

@@ -33,9 +33,8 @@
 namespace metrale {
 
 // Validates the speculative config against the model: speculation is turned off (with a warning)
-// when the model's recurrent layers cannot verify drafts, and method mtp needs an MTP head. For
-// method mtp, appends the MTP layers' cache specs to `specs`.
-void configure_speculation(SpeculativeConfig& config, const Model& model, std::vector<LayerCacheSpec>& specs);
+// when the model's recurrent layers cannot verify drafts, and method mtp needs an MTP head.
+void configure_speculation(SpeculativeConfig& config, const Model& model);
 
 struct SpeculativeLimits {
   int64_t max_model_len = 0;

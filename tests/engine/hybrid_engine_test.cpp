@@ -165,6 +165,7 @@ EngineConfig gpu_config() {
 std::vector<float> recurrent_state(const Engine& engine, int64_t seq_id) {
   const int32_t slot = engine.cache().state_slot(seq_id);
   EXPECT_GE(slot, 0);
+  // seams: at the merge, the GDN block's "recurrent" tensor of block_caches().
   for (const LayerCache& layer : engine.cache().layer_caches()) {
     if (layer.states.size() < 2) continue;
     const Tensor& state = layer.states[1];

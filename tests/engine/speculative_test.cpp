@@ -173,6 +173,7 @@ ModelFactory golden_model(const std::string& name) {
   return [name] { return load_model(kGoldens / name / "model", Device::cpu()); };
 }
 
+// seams: at the merge, model.capabilities().supports_verify.
 bool can_verify(const Model& model) {
   const auto specs = model.cache_specs();
   const bool recurrent = std::any_of(specs.begin(), specs.end(), [](const LayerCacheSpec& spec) {
@@ -405,6 +406,7 @@ void expect_mtp_keys_while_head_off_equal_the_heads(Device device, double tolera
     EXPECT_FALSE(sequence.finished());
     EXPECT_EQ(sequence.mtp_missed, 0);
     result.computed = sequence.mtp_computed;
+    // seams: at the merge, the MTP layer's BlockCache (its tensors "k" and "v").
     const LayerCache& cache = engine.cache().layer_caches()[mtp_cache];
     const auto table = engine.cache().block_table(id);
     const int64_t block_size = cache.k_cache.size(1), row = cache.k_cache.size(2) * cache.k_cache.size(3);
@@ -604,6 +606,7 @@ std::vector<std::vector<float>> slot_states(const Engine& engine, int64_t seq_id
   std::vector<std::vector<float>> out;
   const int32_t slot = engine.cache().state_slot(seq_id);
   if (slot < 0) return out;
+  // seams: at the merge, the per-slot tensors of every BlockCache.
   for (const LayerCache& layer : engine.cache().layer_caches()) {
     for (const Tensor& state : layer.states) {
       if (state.dtype() != DType::kF32) continue;

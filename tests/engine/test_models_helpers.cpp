@@ -101,6 +101,8 @@ class FakeHybridModel : public Model {
   const ModelConfig& config() const override { return config_; }
   Device device() const override { return Device::cpu(); }
 
+  // seams: at the merge, CacheSpecs (the attention layer's paged {k, v}; the recurrent layer's two
+  // per-slot tensors), BlockCache views and ModelCaches in forward and commit_verified.
   std::vector<LayerCacheSpec> cache_specs() const override {
     std::vector<LayerCacheSpec> specs(1);
     specs[0].kind = LayerCacheKind::kPagedKv;
