@@ -167,7 +167,7 @@ GenerationResult bench_generation(std::unique_ptr<Model> model, const EngineConf
 #if METRALE_WITH_CUDA
     if (profile && steps == kProfileFirstStep) cudaProfilerStart();
 #endif
-    generated += static_cast<int64_t>(engine.step().size());
+    generated += static_cast<int64_t>(step_or_throw(engine).size());
     ++steps;
 #if METRALE_WITH_CUDA
     if (profile && steps == kProfileFirstStep + kProfileSteps) cudaProfilerStop();

@@ -115,7 +115,7 @@ int run_chat(const ChatOptions& options) {
       }
     };
     while (engine->has_unfinished()) {
-      for (const TokenEvent& event : engine->step()) {
+      for (const TokenEvent& event : step_or_throw(*engine)) {
         if (event.request_id != id || event.sampled.token < 0) continue;
         // The end-of-turn token is not part of the reply.
         if (event.finish_reason == FinishReason::kStop) continue;

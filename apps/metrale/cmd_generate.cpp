@@ -66,7 +66,7 @@ int run_generate(const GenerateOptions& options) {
   std::optional<IncrementalDetokenizer> detokenizer;
   if (stream) detokenizer.emplace(*tokenizer, /*skip_special_tokens=*/true);
   while (engine->has_unfinished()) {
-    for (const TokenEvent& event : engine->step()) {
+    for (const TokenEvent& event : step_or_throw(*engine)) {
       if (stream && event.sampled.token >= 0) {
         const std::string piece = detokenizer->push(event.sampled.token);
         std::fwrite(piece.data(), 1, piece.size(), stdout);

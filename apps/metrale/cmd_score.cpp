@@ -42,7 +42,7 @@ int run_score(const ScoreOptions& options) {
   request.max_tokens = 0;
   request.return_prompt_logits = true;
   const int64_t id = engine->add_request(std::move(request));
-  while (engine->has_unfinished()) engine->step();
+  while (engine->has_unfinished()) step_or_throw(*engine);
   const Sequence& sequence = engine->sequence(id);
   const int64_t count = static_cast<int64_t>(ids.size());
   const int64_t vocab = engine->model().config().vocab_size;

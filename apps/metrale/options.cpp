@@ -163,6 +163,14 @@ EngineConfig engine_config_from(const EngineOptions& options) {
   return config;
 }
 
+std::vector<TokenEvent> step_or_throw(Engine& engine) {
+  std::vector<TokenEvent> events = engine.step();
+  for (const TokenEvent& event : events) {
+    if (event.finish_reason == FinishReason::kError) raise(ErrorCode::kInternal, "{}", event.error);
+  }
+  return events;
+}
+
 std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk) {
   if (options.threads > 0) set_cpu_threads(options.threads);
   const Device device = options.device.empty() ? default_device() : parse_device(options.device);

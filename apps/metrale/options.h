@@ -57,6 +57,11 @@ std::filesystem::path resolve_model_dir(const EngineOptions& options);
 // Loads the model and builds the engine; `scheduler` overrides are applied on top of the flags.
 std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk = 0);
 
+// One engine step for the commands that drive the engine themselves: a request the step failed
+// (FinishReason::kError, see Engine::step) ends the command with that error, as it would have
+// without containment.
+std::vector<TokenEvent> step_or_throw(Engine& engine);
+
 // Sampling defaults from <dir>/generation_config.json (temperature, top_p, top_k, min_p,
 // repetition_penalty; do_sample false means greedy); library defaults where absent.
 SamplingParams load_generation_defaults(const std::filesystem::path& model_dir);

@@ -120,6 +120,12 @@ AsyncEngineStats AsyncEngine::stats() const {
   return stats_;
 }
 
+EngineHealth AsyncEngine::health() const {
+  std::lock_guard lock(mutex_);
+  if (health_.serving && stop_) return EngineHealth{false, "the engine is shutting down"};
+  return health_;
+}
+
 void AsyncEngine::shutdown(bool drain) {
   {
     std::lock_guard lock(mutex_);
@@ -170,7 +176,12 @@ void AsyncEngine::run() {
         publish_stats();
         route(events);
       } catch (const std::exception& e) {
+        // Engine::step contains the failures of a step; one that escapes it leaves nothing to trust.
         METRALE_LOG_ERROR("engine step failed: {}", e.what());
+        {
+          std::lock_guard lock(mutex_);
+          health_ = EngineHealth{false, std::string("the engine failed outside a step: ") + e.what()};
+        }
         fail_all(StreamErrorKind::kInternal, std::string("the engine failed: ") + e.what());
       }
     }
@@ -225,6 +236,10 @@ void AsyncEngine::route(const std::vector<TokenEvent>& events) {
     if (owner == owners_.end()) continue;
     const auto group_it = groups_.find(owner->second.stream_id);
     METRALE_CHECK(group_it != groups_.end(), "request {} belongs to no stream", token_event.request_id);
+    if (token_event.finish_reason == FinishReason::kError) {
+      fail_group(owner->second.stream_id, StreamErrorKind::kInternal, token_event.error);
+      continue;
+    }
     Group& group = group_it->second;
     const bool has_token = token_event.sampled.token >= 0;
     StreamEvent event =
@@ -237,6 +252,7 @@ void AsyncEngine::route(const std::vector<TokenEvent>& events) {
       case FinishReason::kStop: ++counters_.finished_stop; break;
       case FinishReason::kLength: ++counters_.finished_length; break;
       case FinishReason::kAbort: ++counters_.finished_abort; break;
+      case FinishReason::kError:
       case FinishReason::kNone: break;
     }
     engine_->release(token_event.request_id);
@@ -248,26 +264,35 @@ void AsyncEngine::route(const std::vector<TokenEvent>& events) {
   }
 }
 
-void AsyncEngine::fail_all(StreamErrorKind kind, const std::string& message) {
-  for (auto& [stream_id, group] : groups_) {
-    for (const int64_t id : group.engine_ids) {
-      if (owners_.erase(id) == 0) continue;
-      ++counters_.failed;
-      try {
-        engine_->release(id);
-      } catch (const std::exception& e) {
-        METRALE_LOG_ERROR("releasing request {} after a failure: {}", id, e.what());
-      }
+void AsyncEngine::fail_group(int64_t stream_id, StreamErrorKind kind, const std::string& message) {
+  const auto it = groups_.find(stream_id);
+  if (it == groups_.end()) return;
+  Group& group = it->second;
+  // The group's other requests end with it (released: aborted when still running).
+  for (const int64_t id : group.engine_ids) {
+    if (owners_.erase(id) == 0) continue;
+    ++counters_.failed;
+    try {
+      engine_->release(id);
+    } catch (const std::exception& e) {
+      METRALE_LOG_ERROR("releasing request {} after a failure: {}", id, e.what());
     }
-    group.stream->push(make_error(kind, message));
-    group.stream->close();
   }
-  groups_.clear();
+  group.stream->push(make_error(kind, message));
+  group.stream->close();
+  groups_.erase(it);
+}
+
+void AsyncEngine::fail_all(StreamErrorKind kind, const std::string& message) {
+  std::vector<int64_t> streams;
+  for (const auto& [stream_id, group] : groups_) streams.push_back(stream_id);
+  for (const int64_t stream_id : streams) fail_group(stream_id, kind, message);
 }
 
 void AsyncEngine::publish_stats() {
   const EngineStats engine_stats = engine_->stats();
   std::lock_guard lock(mutex_);
+  if (health_.serving) health_ = engine_->health();
   stats_.engine = engine_stats;
   stats_.num_running = static_cast<int64_t>(engine_->num_running());
   stats_.num_waiting = static_cast<int64_t>(engine_->num_waiting()) + inbox_requests_;

@@ -10,6 +10,10 @@
 // Admission control: a submission is refused at once (SubmitStatus::kQueueFull) when the requests
 // that would have to wait exceed max_queued_requests, so an overloaded server answers 429 instead
 // of queueing without bound.
+//
+// Failures: a request the engine fails (a failed step, see Engine::step) ends its whole group's
+// stream with kError(kInternal); the other groups run on. health() says whether the engine still
+// serves (EngineHealth): not once it failed for good, or once it is shutting down.
 #pragma once
 
 #include <chrono>
@@ -130,6 +134,8 @@ class AsyncEngine {
   void cancel(int64_t stream_id, int32_t index = -1);
 
   AsyncEngineStats stats() const;
+  // Whether the engine serves, and why not (as of the end of the last step); safe from any thread.
+  EngineHealth health() const;
 
   // Stops the engine thread and joins it. drain: run every accepted request to its end first;
   // otherwise abort them (their streams end with kFinished(kAbort) or kError(kShuttingDown)).
@@ -159,6 +165,8 @@ class AsyncEngine {
   void admit(std::vector<Submission>& submissions);
   void cancel_requests(const Cancel& cancel);
   void route(const std::vector<TokenEvent>& events);
+  // Ends a group's stream with an error and releases its requests (`failed`: those the engine failed).
+  void fail_group(int64_t stream_id, StreamErrorKind kind, const std::string& message);
   void fail_all(StreamErrorKind kind, const std::string& message);
   void publish_stats();
 
@@ -178,6 +186,7 @@ class AsyncEngine {
   bool stop_ = false;
   bool drain_ = false;
   AsyncEngineStats stats_;
+  EngineHealth health_;
 
   // Engine thread only.
   std::unordered_map<int64_t, Group> groups_;  // by stream id

@@ -6,7 +6,6 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
-#include "kernels/sampling.h"
 #include "runtime/buffer.h"
 #include "runtime/stream.h"
 
@@ -19,6 +18,7 @@ std::string_view finish_reason_name(FinishReason reason) {
     case FinishReason::kStop: return "stop";
     case FinishReason::kLength: return "length";
     case FinishReason::kAbort: return "abort";
+    case FinishReason::kError: return "error";
     case FinishReason::kNone: return "";
   }
   return "";
@@ -42,10 +42,6 @@ std::string EnginePlan::describe() const {
 }
 
 namespace {
-
-// A verify's acceptance counts when the MTP head wrote the keys of all but 1 / kMtpMissedShare of
-// the sequence's positions (it skips positions while drafting is off).
-constexpr int64_t kMtpMissedShare = 8;
 
 // How one memory budget is divided between recurrent-state slots and KV blocks.
 struct CacheSplit {
@@ -100,10 +96,44 @@ EngineStats Engine::stats() const {
 
 Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     : model_(std::move(model)), config_(config), scheduler_(config.scheduler), seed_source_(std::random_device{}()) {
-  const ModelConfig& model_config = model_->config();
-  const Device device = model_->device();
-  std::vector<CacheSpec> specs = model_->cache_specs();
-  configure_speculation(specs);
+  faults_ = config_.fault_injection ? FaultInjector::parse(*config_.fault_injection) : FaultInjector::from_environment();
+  if (faults_.armed()) METRALE_LOG_WARN("fault injection armed: {} (METRALE_FAULT_INJECT)", faults_.describe());
+  configure_speculation(config_.speculative, *model_);
+  if (model_->device().is_cuda() && config_.cuda_graphs && !model_->capabilities().graph_safe) {
+    METRALE_LOG_WARN("CUDA graphs are off: model '{}' has blocks that cannot run inside a graph",
+                     model_->config().model_type);
+    config_.cuda_graphs = false;
+  }
+  validate_config();
+  plan_.block_size = config_.block_size;
+  plan_.max_model_len = config_.max_model_len > 0 ? config_.max_model_len : model_->config().max_position_embeddings;
+  runner_ = std::make_unique<Runner>(*model_, runner_limits());
+  plan_cache(engine_cache_specs(*model_, config_.speculative.method == SpeculativeMethod::kMtp));
+  runner_->set_cache(cache_.get());
+  if (model_->device().is_cuda() && config_.cuda_graphs) {
+    runner_->capture_decode_graphs(config_.graph_batch_sizes);
+    plan_.graph_batch_sizes = runner_->graph_batch_sizes();
+  }
+  sampler_ =
+      std::make_unique<StepSampler>(config_.speculative, model_->config().vocab_size, config_.scheduler.max_num_seqs);
+  if (config_.speculative.method != SpeculativeMethod::kNone) {
+    SpeculativeLimits limits;
+    limits.max_model_len = plan_.max_model_len;
+    limits.max_num_batched_tokens = config_.scheduler.max_num_batched_tokens;
+    limits.max_num_seqs = config_.scheduler.max_num_seqs;
+    const auto lookup = [this](int64_t id) -> Sequence* {
+      const auto it = sequences_.find(id);
+      return it == sequences_.end() ? nullptr : it->second.get();
+    };
+    speculative_ =
+        std::make_unique<SpeculativeDecoder>(config_.speculative, limits, *model_, *runner_, *cache_, faults_, lookup);
+  }
+  METRALE_LOG_INFO("{}", plan_.describe());
+}
+
+Engine::~Engine() = default;
+
+void Engine::validate_config() const {
   if (config_.block_size <= 0) raise(ErrorCode::kInvalidArgument, "block size must be positive");
   if (config_.scheduler.max_num_seqs <= 0 || config_.scheduler.max_num_batched_tokens <= 0)
     raise(ErrorCode::kInvalidArgument, "max-num-seqs and max-num-batched-tokens must be positive");
@@ -111,26 +141,29 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     raise(ErrorCode::kInvalidArgument, "state-checkpoint-interval must be positive, got {}", config_.state_checkpoint_interval);
   if (!(config_.gpu_memory_utilization > 0.0 && config_.gpu_memory_utilization <= 1.0))
     raise(ErrorCode::kInvalidArgument, "gpu-memory-utilization must be in (0, 1], got {}", config_.gpu_memory_utilization);
-  plan_.block_size = config_.block_size;
-  plan_.max_model_len = config_.max_model_len > 0 ? config_.max_model_len : model_config.max_position_embeddings;
+}
 
+RunnerLimits Engine::runner_limits() const {
   RunnerLimits limits;
   limits.max_num_tokens = config_.scheduler.max_num_batched_tokens;
   limits.max_num_seqs = config_.scheduler.max_num_seqs;
   limits.max_model_len = plan_.max_model_len;
   limits.block_size = config_.block_size;
-  if (speculating()) {
+  if (config_.speculative.method != SpeculativeMethod::kNone) {
     // Verify steps ask for the logits of 1 + k rows per sequence.
     limits.max_logit_rows = std::min<int64_t>(limits.max_num_seqs * (1 + config_.speculative.num_drafts),
                                               std::max(limits.max_num_tokens, limits.max_num_seqs));
     limits.max_drafts = config_.speculative.num_drafts;
     limits.mtp = config_.speculative.method == SpeculativeMethod::kMtp;
   }
-  runner_ = std::make_unique<Runner>(*model_, limits);
+  return limits;
+}
 
-  const DType kv_dtype = device.is_cpu() ? DType::kF32 : DType::kBF16;
-  const uint64_t per_block = std::max<uint64_t>(1, paged_bytes_per_block(specs, config_.block_size, kv_dtype));
-  const uint64_t per_slot = slot_bytes_per_slot(specs, kv_dtype);
+void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
+  const Device device = model_->device();
+  const DType activation = device.is_cpu() ? DType::kF32 : DType::kBF16;
+  const uint64_t per_block = std::max<uint64_t>(1, paged_bytes_per_block(specs, config_.block_size, activation));
+  const uint64_t per_slot = slot_bytes_per_slot(specs, activation);
   const int64_t blocks_per_seq = (plan_.max_model_len + config_.block_size - 1) / config_.block_size;
   uint64_t kv_budget = config_.kv_cache_bytes;
   if (device.is_cuda()) {
@@ -187,7 +220,7 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   CacheConfig cache_config;
   cache_config.block_size = config_.block_size;
   cache_config.num_blocks = plan_.num_kv_blocks;
-  cache_config.activation_dtype = kv_dtype;
+  cache_config.activation_dtype = activation;
   cache_config.num_state_slots = per_slot > 0 ? static_cast<int32_t>(max_seqs) : 0;
   cache_config.num_checkpoint_slots = static_cast<int32_t>(checkpoint_slots);
   cache_config.enable_prefix_caching = config_.enable_prefix_caching;
@@ -198,100 +231,10 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
   plan_.num_checkpoint_slots = per_slot > 0 ? cache_config.num_checkpoint_slots : 0;
   plan_.state_bytes_per_slot = per_slot;
   plan_.state_bytes = cache_->state_memory_bytes();
-  runner_->set_cache(cache_.get());
-  if (device.is_cuda() && config_.cuda_graphs) {
-    runner_->capture_decode_graphs(config_.graph_batch_sizes);
-    plan_.graph_batch_sizes = runner_->graph_batch_sizes();
-  }
-  METRALE_LOG_INFO("{}", plan_.describe());
-}
-
-struct Engine::DeviceSampling {
-  PinnedBuffer host;  // staging for the six parameter arrays, then the results
-  OwnedTensor temperature, top_k, top_p, min_p, seed, step, tokens, logprobs;
-  int64_t capacity = 0;
-};
-
-Engine::~Engine() = default;
-
-bool Engine::sample_on_device(const StepResult& result, std::vector<SampledToken>& sampled) {
-  const Device device = result.logits.device();
-  const int64_t rows = static_cast<int64_t>(result.uses.size());
-  for (int64_t i = 0; i < rows; ++i) {
-    const LogitRowUse& use = result.uses[static_cast<size_t>(i)];
-    const Sequence& sequence = *use.chunk.sequence;
-    const SamplingParams& params = sequence.request.sampling;
-    if (!use.chunk.samples || use.num_rows != 1 || use.first_row != i || sequence.request.max_tokens == 0 ||
-        sequence.request.return_prompt_logits || params.top_logprobs > 0 || params.repetition_penalty != 1.0f ||
-        params.presence_penalty != 0.0f || params.frequency_penalty != 0.0f) {
-      return false;
-    }
-  }
-  if (!device_sampling_ || device_sampling_->capacity < rows) {
-    auto state = std::make_unique<DeviceSampling>();
-    state->capacity = std::max<int64_t>(rows, config_.scheduler.max_num_seqs);
-    const int64_t n = state->capacity;
-    state->host = PinnedBuffer(static_cast<size_t>(n) * 40);
-    state->temperature = OwnedTensor(DType::kF32, {n}, device);
-    state->top_k = OwnedTensor(DType::kI32, {n}, device);
-    state->top_p = OwnedTensor(DType::kF32, {n}, device);
-    state->min_p = OwnedTensor(DType::kF32, {n}, device);
-    state->seed = OwnedTensor(DType::kI64, {n}, device);
-    state->step = OwnedTensor(DType::kI64, {n}, device);
-    state->tokens = OwnedTensor(DType::kI32, {n}, device);
-    state->logprobs = OwnedTensor(DType::kF32, {n}, device);
-    device_sampling_ = std::move(state);
-  }
-  DeviceSampling& state = *device_sampling_;
-  // Host layout: temperature f32 | top_k i32 | top_p f32 | min_p f32 | seed i64 | step i64, each [n].
-  const int64_t n = state.capacity;
-  auto* base = static_cast<char*>(state.host.data());
-  auto* temperature = reinterpret_cast<float*>(base);
-  auto* top_k = reinterpret_cast<int32_t*>(base + 4 * n);
-  auto* top_p = reinterpret_cast<float*>(base + 8 * n);
-  auto* min_p = reinterpret_cast<float*>(base + 12 * n);
-  auto* seed = reinterpret_cast<int64_t*>(base + 16 * n);
-  auto* step = reinterpret_cast<int64_t*>(base + 24 * n);
-  for (int64_t i = 0; i < rows; ++i) {
-    const Sequence& sequence = *result.uses[static_cast<size_t>(i)].chunk.sequence;
-    const SamplingParams& params = sequence.request.sampling;
-    temperature[i] = params.temperature;
-    top_k[i] = params.top_k;
-    top_p[i] = params.top_p;
-    min_p[i] = params.min_p;
-    seed[i] = static_cast<int64_t>(sequence.seed);
-    step[i] = sequence.num_output();
-  }
-  const auto upload = [&](OwnedTensor& target, const void* source, size_t element) {
-    copy_bytes_async(target.tensor.data(), device, source, Device::cpu(), static_cast<size_t>(rows) * element);
-  };
-  upload(state.temperature, temperature, 4);
-  upload(state.top_k, top_k, 4);
-  upload(state.top_p, top_p, 4);
-  upload(state.min_p, min_p, 4);
-  upload(state.seed, seed, 8);
-  upload(state.step, step, 8);
-  kernels::SamplingRowParams row_params{state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
-                                        state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
-                                        state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
-  kernels::sample_tokens(result.logits.slice(0, 0, rows), row_params, state.tokens.tensor.slice(0, 0, rows),
-                         state.logprobs.tensor.slice(0, 0, rows));
-  // Results come back into the (now consumed) staging area: tokens i32 then logprobs f32.
-  auto* tokens_out = reinterpret_cast<int32_t*>(base);
-  auto* logprobs_out = reinterpret_cast<float*>(base + 4 * n);
-  copy_bytes_async(tokens_out, Device::cpu(), state.tokens.tensor.data(), device, static_cast<size_t>(rows) * 4);
-  copy_bytes_async(logprobs_out, Device::cpu(), state.logprobs.tensor.data(), device, static_cast<size_t>(rows) * 4);
-  synchronize(device);
-  sampled.resize(static_cast<size_t>(rows));
-  for (int64_t i = 0; i < rows; ++i) {
-    if (tokens_out[i] < 0) raise(ErrorCode::kInternal, "device sampling found no valid logit in row {}", i);
-    sampled[static_cast<size_t>(i)].token = tokens_out[i];
-    sampled[static_cast<size_t>(i)].logprob = logprobs_out[i];
-  }
-  return true;
 }
 
 int64_t Engine::add_request(Request request) {
+  if (!health_.serving) raise(ErrorCode::kInternal, "the engine can no longer serve: {}", health_.reason);
   const int64_t vocab = model_->config().vocab_size;
   if (request.prompt.empty()) raise(ErrorCode::kInvalidArgument, "the prompt is empty");
   for (const int32_t id : request.prompt) {
@@ -366,182 +309,199 @@ std::vector<TokenEvent> Engine::step() {
   std::vector<TokenEvent> events = std::move(pending_events_);
   pending_events_.clear();
   if (!has_unfinished()) return events;
+  if (!health_.serving) {
+    fail_unfinished(events);
+    return events;
+  }
+  const size_t first_step_event = events.size();
+  try {
+    run_step(events);
+  } catch (const std::exception& e) {
+    abandon_step(e.what(), first_step_event, events);
+  }
+  return events;
+}
+
+void Engine::run_step(std::vector<TokenEvent>& events) {
   // A step's cost, for the speculation controller, is all of it: drafting and scheduling too.
   const auto step_start = std::chrono::steady_clock::now();
-  if (speculating()) prepare_drafts();
-  const SchedulePlan plan = scheduler_.schedule(running_, waiting_, *cache_);
+  step_scheduled_ = false;
+  step_sequences_.clear();
+  if (speculative_) speculative_->prepare(running_, waiting_.size());
+  const SchedulePlan plan = schedule_step();
+  if (plan.empty()) return;
+  const auto schedule_end = std::chrono::steady_clock::now();
+  StepResult result = forward(plan);
+  faults_.hit(FaultSite::kSample);
+  StepTokens tokens = sampler_->sample(plan, result, *runner_);
+  if (speculative_) speculative_->commit(result, tokens, static_cast<int64_t>(running_.size()));
+  if (plan.num_draft_rows > 0) ++stats_.verify_steps;
+  for (size_t u = 0; u < result.uses.size(); ++u) {
+    const LogitRowUse& use = result.uses[u];
+    advance(use, tokens.kept_rows[u], tokens.accepted[u], tokens.emitted[u]);
+    emit(use, tokens.emitted[u], events);
+  }
+  if (speculative_) {
+    speculative_->finish_step(plan, result, tokens, static_cast<int64_t>(running_.size()), step_start, schedule_end);
+  }
+  running_.erase(std::remove_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->finished(); }),
+                 running_.end());
+  step_sequences_.clear();
+#ifndef NDEBUG
+  if (!has_unfinished()) cache_->check_integrity();  // debug builds: the cache's books balance when idle
+#endif
+}
+
+SchedulePlan Engine::schedule_step() {
+  SchedulePlan plan = scheduler_.schedule(running_, waiting_, *cache_);
+  step_scheduled_ = true;
+  for (const ScheduledChunk& chunk : plan.chunks) step_sequences_.push_back(chunk.sequence);
   stats_.num_preemptions += static_cast<int64_t>(plan.preempted.size());
   stats_.prefix_cache_queries += plan.prefix_query_tokens;
   stats_.prefix_cache_hits += plan.prefix_hit_tokens;
   stats_.hybrid_state_restores += plan.state_restores;
   if (plan.empty()) {
     METRALE_CHECK(running_.empty() || !waiting_.empty(), "nothing schedulable with {} running", running_.size());
-    return events;
   }
-  const auto schedule_end = std::chrono::steady_clock::now();
+  return plan;
+}
+
+StepResult Engine::forward(const SchedulePlan& plan) {
   StepResult result = runner_->execute(plan);
   ++stats_.num_steps;
-  const int64_t vocab = model_->config().vocab_size;
-  std::vector<SampledToken> device_sampled;
-  const size_t num_uses = result.uses.size();
-  std::vector<std::vector<SampledToken>> emitted(num_uses);
-  std::vector<int64_t> accepted(num_uses, 0);
-  // Verify steps of greedy requests accept from the argmax rows: a fixed-layout step computed them
-  // with the forward, a ragged one (prefill rows too) computes them now; either way a few bytes per
-  // row reach the host instead of the logits rows.
-  bool accepted_from_greedy = false;
-  if (plan.num_draft_rows > 0 && all_greedy(result)) {
-    if (result.greedy_tokens.empty()) runner_->greedy_rows(result);
-    accepted_from_greedy = accept_greedy_rows(result, emitted, accepted);
-  }
-  const bool sampled_on_device =
-      accepted_from_greedy || (!result.logits.device().is_cpu() && sample_on_device(result, device_sampled));
-  if (!result.logits.device().is_cpu() && !sampled_on_device) {
-    // Sampling runs on the host: bring back the rows the step asked for.
-    int64_t rows = 0;
-    for (const LogitRowUse& use : result.uses) rows = std::max(rows, use.first_row + use.num_rows);
-    host_logits_.resize(static_cast<size_t>(rows * vocab));
-    copy_bytes(host_logits_.data(), Device::cpu(), result.logits.data(), result.logits.device(),
-               host_logits_.size() * sizeof(float));
-    result.logits = Tensor(host_logits_.data(), DType::kF32, {rows, vocab}, Device::cpu());
-  }
-  // Pass 1: prompt logits, then the tokens each sampling chunk emits (acceptance of its drafts).
-  for (size_t u = 0; u < num_uses && !accepted_from_greedy; ++u) {
-    const LogitRowUse& use = result.uses[u];
-    Sequence& sequence = *use.chunk.sequence;
-    // Prompt logits for scoring: rows for positions below num_prompt.
-    if (sequence.request.return_prompt_logits) {
-      for (int64_t r = 0; r < use.num_rows; ++r) {
-        const int64_t position = use.first_position + r;
-        if (position >= sequence.num_prompt) break;
-        const float* row = result.logits.data_as<const float>() + (use.first_row + r) * vocab;
-        std::copy(row, row + vocab, sequence.prompt_logits.begin() + position * vocab);
-      }
-    }
-    if (!use.chunk.samples || sequence.request.max_tokens == 0) continue;
-    if (sampled_on_device) {
-      emitted[u].push_back(device_sampled[static_cast<size_t>(use.first_row)]);
-    } else {
-      emitted[u] = accept_chunk(use, result.logits, accepted[u]);
-    }
-  }
-  // Verify steps: every sequence keeps its known rows and its accepted drafts; the recurrent
-  // layers' slots advance over exactly those rows.
-  std::vector<int64_t> kept_rows(num_uses);
-  for (size_t u = 0; u < num_uses; ++u) kept_rows[u] = result.uses[u].chunk.num_new + accepted[u];
-  // MTP after a fixed-layout greedy verify or a decode step: queued now (beside the verify's commit),
-  // collected after the bookkeeping, which it overlaps.
-  const bool mtp_launched = mtp_active_ && runner_->fixed_mtp_ready() &&
-                            (plan.num_draft_rows == 0 || accepted_from_greedy) && all_greedy(result);
-  if (plan.num_draft_rows > 0) {
-    std::vector<int32_t> kept(kept_rows.begin(), kept_rows.end());
-    runner_->commit_verified(kept, /*mtp_follows=*/mtp_launched);
-    ++stats_.verify_steps;
-  }
-  if (mtp_launched) launch_mtp_drafter_fixed(result, accepted, emitted);
+  if (speculative_) speculative_->track(result);
+  faults_.hit(plan.num_draft_rows > 0 ? FaultSite::kVerify : FaultSite::kForward);
+  return result;
+}
 
-  // Pass 2: bookkeeping, stop conditions and events.
-  std::vector<Sequence*> finished;
-  for (size_t u = 0; u < num_uses; ++u) {
-    const LogitRowUse& use = result.uses[u];
-    Sequence& sequence = *use.chunk.sequence;
-    const int64_t computed_before = sequence.num_computed;
-    sequence.num_computed += kept_rows[u];
-    stats_.computed_prompt_tokens +=
-        std::max<int64_t>(0, std::min(sequence.num_computed, sequence.num_prompt) - computed_before);
-    if (use.chunk.num_drafts > 0) {
-      stats_.drafted_tokens += use.chunk.num_drafts;
-      stats_.accepted_tokens += accepted[u];
-      // Drafts of an MTP head that missed much of the sequence say little about drafting that stays on.
-      const bool fresh_drafter = config_.speculative.method != SpeculativeMethod::kMtp ||
-                                 sequence.mtp_missed * kMtpMissedShare <= sequence.num_computed;
-      if (fresh_drafter) {
-        sequence.acceptance_ema =
-            spec_controller_.record_verify(sequence.acceptance_ema, use.chunk.num_drafts, accepted[u]);
-      }
-    }
-    sequence.draft_tokens.clear();
-    sequence.draft_probs.clear();
-    sequence.draft_base = -1;
-    // Full blocks become shareable; at a checkpoint point the state after them is kept too (the
-    // copy is queued after this step's forward). Accepted drafts are computed tokens: they join the
-    // sequence first; rejected drafts never do (their keys lie beyond num_computed and are
-    // overwritten later).
-    const size_t known_tokens = sequence.tokens.size();
-    for (int64_t i = 0; i < accepted[u]; ++i) sequence.tokens.push_back(emitted[u][static_cast<size_t>(i)].token);
-    cache_->cache_full_blocks(sequence.id, sequence.tokens, sequence.num_computed);
-    if (cache_->is_checkpoint_position(sequence.num_prompt, sequence.num_computed))
-      cache_->checkpoint_state(sequence.id, sequence.num_computed);
-    sequence.tokens.resize(known_tokens);
-    if (!use.chunk.samples) continue;
-    if (sequence.request.max_tokens == 0) {  // scoring only
-      finish(sequence, FinishReason::kLength);
-      finished.push_back(&sequence);
-      TokenEvent event;
-      event.request_id = sequence.id;
-      event.finish_reason = FinishReason::kLength;
-      events.push_back(std::move(event));
-      continue;
-    }
-    // Stop conditions apply to each emitted token in order; the rest are cut.
-    for (SampledToken& sampled : emitted[u]) {
-      TokenEvent event;
-      event.request_id = sequence.id;
-      event.sampled = std::move(sampled);
-      sequence.tokens.push_back(event.sampled.token);
-      ++stats_.generated_tokens;
-      const auto reason = stop_reason(sequence, event.sampled.token);
-      if (reason) {
-        finish(sequence, *reason);
-        finished.push_back(&sequence);
-        event.finish_reason = *reason;
-      }
-      events.push_back(std::move(event));
-      if (reason) break;
-    }
+void Engine::advance(const LogitRowUse& use, int64_t kept_rows, int64_t accepted,
+                     const std::vector<SampledToken>& emitted) {
+  Sequence& sequence = *use.chunk.sequence;
+  const int64_t computed_before = sequence.num_computed;
+  sequence.num_computed += kept_rows;
+  stats_.computed_prompt_tokens +=
+      std::max<int64_t>(0, std::min(sequence.num_computed, sequence.num_prompt) - computed_before);
+  if (use.chunk.num_drafts > 0) {
+    stats_.drafted_tokens += use.chunk.num_drafts;
+    stats_.accepted_tokens += accepted;
+    speculative_->record_verify(sequence, use.chunk.num_drafts, accepted);
   }
-  if (mtp_launched) {
-    collect_mtp_drafter_fixed(result);
-  } else if (mtp_active_) {
-    run_mtp_drafter(result, kept_rows);
-  } else if (config_.speculative.method == SpeculativeMethod::kMtp) {
-    write_mtp_keys(result, kept_rows);
+  sequence.clear_drafts();
+  // Full blocks become shareable; at a checkpoint point the state after them is kept too (the
+  // copy is queued after this step's forward). Accepted drafts are computed tokens: they join the
+  // sequence first; rejected drafts never do (their keys lie beyond num_computed and are
+  // overwritten later).
+  const size_t known_tokens = sequence.tokens.size();
+  for (int64_t i = 0; i < accepted; ++i) sequence.tokens.push_back(emitted[static_cast<size_t>(i)].token);
+  cache_->cache_full_blocks(sequence.id, sequence.tokens, sequence.num_computed);
+  if (cache_->is_checkpoint_position(sequence.num_prompt, sequence.num_computed))
+    cache_->checkpoint_state(sequence.id, sequence.num_computed);
+  sequence.tokens.resize(known_tokens);
+}
+
+void Engine::emit(const LogitRowUse& use, std::vector<SampledToken>& emitted, std::vector<TokenEvent>& events) {
+  Sequence& sequence = *use.chunk.sequence;
+  if (!use.chunk.samples) return;
+  if (sequence.request.max_tokens == 0) {  // scoring only
+    finish(sequence, FinishReason::kLength);
+    TokenEvent event;
+    event.request_id = sequence.id;
+    event.finish_reason = FinishReason::kLength;
+    events.push_back(std::move(event));
+    return;
   }
-  if (speculating()) {
-    const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - step_start;
-    SpeculativeStepRecord record;
-    for (const ScheduledChunk& chunk : plan.chunks) {
-      if (chunk.decodes()) {
-        ++record.num_decoding;
-        record.drafts = std::max(record.drafts, static_cast<int32_t>(chunk.num_drafts));
-      } else {
-        record.other_rows += chunk.num_rows();
-      }
+  // Stop conditions apply to each emitted token in order; the rest are cut.
+  for (SampledToken& sampled : emitted) {
+    TokenEvent event;
+    event.request_id = sequence.id;
+    event.sampled = std::move(sampled);
+    sequence.tokens.push_back(event.sampled.token);
+    ++stats_.generated_tokens;
+    const auto reason = stop_reason(sequence, event.sampled.token);
+    if (reason) {
+      finish(sequence, *reason);
+      event.finish_reason = *reason;
     }
-    // The step's k is its longest draft run (what the choice decides); a fixed layout may pad it
-    // to a captured shape's, whose cost is then this k's.
-    record.drafter_ran = mtp_active_;
-    record.seconds = std::max(seconds.count() - spec_untimed_seconds_, 0.5 * seconds.count());
-    spec_untimed_seconds_ = 0.0;
-    spec_controller_.record_step(record);
-    if (log_level() <= LogLevel::kDebug) {  // the drafted count is for the log only
-      METRALE_LOG_DEBUG(
-          "speculation: {} decoding ({} drafted) + {} rows, k {}{}, {:.3f} ms ({:.3f} to schedule), acceptance {:.2f}",
-          record.num_decoding,
-          std::count_if(plan.chunks.begin(), plan.chunks.end(),
-                        [](const ScheduledChunk& c) { return c.num_drafts > 0; }),
-          record.other_rows, record.drafts, record.drafter_ran ? " + MTP head" : "", 1e3 * record.seconds,
-          1e3 * std::chrono::duration<double>(schedule_end - step_start).count(), spec_controller_.global_acceptance());
-    }
+    events.push_back(std::move(event));
+    if (reason) break;
   }
-  if (!finished.empty()) {
+}
+
+void Engine::abandon_step(const std::string& what, size_t first_step_event, std::vector<TokenEvent>& events) {
+  ++stats_.failed_steps;
+  // The requests of the step: those it scheduled, or every running one when it failed before its
+  // schedule was made. Those that finished in it before the failure keep their events.
+  std::vector<Sequence*> failing = step_scheduled_ ? step_sequences_ : running_;
+  step_scheduled_ = false;
+  step_sequences_.clear();
+  failing.erase(std::remove_if(failing.begin(), failing.end(), [](const Sequence* s) { return s->finished(); }),
+                failing.end());
+  METRALE_LOG_ERROR("a step failed ({}): its {} requests fail; the engine keeps serving", what, failing.size());
+  const std::string message = fmt::format("the engine failed while running this request: {}", what);
+  try {
+    faults_.hit(FaultSite::kRecover);
+    // Nothing the step queued may still run when the next step refills the buffers, and nothing it
+    // left pending (a commit, an MTP chain) may outlive it.
+    runner_->abandon();
+    if (speculative_) speculative_->abandon();
+    // The failing requests' events of this step are dropped: they end with the error instead.
+    const auto failed = [&](const TokenEvent& event) {
+      return std::any_of(failing.begin(), failing.end(), [&](const Sequence* s) { return s->id == event.request_id; });
+    };
+    events.erase(std::remove_if(events.begin() + static_cast<std::ptrdiff_t>(first_step_event), events.end(), failed),
+                 events.end());
+    for (Sequence* sequence : failing) fail_request(*sequence, message, events);
+    // A failure inside the schedule may have taken a sequence out of both queues: it fails too.
+    std::vector<Sequence*> lost;
+    for (auto& [id, owned] : sequences_) {
+      Sequence* sequence = owned.get();
+      const bool queued = std::find(running_.begin(), running_.end(), sequence) != running_.end() ||
+                          std::find(waiting_.begin(), waiting_.end(), sequence) != waiting_.end();
+      if (!sequence->finished() && !queued) lost.push_back(sequence);
+    }
+    for (Sequence* sequence : lost) fail_request(*sequence, message, events);
+    // Sequences that finished in the step before it failed leave the running set as they would have.
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->finished(); }),
                    running_.end());
+    cache_->check_integrity();
+  } catch (const std::exception& e) {
+    health_.serving = false;
+    health_.reason = fmt::format("recovering from a failed step failed: {} (the step failed with: {})", e.what(), what);
+    METRALE_LOG_ERROR("the engine can no longer serve: {}", health_.reason);
+    fail_unfinished(events);
   }
-#ifndef NDEBUG
-  if (!has_unfinished()) cache_->check_integrity();  // debug builds: the cache's books balance when idle
-#endif
-  return events;
+}
+
+void Engine::fail_request(Sequence& sequence, const std::string& message, std::vector<TokenEvent>& events) {
+  running_.erase(std::remove(running_.begin(), running_.end(), &sequence), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &sequence), waiting_.end());
+  sequence.error = message;
+  ++stats_.failed_requests;
+  TokenEvent event;
+  event.request_id = sequence.id;
+  event.finish_reason = FinishReason::kError;
+  event.error = message;
+  events.push_back(std::move(event));
+  finish(sequence, FinishReason::kError);
+}
+
+void Engine::fail_unfinished(std::vector<TokenEvent>& events) {
+  const std::string message = fmt::format("the engine can no longer serve: {}", health_.reason);
+  std::vector<Sequence*> unfinished;
+  for (auto& [id, sequence] : sequences_)
+    if (!sequence->finished()) unfinished.push_back(sequence.get());
+  for (Sequence* sequence : unfinished) {
+    try {
+      fail_request(*sequence, message, events);
+    } catch (const std::exception& e) {
+      // The cache is past saving; the request ends all the same.
+      sequence->status = SequenceStatus::kFinished;
+      sequence->finish_reason = FinishReason::kError;
+      METRALE_LOG_ERROR("freeing request {}: {}", sequence->id, e.what());
+    }
+  }
+  running_.clear();
+  waiting_.clear();
 }
 
 const Sequence& Engine::sequence(int64_t request_id) const {

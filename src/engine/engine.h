@@ -13,11 +13,12 @@
 #include <vector>
 
 #include "cache/cache_manager.h"
+#include "engine/fault_injection.h"
 #include "engine/request.h"
 #include "engine/runner.h"
-#include "engine/sampler.h"
 #include "engine/scheduler.h"
-#include "engine/speculator.h"
+#include "engine/speculative_decoder.h"
+#include "engine/step_sampler.h"
 #include "model/model.h"
 
 namespace metrale {
@@ -40,13 +41,25 @@ struct EngineConfig {
   int32_t state_checkpoint_slots = -1;   // checkpoint slots; -1: as many as max_num_seqs
   // Speculative decoding (engine/speculator.h): method none|ngram|mtp, num_drafts, ngram_min/max.
   SpeculativeConfig speculative;
+  // Tests: the fault-injection switch (engine/fault_injection.h); unset: METRALE_FAULT_INJECT,
+  // read once when the engine is built; "": none.
+  std::optional<std::string> fault_injection;
 };
 
 struct TokenEvent {
   int64_t request_id = 0;
-  SampledToken sampled;              // token, logprob, top logprobs
+  SampledToken sampled;              // token, logprob, top logprobs (token -1: an event without one)
   FinishReason finish_reason = FinishReason::kNone;  // set on the event that finishes the request
+  std::string error;                 // kError: why the request failed
   bool finished() const { return finish_reason != FinishReason::kNone; }
+};
+
+// Whether the engine can serve. A failed step fails its own requests and the engine keeps
+// serving; only when the recovery from a failure fails (the device or the cache's books are
+// broken) does the engine stop serving for good, failing every request with `reason`.
+struct EngineHealth {
+  bool serving = true;
+  std::string reason;  // why not
 };
 
 // What the planner chose, for logs and tests.
@@ -92,6 +105,9 @@ struct EngineStats {
   int64_t drafted_tokens = 0;
   int64_t accepted_tokens = 0;
   int64_t verify_steps = 0;
+  // Failure containment: steps abandoned after a failure, and the requests they failed.
+  int64_t failed_steps = 0;
+  int64_t failed_requests = 0;
 };
 
 class Engine {
@@ -102,13 +118,14 @@ class Engine {
   const Model& model() const { return *model_; }
   const EnginePlan& plan() const { return plan_; }
   EngineStats stats() const;
+  const EngineHealth& health() const { return health_; }
   const CacheManager& cache() const { return *cache_; }
   CacheManager& mutable_cache() { return *cache_; }
   Runner& runner() { return *runner_; }
 
   // Validates and queues a request; returns its id. Throws kInvalidArgument for bad requests
   // (empty prompt, ids outside the vocabulary, bad sampling parameters, too long for the context
-  // or for the whole KV cache).
+  // or for the whole KV cache), and kInternal once the engine can no longer serve.
   int64_t add_request(Request request);
   // Cancels a request: it finishes with kAbort and its blocks are freed at once.
   void abort_request(int64_t request_id);
@@ -118,7 +135,9 @@ class Engine {
   size_t num_waiting() const { return waiting_.size(); }
 
   // Runs one step; returns one event per token generated (and one for each request that finished
-  // without a token, e.g. scoring or abort).
+  // without a token, e.g. scoring or abort). A step that fails anywhere is abandoned: the requests
+  // it scheduled end with a kError event (their other events of the step are dropped), nothing of
+  // it stays pending, and the next step runs as if it had not happened.
   std::vector<TokenEvent> step();
 
   // A request's state (finished ones stay until release()).
@@ -126,60 +145,40 @@ class Engine {
   void release(int64_t request_id);
 
  private:
-  void finish(Sequence& sequence, FinishReason reason);
-  std::optional<FinishReason> stop_reason(const Sequence& sequence, int32_t token) const;
+  // ---- Construction
+  void validate_config() const;
+  RunnerLimits runner_limits() const;
+  // Divides the memory budget between KV blocks and recurrent-state slots and builds the cache.
+  void plan_cache(const std::vector<CacheSpec>& specs);
 
-  // ---- Speculative decoding (engine/speculator.h, engine/engine_speculative.cpp)
-  bool speculating() const { return config_.speculative.method != SpeculativeMethod::kNone; }
-  // Validates the speculative config against the model (turning it off where the model cannot
-  // verify) and appends the MTP layers' cache specs to `specs` for method mtp.
-  void configure_speculation(std::vector<CacheSpec>& specs);
-  // Before scheduling: gives each decoding sequence its drafts for this step (n-gram lookup, or
-  // the MTP drafts made after the last step), as many as the controller allows.
-  void prepare_drafts();
-  // The tokens one sampling chunk emits: for a verify chunk the accepted drafts then the
-  // replacement or bonus token; otherwise the one sampled token. Sets `accepted` (drafts kept).
-  std::vector<SampledToken> accept_chunk(const LogitRowUse& use, const Tensor& logits, int64_t& accepted);
-  // Drafts the MTP head chains after this step: what the controller plans for the next one (at least one).
-  int32_t mtp_chain_length() const;
-  // After a step's bookkeeping: MTP catch-up over the step's kept rows and the next drafts.
-  void run_mtp_drafter(const StepResult& result, std::span<const int64_t> kept_rows);
-  // The same after a fixed-layout verify of greedy requests: catch-up and chained drafts in one
-  // runner call (one CUDA graph), greedy drafts taken on the device. Launched right after the
-  // commit, from the accepted counts and emitted tokens, so that the step's bookkeeping on the host
-  // overlaps it; collected after the bookkeeping (drafts of sequences that finished are dropped).
-  void launch_mtp_drafter_fixed(const StepResult& result, std::span<const int64_t> accepted,
-                                const std::vector<std::vector<SampledToken>>& emitted);
-  void collect_mtp_drafter_fixed(const StepResult& result);
-  // After a step that ran no MTP head: the MTP keys of its kept rows, so that the head finds every
-  // earlier position when it runs again (and a probe measures the head's true acceptance). A decode
-  // step parks its hidden states in the runner's stash, written in one batch when the stash fills
-  // or before the head runs; other steps write theirs at once.
-  void write_mtp_keys(const StepResult& result, std::span<const int64_t> kept_rows);
-  // Writes the keys of the stashed rows whose sequences still hold their positions; empties the stash.
-  void flush_mtp_stash();
-  // After the step's bookkeeping: the first `count` of the `kept` rows `use` kept, as MTP key rows
-  // (position t, x_{t+1}, h_t's row of the step's batch).
-  void append_mtp_key_rows(const LogitRowUse& use, int64_t kept, int64_t count, std::vector<MtpKeyRow>& rows) const;
-  // The MTP head has seen the sequence up to `end`; positions from mtp_computed to `first_position`
-  // it never saw count as missed.
-  static void advance_mtp(Sequence& sequence, int64_t first_position, int64_t end);
-  // Every sequence of the step samples greedily (or acceptance is replayed), without penalties, top
-  // logprobs or prompt logits: its next token is the argmax, its MTP drafts the head's argmax, and a
-  // verify step accepts from the argmax rows alone.
-  bool all_greedy(const StepResult& result) const;
-  // Greedy acceptance from StepResult::greedy_tokens (copied to the host, a few bytes per row).
-  bool accept_greedy_rows(const StepResult& result, std::vector<std::vector<SampledToken>>& emitted,
-                          std::vector<int64_t>& accepted);
+  // ---- The step, in order (run_step); abandon_step when any of it throws.
+  void run_step(std::vector<TokenEvent>& events);
+  SchedulePlan schedule_step();
+  StepResult forward(const SchedulePlan& plan);
+  // The bookkeeping of one chunk: its kept rows become computed tokens (full blocks cached, state
+  // checkpoints kept), then its emitted tokens become events until a stop condition.
+  void advance(const LogitRowUse& use, int64_t kept_rows, int64_t accepted, const std::vector<SampledToken>& emitted);
+  void emit(const LogitRowUse& use, std::vector<SampledToken>& emitted, std::vector<TokenEvent>& events);
+  void abandon_step(const std::string& what, size_t first_step_event, std::vector<TokenEvent>& events);
+
+  void finish(Sequence& sequence, FinishReason reason);
+  // Ends `sequence` with kError and `message` (an event in `events`), wherever it is.
+  void fail_request(Sequence& sequence, const std::string& message, std::vector<TokenEvent>& events);
+  // Once the engine can no longer serve: fails every unfinished request with the reason.
+  void fail_unfinished(std::vector<TokenEvent>& events);
+  std::optional<FinishReason> stop_reason(const Sequence& sequence, int32_t token) const;
 
   std::unique_ptr<Model> model_;
   EngineConfig config_;
   EnginePlan plan_;
   EngineStats stats_;  // counters kept by step(); stats() adds the cache's gauges
+  EngineHealth health_;
+  FaultInjector faults_;
   std::unique_ptr<CacheManager> cache_;
   std::unique_ptr<Runner> runner_;
   Scheduler scheduler_;
-  Sampler sampler_;
+  std::unique_ptr<StepSampler> sampler_;
+  std::unique_ptr<SpeculativeDecoder> speculative_;  // null without speculative decoding
   std::mt19937_64 seed_source_;
 
   int64_t next_id_ = 1;
@@ -188,25 +187,10 @@ class Engine {
   std::vector<Sequence*> running_;
   std::deque<Sequence*> waiting_;
   std::vector<TokenEvent> pending_events_;  // events produced outside step() (aborts)
-  std::vector<float> host_logits_;          // logits rows copied from the device for sampling
-  SpeculationController spec_controller_;
-  bool mtp_active_ = false;                 // this step runs the MTP head afterwards
-  double spec_untimed_seconds_ = 0.0;       // this step's one-off work left out of its measured cost
-  std::vector<MtpKeyRow> mtp_stash_rows_;   // rows waiting in Runner::mtp_stash() (hidden_row: stash row)
-  // Tests (EngineTestAccess): the next this many steps run plain with the MTP head off, whatever
-  // the controller chooses.
-  int64_t forced_plain_steps_ = 0;
-  friend class EngineTestAccess;
-  int64_t mtp_stash_used_ = 0;              // stash rows taken (finished sequences' rows included)
-  std::vector<float> spec_scratch_;         // [V] rows for acceptance
-  std::vector<float> spec_probs_;           // [V] target distribution
-
-  // Sampling on the device: per-row parameters and results, sized for max_num_seqs rows.
-  struct DeviceSampling;
-  std::unique_ptr<DeviceSampling> device_sampling_;
-  // Samples rows [0, uses.size()) of a device logits tensor on the device when every row can be
-  // (no penalties, no top logprobs) and rows line up with the chunks; returns false otherwise.
-  bool sample_on_device(const StepResult& result, std::vector<SampledToken>& sampled);
+  // The step in progress: whether it has its schedule yet, and the sequences it scheduled.
+  bool step_scheduled_ = false;
+  std::vector<Sequence*> step_sequences_;
+  friend class EngineTestAccess;  // tests reach the speculative decoder (force_plain_steps, ...)
 };
 
 }  // namespace metrale

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -15,9 +16,10 @@ enum class FinishReason {
   kStop,    // an EOS id or a stop token id was generated
   kLength,  // max_tokens reached, or the model's context is full
   kAbort,   // cancelled by the caller
+  kError,   // the engine failed while running it (Sequence::error says why)
 };
 
-std::string_view finish_reason_name(FinishReason reason);  // "stop", "length", "abort", ""
+std::string_view finish_reason_name(FinishReason reason);  // "stop", "length", "abort", "error", ""
 
 struct Request {
   std::vector<int32_t> prompt;            // token ids, at least one
@@ -42,6 +44,7 @@ struct Sequence {
   int64_t arrival = 0;          // admission order, for FCFS and preemption
   int32_t num_preemptions = 0;
   std::vector<float> prompt_logits;  // [num_prompt, vocab] when requested
+  std::string error;                 // FinishReason::kError: why the request failed
 
   // Speculative decoding (engine/speculator.h). Drafts proposed to follow tokens.back(): verified by
   // the next step when the scheduler gives them rows, dropped otherwise.
@@ -55,6 +58,12 @@ struct Sequence {
   int64_t mtp_missed = 0;         // positions below mtp_computed the MTP head skipped (drafting was off)
   NgramIndex ngram_index;         // the n-gram drafter's index of `tokens`
 
+  // Drops the drafts (verified, or made for a state the sequence left).
+  void clear_drafts() {
+    draft_tokens.clear();
+    draft_probs.clear();
+    draft_base = -1;
+  }
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_output() const { return num_tokens() - num_prompt; }
   std::span<const int32_t> prompt() const { return {tokens.data(), static_cast<size_t>(num_prompt)}; }

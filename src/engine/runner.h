@@ -1,18 +1,20 @@
-// Runner: turns a schedule into the model's ForwardBatch, runs the forward and hands back the
-// logits of the requested rows.
+// Runner: turns a schedule into the model's ForwardBatch (through the BatchBuilder), runs the
+// forward and hands back the logits of the requested rows.
 //
-// Step inputs live in persistent buffers sized for the engine's limits: host arrays (pinned when a
-// GPU is used) are filled once per step and uploaded once into device buffers at fixed addresses,
-// so that CUDA graphs captured for decode batch sizes can be replayed with new inputs. Decode steps
-// whose batch fits a captured size are padded to it (padding rows write no KV and their logits are
-// ignored); other steps run eagerly.
+// Step inputs live in the builder's persistent buffers sized for the engine's limits: host arrays
+// (pinned when a GPU is used) are filled once per step and uploaded once into device buffers at
+// fixed addresses, so that CUDA graphs captured for decode batch sizes can be replayed with new
+// inputs. Decode steps whose batch fits a captured size are padded to it (padding rows write no KV
+// and their logits are ignored); other steps run eagerly.
 //
 // Speculative decoding (runner_speculative.cpp): verify steps where every sequence decodes run in
 // a fixed layout, 1 + k rows per sequence (padding rows after a sequence's own drafts, padding
 // sequences up to a captured size), with every row's greedy token sampled in the same step; the
 // commit of the kept rows and the MTP draft chain (catch-up over the kept rows, then k - 1 chained
 // drafts, greedy on the device) follow in fixed buffers. Each of the three replays a CUDA graph per
-// (batch size, k) on the GPU, and runs the same code eagerly on the CPU.
+// (batch size, k) on the GPU, and runs the same code eagerly on the CPU. The runner keeps no
+// bookkeeping between them: a verify's StepResult carries what its commit and its MTP chain need,
+// and the SpeculativeDecoder (engine/speculative_decoder.h) holds it until they run.
 //
 // Models with recurrent layers also get each sequence's state slot (ForwardBatch::state_slots),
 // uploaded like the other arrays, so graph replays read the slots of the step they replay. Padding
@@ -27,10 +29,17 @@
 #include <vector>
 
 #include "cache/cache_manager.h"
+#include "engine/batch_builder.h"
 #include "engine/scheduler.h"
 #include "model/model.h"
 
 namespace metrale {
+
+// The cache specs the engine's CacheManager is built from: the model's layers', then with MTP
+// drafting its MTP layers' (same block numbering).
+// The runner hands them to the model as ModelCaches{blocks, mtp}, two subspans of the manager's
+// block caches.
+std::vector<CacheSpec> engine_cache_specs(const Model& model, bool mtp);
 
 struct RunnerLimits {
   int64_t max_num_tokens = 2048;  // tokens per step
@@ -73,6 +82,18 @@ struct MtpKeyRow {
   int64_t hidden_row = 0;
 };
 
+// A step in the fixed layout that the MTP chain continues from: a fixed-layout verify (k drafts),
+// or with MTP a decode step (k = 0), whose hidden states sit in the runner's fixed buffer.
+struct FixedStep {
+  int64_t seqs = 0;       // padded sequences
+  int64_t k = 0;          // rows per sequence - 1
+  int64_t real_seqs = 0;  // the plan's sequences, first
+  bool graph = false;     // the step replayed a graph: its commit and MTP chain replay theirs
+  std::vector<int64_t> seq_ids;          // the plan's sequences, in order
+  std::vector<int64_t> first_positions;  // the position of each one's known (first) row
+  bool empty() const { return seqs == 0; }
+};
+
 struct StepResult {
   Tensor logits;                    // [R, vocab] f32 on the model's device
   std::vector<LogitRowUse> uses;    // one per scheduled chunk
@@ -84,6 +105,12 @@ struct StepResult {
   // ragged verify, by Runner::greedy_rows).
   int64_t rows_per_seq = 0;
   Tensor greedy_tokens, greedy_logprobs;
+  // [T, H] activation dtype: every row's hidden state (Runner::set_keep_hidden; empty otherwise).
+  Tensor hidden;
+  // A verify step's batch (verify.verify set): its commit (Runner::commit_verified) reads it, and the
+  // step buffer it views must not be rebuilt before then.
+  ForwardBatch verify;
+  FixedStep fixed;  // what the fixed-layout MTP chain continues from (empty: it cannot)
 };
 
 // One sequence of a fixed-layout MTP step (Runner::launch_mtp_fixed) after a fixed-layout verify or a
@@ -95,6 +122,13 @@ struct MtpFixedRow {
   int64_t chain_positions = 0;       // chained draft rows whose positions have cache blocks (< drafts)
 };
 
+// An MTP chain queued by Runner::launch_mtp_fixed, until Runner::collect_mtp_fixed.
+struct MtpChain {
+  int64_t seqs = 0, drafts = 0;          // drafts = 0: none
+  std::vector<int64_t> chain_positions;  // per real sequence; -1: not drafting
+  bool empty() const { return drafts == 0; }
+};
+
 class Runner {
  public:
   Runner(Model& model, const RunnerLimits& limits);
@@ -104,6 +138,7 @@ class Runner {
   const RunnerLimits& limits() const { return limits_; }
   // The memory planner may lower the sequence limit after the workspace was sized for a larger one.
   void lower_max_num_seqs(int64_t max_num_seqs);
+  BatchBuilder& batch_builder() { return builder_; }
 
   // GPU only: runs the largest step the limits allow (with a scratch cache) and sizes the
   // workspace arena to its high-water mark; afterwards the arena never grows.
@@ -118,27 +153,29 @@ class Runner {
   // eager); commit_verified must follow before the next step.
   StepResult execute(const SchedulePlan& plan);
 
+  // After a failed step: waits for whatever it left queued (a commit beside the MTP chain
+  // included), so that nothing still reads the buffers the next step refills. Throws when the
+  // device itself failed.
+  void abandon();
+
   // ---- Speculative decoding
   // Ask every step for the final hidden state of each row (the MTP drafter's h_t). With
   // RunnerLimits::mtp the decode and verify graphs always write it (into a fixed buffer).
   void set_keep_hidden(bool keep) { keep_hidden_ = keep; }
-  // [T, H] activation dtype: the last step's hidden states (empty unless set_keep_hidden).
-  const Tensor& last_hidden() const { return last_hidden_; }
-  // After a verify step: sequence s of the plan keeps kept_rows[s] of its rows (Model::commit_verified).
-  // `mtp_follows`: launch_mtp_fixed comes next; a graphed commit then runs on a stream of its own,
-  // beside the MTP chain (they share no data), and the model's stream waits for it after the chain.
-  void commit_verified(std::span<const int32_t> kept_rows, bool mtp_follows = false);
-  // After a fixed-layout verify step and its commit: the MTP catch-up over each sequence's kept rows
-  // (the verify's hidden states, in place) and up to `drafts` - 1 chained drafts (at least as many
-  // as asked for, at most max_drafts), greedy on the device, in one CUDA graph when captured.
-  // `rows` follows the verify plan's sequences. Queued without waiting: collect_mtp_fixed() returns
-  // each drafting sequence's drafts (1 + chain_positions of them; none for the others) and must
-  // come before the next step.
-  void launch_mtp_fixed(std::span<const MtpFixedRow> rows, int64_t drafts);
-  // Whether the last step can feed launch_mtp_fixed: a fixed-layout verify, or (MTP) a step where
-  // every sequence decoded one token (k = 0: one catch-up row per sequence).
-  bool fixed_mtp_ready() const { return limits_.mtp && last_fixed_.seqs > 0; }
-  std::vector<std::vector<int32_t>> collect_mtp_fixed();
+  // After a verify step (its StepResult::verify and ::fixed): sequence s of its plan keeps
+  // kept_rows[s] of its rows (Model::commit_verified). `mtp_follows`: launch_mtp_fixed comes next;
+  // a graphed commit then runs on a stream of its own, beside the MTP chain (they share no data),
+  // and the model's stream waits for it after the chain.
+  void commit_verified(const ForwardBatch& verify, const FixedStep& fixed, std::span<const int32_t> kept_rows,
+                       bool mtp_follows = false);
+  // After a fixed-layout step (StepResult::fixed) and its commit: the MTP catch-up over each
+  // sequence's kept rows (the step's hidden states, in place) and up to `drafts` - 1 chained drafts
+  // (at least as many as asked for, at most max_drafts), greedy on the device, in one CUDA graph
+  // when captured. `rows` follows the step's sequences. Queued without waiting: collect_mtp_fixed()
+  // returns each drafting sequence's drafts (1 + chain_positions of them; none for the others) and
+  // must come before the next step.
+  MtpChain launch_mtp_fixed(const FixedStep& step, std::span<const MtpFixedRow> rows, int64_t drafts);
+  std::vector<std::vector<int32_t>> collect_mtp_fixed(const MtpChain& chain);
   // A verify step in the ragged layout (it had prefill rows, or no fixed shape fits): every logits
   // row's argmax and raw logprob on the device, into result.greedy_tokens / greedy_logprobs as a
   // fixed-layout verify computes them with the step.
@@ -166,33 +203,47 @@ class Runner {
   // states of decode steps that ran no MTP head until it writes their keys in one batch.
   const Tensor& mtp_stash() const { return mtp_stash_.tensor; }
   int64_t mtp_stash_rows() const { return mtp_stash_.tensor.empty() ? 0 : mtp_stash_.tensor.size(0); }
-  // Queues a copy of rows [first, first + count) of the last step's hidden states to stash rows
-  // [at, at + count).
-  void stash_hidden_rows(int64_t first, int64_t count, int64_t at);
+  // Queues a copy of rows [first, first + count) of `hidden` (a step's StepResult::hidden) to stash
+  // rows [at, at + count).
+  void stash_hidden_rows(const Tensor& hidden, int64_t first, int64_t count, int64_t at);
 
   size_t workspace_bytes() const { return workspace_.capacity_bytes(); }
 
  private:
   // Rows a step's buffers hold: the token budget, or one row per sequence when that is more.
   int64_t max_step_rows() const { return std::max(limits_.max_num_tokens, limits_.max_num_seqs); }
-  struct HostStep;      // the step's host arrays
   struct CommitStream;  // the graphed commit's own stream and events (CUDA)
+  // A fixed-layout verify step of padding sequences only, ready to profile or capture.
+  struct FixedShapeStep {
+    ForwardBatch batch;
+    FixedStep step;
+  };
+  // An MTP chain's arrays as staged (stage_fixed_mtp), what run_fixed_mtp runs.
+  struct StagedMtp {
+    FixedLayout layout;
+    int64_t drafts = 0;
+    int64_t max_kv_len = 0;      // the longest context of an eager chain (0: the graph's bound)
+    std::vector<char> drafting;  // per padded sequence: 1 when it drafts
+  };
   // Makes the model's stream wait for a commit running beside the MTP chain (no-op otherwise).
   void join_commit();
-  // Fills the host arrays for `plan`, padded to `padded_seqs` sequences when > 0. rows_per_seq > 0
-  // lays every sequence out in exactly that many rows (decode graphs: 1; fixed-layout verify: 1 + k),
-  // each of them a logits row; padding rows write no KV.
-  void build_host_step(const SchedulePlan& plan, int64_t padded_seqs, int64_t rows_per_seq, StepResult& result);
+  // The row groups of `plan` (result.uses follows them), padded to `padded_seqs` sequences when
+  // > 0, built and uploaded. rows_per_seq > 0 lays every sequence out in exactly that many rows
+  // (decode graphs: 1; fixed-layout verify: 1 + k), each of them a logits row; padding rows write
+  // no KV. Padded steps (graphs) take the fixed block-table stride and the longest context bound;
+  // `max_kv_len` > 0 sets the bound of an unpadded step (the workspace profile).
+  ForwardBatch build_step(const SchedulePlan& plan, int64_t padded_seqs, int64_t rows_per_seq, StepResult& result,
+                          int64_t max_kv_len = 0);
   // The captured (or eager) shape a verify plan runs in the fixed layout: {padded sequences, k};
   // {0, 0} when it cannot (mixed step, too long, no such graph).
   std::pair<int64_t, int64_t> fixed_verify_shape(const SchedulePlan& plan) const;
   void execute_fixed_verify(const SchedulePlan& plan, int64_t padded_seqs, int64_t k, StepResult& result);
-  // Records the plan's sequences as the last fixed-layout step (k = 0: a decode step).
-  void remember_fixed(const SchedulePlan& plan, int64_t padded_seqs, int64_t k, bool graph);
+  // The plan's sequences as a fixed-layout step (k = 0: a decode step).
+  static FixedStep fixed_step(const SchedulePlan& plan, int64_t padded_seqs, int64_t k, bool graph);
   // Verify, commit and MTP parts of the fixed layout, as run eagerly and captured into graphs.
   void run_fixed_verify(const ForwardBatch& batch, int64_t rows, std::span<const LogitRowUse> uses);
-  void run_fixed_commit(int64_t seqs, int64_t k);
-  void run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts);
+  void run_fixed_commit(const FixedLayout& layout, const ForwardBatch& verify);
+  void run_fixed_mtp(const StagedMtp& staged);
   // Allocates the fixed buffers of speculative steps (before the KV cache is planned).
   void allocate_speculative_buffers();
   // Every row's argmax and logprob of `logits` [R, V] f32 into greedy_tokens_ / greedy_logprobs_.
@@ -200,49 +251,39 @@ class Runner {
   // Runs the largest fixed-layout verify, commit and MTP steps; returns the workspace high-water mark.
   size_t profile_fixed_steps();
   void capture_verify_graphs(const std::vector<int64_t>& batch_sizes);
-  // A fixed-layout verify step of padding sequences only, ready to profile or capture.
-  void prepare_fixed_shape(int64_t seqs, int64_t k);
-  // Fill and upload the commit / MTP arrays of the last fixed-layout verify (empty spans: padding).
-  void stage_fixed_commit(std::span<const int32_t> kept_rows);
-  void stage_fixed_mtp(std::span<const MtpFixedRow> rows, int64_t drafts);
+  FixedShapeStep prepare_fixed_shape(int64_t seqs, int64_t k);
+  // Fills and uploads the MTP catch-up and chain arrays after fixed-layout step `step` (empty rows:
+  // padding only).
+  StagedMtp stage_fixed_mtp(const FixedStep& step, std::span<const MtpFixedRow> rows, int64_t drafts);
   // run_mtp_keys' batches: `rows` (at most `padded`) padded to `padded` rows.
   static constexpr int64_t kMinMtpKeyRows = 16;
   int64_t mtp_key_batch_rows(int64_t count) const;
   void run_mtp_key_batch(std::span<const MtpKeyRow> rows, int64_t padded, const Tensor& hidden_source);
-  // Device arrays of the fixed-layout commit and MTP steps, views into one i32 buffer per shape.
-  struct FixedArrays;
-  FixedArrays fixed_arrays(int64_t seqs, int64_t k) const;
-  ForwardBatch upload(bool fixed_block_stride);
   void run_forward(const ForwardBatch& batch, const Tensor& logits);
-  // Sets hidden_out (set_keep_hidden) and, for a verify step, the verify scratch.
+  // Sets hidden_out (set_keep_hidden: also result.hidden) and, for a verify step, the verify scratch.
   // `fixed`: the verify scratch is the fixed-layout one (graph-safe), not the growable one.
-  void attach_speculative_outputs(ForwardBatch& batch, bool verify, bool fixed = false);
+  void attach_speculative_outputs(ForwardBatch& batch, bool verify, bool fixed, StepResult& result);
 
   Model& model_;
   RunnerLimits limits_;
   CacheManager* cache_ = nullptr;
-  // seams: the caches by owner; the manager holds cache_specs() then (MTP) mtp_cache_specs().
+  // The caches by owner; the manager holds cache_specs() then (MTP) mtp_cache_specs().
   size_t num_block_caches_ = model_.cache_specs().size();
   ModelCaches model_caches() const { return split_model_caches(cache_->block_caches(), num_block_caches_); }
   Arena workspace_;
-  std::unique_ptr<HostStep> host_;
+  BatchBuilder builder_;
+  std::vector<RowGroup> groups_, chain_groups_;  // the step's row groups (capacity reused)
 
-  // Device copies of the step inputs at fixed addresses (GPU), each sized for the limits.
-  OwnedTensor token_ids_, positions_, cu_q_, kv_lens_, block_tables_, slot_mapping_, logit_rows_, state_slots_;
   // Speculative decoding.
   bool keep_hidden_ = false;
   OwnedTensor hidden_;          // [>= T, H] activation dtype: the trunk step's hidden_out
-  Tensor last_hidden_;          // hidden_ sliced to the last step's rows
   OwnedTensor verify_scratch_;  // Model::verify_scratch_bytes of the largest verify step so far
-  ForwardBatch last_verify_;    // the last verify step's batch, until its commit
-  bool commit_pending_ = false;
   // The fixed-layout commit's temporaries, apart from workspace_: it may run beside the MTP chain.
   Arena commit_workspace_;
   std::unique_ptr<CommitStream> commit_stream_;
   bool commit_in_flight_ = false;  // a commit runs on commit_stream_; join_commit() before reading state
-  OwnedTensor mtp_hidden_in_, mtp_out_[2], mtp_gather_, mtp_logits_;
+  OwnedTensor mtp_hidden_in_, mtp_out_[2], mtp_logits_;
   OwnedTensor mtp_stash_;     // [rows, H] hidden states awaiting their MTP keys (see mtp_stash())
-  OwnedTensor mtp_key_ints_;  // run_mtp_keys' arrays: token ids, positions, slots, gather index
   int mtp_flip_ = 0;
   OwnedTensor logits_;        // [max_num_seqs, vocab] f32 (GPU); this step's logits (CPU)
   OwnedTensor score_logits_;  // one-off buffer for steps with more rows than logits_ holds
@@ -254,31 +295,13 @@ class Runner {
   OwnedTensor greedy_temperature_, greedy_top_k_, greedy_top_p_, greedy_min_p_, greedy_seed_, greedy_step_;
   OwnedTensor greedy_tokens_, greedy_logprobs_;  // [max verify rows] argmax and logprob of each row
   OwnedTensor fixed_verify_scratch_;             // verify scratch of the largest fixed-layout verify
-  OwnedTensor fixed_ints_;                       // commit and MTP step arrays (FixedArrays)
-  PinnedBuffer fixed_host_;                      // their host staging
   PinnedBuffer greedy_host_;                     // fetch_greedy_rows: tokens, then logprobs
   OwnedTensor mtp_drafts_;                       // [k, S] i32 greedy drafts of the MTP chain
   OwnedTensor mtp_fixed_hidden_[3];              // [T, H] catch-up o_t; [S, H] gathered / chained
   OwnedTensor mtp_fixed_logits_;                 // [S, V] f32
-  struct FixedShape {
-    int64_t seqs = 0, k = 0;  // padded sequences, rows_per_seq - 1
-    int64_t real_seqs = 0;
-    bool graph = false;
-  };
-  FixedShape last_fixed_;                       // the last fixed-layout verify step, until its MTP step
-  std::vector<int64_t> fixed_seq_ids_;          // its sequences, in plan order
-  std::vector<int64_t> fixed_first_positions_;  // the position of each one's known (first) row
-  struct MtpPlan {
-    int64_t max_kv_len = 0;  // the longest context of an eager MTP chain (0: the graph's bound)
-  } mtp_plan_;
-  std::vector<char> mtp_drafting_;  // per padded sequence of the chain: 1 when it drafts
-  struct PendingMtp {
-    int64_t seqs = 0, drafts = 0;          // 0: none in flight
-    std::vector<int64_t> chain_positions;  // per real sequence; -1: not drafting
-  } pending_mtp_;
-  PinnedBuffer mtp_drafts_host_;    // [max_drafts, S] i32
-  OwnedTensor mtp_draft_logprobs_;  // [S] f32 sampler output for the drafts (not read)
-  struct VerifyGraphs;              // verify, commit and MTP graphs of one (padded sequences, k)
+  PinnedBuffer mtp_drafts_host_;                 // [max_drafts, S] i32
+  OwnedTensor mtp_draft_logprobs_;               // [S] f32 sampler output for the drafts (not read)
+  struct VerifyGraphs;                           // verify, commit and MTP graphs of one (padded sequences, k)
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<VerifyGraphs>> verify_graphs_;
 };
 

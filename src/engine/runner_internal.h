@@ -4,7 +4,6 @@
 
 #include <cstdint>
 #include <map>
-#include <span>
 
 #include "engine/runner.h"
 #include "runtime/buffer.h"
@@ -13,17 +12,6 @@
 #endif
 
 namespace metrale {
-
-// Host arrays of one step, each sized for the limits (pinned when a GPU is used).
-struct Runner::HostStep {
-  PinnedBuffer token_ids, positions, cu_q, kv_lens, block_tables, slot_mapping, logit_rows, state_slots;
-  int64_t num_tokens = 0, num_seqs = 0, num_rows = 0;
-  int64_t block_stride = 0;  // columns of the block table
-  int64_t max_q_len = 0, max_kv_len = 0;
-  bool has_state_slots = false;  // the model has recurrent layers
-
-  static int32_t* ints(const PinnedBuffer& buffer) { return static_cast<int32_t*>(buffer.data()); }
-};
 
 struct Runner::Graph {
 #if METRALE_WITH_CUDA
@@ -54,12 +42,6 @@ struct Runner::VerifyGraphs {
 
 inline int64_t max_blocks_per_seq(const RunnerLimits& limits) {
   return (limits.max_model_len + limits.block_size - 1) / limits.block_size;
-}
-
-// The paged-cache slot (block * block_size + offset) of `position` in a sequence's block table.
-inline int32_t cache_slot_of(std::span<const int32_t> table, int64_t position, int64_t block_size) {
-  return table[static_cast<size_t>(position / block_size)] * static_cast<int32_t>(block_size) +
-         static_cast<int32_t>(position % block_size);
 }
 
 }  // namespace metrale

@@ -64,62 +64,6 @@ void capture_graph(CudaGraph& graph, Device device, Body&& body) {
 
 }  // namespace
 
-// Device arrays of the fixed-layout commit and MTP steps of one shape (S sequences, k drafts,
-// T = S (1 + k) rows), views into Runner::fixed_ints_ (host staging: the same offsets in
-// Runner::fixed_host_). One upload per step fills them.
-struct Runner::FixedArrays {
-  int64_t seqs = 0, k = 0, rows = 0, stride = 0;
-  // Commit (VerifyCommit's 2S parts): [2S+1], [2S], [2S].
-  size_t cu_parts = 0, part_kv_lens = 0, part_slots = 0;
-  // MTP catch-up over every verify row: tokens, positions, slots [T]; cu_q [S+1]; kv_lens and the
-  // drafting row of each sequence [S].
-  size_t tokens0 = 0, positions0 = 0, slots0 = 0, cu0 = 0, kv_lens0 = 0, draft_rows0 = 0;
-  // Chained steps j = 1..n-1 (n <= max_drafts), one row per sequence: positions, slots, kv_lens
-  // [(max_drafts - 1) S] each.
-  size_t positions = 0, slots = 0, kv_lens = 0;
-  // Shared by the chained steps: cu_q [S+1] = 0..S, logits rows [S] = 0..S-1; block tables [S, stride].
-  size_t cu1 = 0, rows1 = 0, block_tables = 0;
-  size_t commit_ints = 0;  // the commit's arrays are [0, commit_ints)
-  size_t total = 0;        // ints
-
-  Tensor view(const OwnedTensor& buffer, size_t offset, int64_t count) const {
-    return Tensor(static_cast<int32_t*>(buffer.tensor.data()) + offset, DType::kI32, {count}, buffer.tensor.device());
-  }
-};
-
-Runner::FixedArrays Runner::fixed_arrays(int64_t seqs, int64_t k) const {
-  FixedArrays a;
-  a.seqs = seqs;
-  a.k = k;
-  a.rows = seqs * (1 + k);
-  a.stride = max_blocks_per_seq(limits_);
-  size_t at = 0;
-  const auto take = [&](int64_t count) {
-    const size_t offset = at;
-    at += static_cast<size_t>((count + 63) / 64 * 64);  // 256-byte aligned sections
-    return offset;
-  };
-  a.cu_parts = take(2 * seqs + 1);
-  a.part_kv_lens = take(2 * seqs);
-  a.part_slots = take(2 * seqs);
-  a.commit_ints = at;
-  a.tokens0 = take(a.rows);
-  a.positions0 = take(a.rows);
-  a.slots0 = take(a.rows);
-  a.cu0 = take(seqs + 1);
-  a.kv_lens0 = take(seqs);
-  a.draft_rows0 = take(seqs);
-  const int64_t chain = std::max<int64_t>(limits_.max_drafts - 1, 1);  // chained steps at most
-  a.positions = take(chain * seqs);
-  a.slots = take(chain * seqs);
-  a.kv_lens = take(chain * seqs);
-  a.cu1 = take(seqs + 1);
-  a.rows1 = take(seqs);
-  a.block_tables = take(seqs * a.stride);
-  a.total = at;
-  return a;
-}
-
 void Runner::allocate_speculative_buffers() {
   const Device device = model_.device();
 #if METRALE_WITH_CUDA
@@ -152,9 +96,7 @@ void Runner::allocate_speculative_buffers() {
   greedy_logprobs_ = OwnedTensor(DType::kF32, {rows}, device);
   const size_t scratch = std::max<size_t>(model_.verify_scratch_bytes(rows, seqs), 1);
   fixed_verify_scratch_ = OwnedTensor(DType::kU8, {static_cast<int64_t>(scratch)}, device);
-  const FixedArrays largest = fixed_arrays(seqs, k);
-  fixed_ints_ = OwnedTensor(DType::kI32, {static_cast<int64_t>(largest.total)}, device);
-  fixed_host_ = PinnedBuffer(largest.total * sizeof(int32_t));
+  builder_.reserve_fixed(seqs, k);
   greedy_host_ = PinnedBuffer(static_cast<size_t>(2 * rows) * sizeof(int32_t));
   if (limits_.mtp) {
     // Every step's hidden states at fixed addresses (decode and verify graphs write them).
@@ -173,7 +115,7 @@ void Runner::allocate_speculative_buffers() {
     // Eager MTP steps (run_mtp, run_mtp_keys: at most `tokens` rows each) gather into these, sized
     // up front so that no step allocates (and synchronises).
     mtp_hidden_in_ = OwnedTensor(act, {tokens, hidden}, device);
-    mtp_key_ints_ = OwnedTensor(DType::kI32, {4 * tokens}, device);
+    builder_.reserve_key_rows(tokens);
   }
 }
 
@@ -208,13 +150,12 @@ void Runner::execute_fixed_verify(const SchedulePlan& plan, int64_t padded_seqs,
   const auto seqs = static_cast<int64_t>(plan.chunks.size());
   const auto graph = verify_graphs_.find({padded_seqs, k});
   const bool use_graph = graph != verify_graphs_.end();
-  build_host_step(plan, use_graph ? padded_seqs : 0, 1 + k, result);
-  ForwardBatch batch = upload(/*fixed_block_stride=*/use_graph);
-  const int64_t rows = host_->num_tokens;
-  attach_speculative_outputs(batch, /*verify=*/true, /*fixed=*/true);
+  ForwardBatch batch = build_step(plan, use_graph ? padded_seqs : 0, 1 + k, result);
+  const int64_t rows = batch.num_tokens;
+  attach_speculative_outputs(batch, /*verify=*/true, /*fixed=*/true, result);
   if (limits_.mtp) {  // the MTP chain reads the verify's hidden states in place
     batch.hidden_out = hidden_.tensor.slice(0, 0, rows);
-    last_hidden_ = batch.hidden_out;
+    result.hidden = batch.hidden_out;
   }
   if (device.is_cpu() && (logits_.tensor.empty() || logits_.tensor.size(0) < rows)) {
     logits_ = OwnedTensor(DType::kF32, {rows, model_.config().vocab_size}, device);
@@ -233,9 +174,8 @@ void Runner::execute_fixed_verify(const SchedulePlan& plan, int64_t padded_seqs,
   result.greedy_tokens = greedy_tokens_.tensor.slice(0, 0, rows);
   result.greedy_logprobs = greedy_logprobs_.tensor.slice(0, 0, rows);
   result.used_graph = use_graph;
-  remember_fixed(plan, use_graph ? padded_seqs : seqs, k, use_graph);
-  last_verify_ = batch;
-  commit_pending_ = true;
+  result.fixed = fixed_step(plan, use_graph ? padded_seqs : seqs, k, use_graph);
+  result.verify = batch;
 }
 
 std::pair<std::span<const int32_t>, std::span<const float>> Runner::fetch_greedy_rows(const StepResult& result) {
@@ -280,14 +220,17 @@ void Runner::greedy_rows(StepResult& result) {
   result.greedy_logprobs = greedy_logprobs_.tensor.slice(0, 0, rows);
 }
 
-void Runner::remember_fixed(const SchedulePlan& plan, int64_t padded_seqs, int64_t k, bool graph) {
-  last_fixed_ = {padded_seqs, k, static_cast<int64_t>(plan.chunks.size()), graph};
-  fixed_seq_ids_.clear();
-  fixed_first_positions_.clear();
+FixedStep Runner::fixed_step(const SchedulePlan& plan, int64_t padded_seqs, int64_t k, bool graph) {
+  FixedStep step;
+  step.seqs = padded_seqs;
+  step.k = k;
+  step.real_seqs = static_cast<int64_t>(plan.chunks.size());
+  step.graph = graph;
   for (const ScheduledChunk& chunk : plan.chunks) {
-    fixed_seq_ids_.push_back(chunk.sequence->id);
-    fixed_first_positions_.push_back(chunk.sequence->num_computed);
+    step.seq_ids.push_back(chunk.sequence->id);
+    step.first_positions.push_back(chunk.sequence->num_computed);
   }
+  return step;
 }
 
 void Runner::run_fixed_verify(const ForwardBatch& batch, int64_t rows, std::span<const LogitRowUse> uses) {
@@ -310,12 +253,11 @@ void Runner::run_fixed_verify(const ForwardBatch& batch, int64_t rows, std::span
   for (const LogitRowUse& use : uses) sample(use.first_row, use.first_row + use.num_rows);
 }
 
-void Runner::attach_speculative_outputs(ForwardBatch& batch, bool verify, bool fixed) {
+void Runner::attach_speculative_outputs(ForwardBatch& batch, bool verify, bool fixed, StepResult& result) {
   const Device device = model_.device();
-  last_hidden_ = Tensor();
   if (keep_hidden_) {
-    last_hidden_ = grown(hidden_, activation_dtype_of(device), {batch.num_tokens, model_.config().hidden_size}, device);
-    batch.hidden_out = last_hidden_;
+    result.hidden = grown(hidden_, activation_dtype_of(device), {batch.num_tokens, model_.config().hidden_size}, device);
+    batch.hidden_out = result.hidden;
   }
   if (!verify) return;
   batch.verify = true;
@@ -330,22 +272,21 @@ void Runner::attach_speculative_outputs(ForwardBatch& batch, bool verify, bool f
   }
 }
 
-void Runner::commit_verified(std::span<const int32_t> kept_rows, bool mtp_follows) {
-  METRALE_CHECK(commit_pending_, "commit_verified without a verify step");
-  commit_pending_ = false;
-  if (!last_fixed_.graph) {
+void Runner::commit_verified(const ForwardBatch& verify, const FixedStep& fixed, std::span<const int32_t> kept_rows,
+                             bool mtp_follows) {
+  METRALE_CHECK(verify.verify, "commit_verified without a verify step");
+  if (!fixed.graph) {
     // Eager: the model builds the exact commit rows from the host counts.
     std::vector<int32_t> kept(kept_rows.begin(), kept_rows.end());
-    kept.resize(static_cast<size_t>(last_verify_.num_seqs), 1);  // padding sequences of the layout keep one row
+    kept.resize(static_cast<size_t>(verify.num_seqs), 1);  // padding sequences of the layout keep one row
     workspace_.reset();
-    model_.commit_verified(last_verify_, kept, model_caches(), workspace_);
-    last_verify_ = ForwardBatch();
+    model_.commit_verified(verify, kept, model_caches(), workspace_);
     return;
   }
-  stage_fixed_commit(kept_rows);
+  builder_.stage_commit(builder_.fixed_layout(fixed.seqs, fixed.k), verify, kept_rows);
 #if METRALE_WITH_CUDA
   const auto stream = static_cast<cudaStream_t>(current_stream(model_.device()));
-  const CudaGraph& graph = verify_graphs_.at({last_fixed_.seqs, last_fixed_.k})->commit;
+  const CudaGraph& graph = verify_graphs_.at({fixed.seqs, fixed.k})->commit;
   if (mtp_follows && commit_stream_ != nullptr) {
     // After the staged commit arrays, on its own stream; join_commit() follows the MTP chain.
     commit_stream_->inputs_ready.record(stream);
@@ -359,7 +300,6 @@ void Runner::commit_verified(std::span<const int32_t> kept_rows, bool mtp_follow
 #else
   (void)mtp_follows;
 #endif
-  last_verify_ = ForwardBatch();
 }
 
 void Runner::join_commit() {
@@ -370,54 +310,23 @@ void Runner::join_commit() {
 #endif
 }
 
-void Runner::stage_fixed_commit(std::span<const int32_t> kept_rows) {
-  // The commit's parts (VerifyCommit) over the padded layout, in fixed buffers.
-  const int64_t seqs = last_fixed_.seqs, k = last_fixed_.k, per_seq = 1 + k;
-  const FixedArrays a = fixed_arrays(seqs, k);
-  auto* host = static_cast<int32_t*>(fixed_host_.data());
-  int32_t* cu_parts = host + a.cu_parts;
-  int32_t* kv_lens = host + a.part_kv_lens;
-  int32_t* slots = host + a.part_slots;
-  const int32_t* verify_kv_lens = last_verify_.host_kv_lens.data();
-  const int32_t* verify_slots = last_verify_.host_state_slots.data();
-  cu_parts[0] = 0;
-  for (int64_t s = 0; s < seqs; ++s) {
-    const int32_t kept = s < static_cast<int64_t>(kept_rows.size()) ? kept_rows[static_cast<size_t>(s)] : 1;
-    METRALE_CHECK(kept >= 1 && kept <= per_seq, "commit: sequence {} keeps {} of {} rows", s, kept, per_seq);
-    cu_parts[2 * s + 1] = static_cast<int32_t>(s * per_seq + kept);
-    cu_parts[2 * s + 2] = static_cast<int32_t>((s + 1) * per_seq);
-    kv_lens[2 * s] = verify_kv_lens[s] - static_cast<int32_t>(per_seq) + kept;
-    kv_lens[2 * s + 1] = static_cast<int32_t>(per_seq) - kept;
-    slots[2 * s] = verify_slots != nullptr ? verify_slots[s] : 0;
-    slots[2 * s + 1] = -1;
-  }
-  copy_bytes_async(fixed_ints_.tensor.data(), model_.device(), host, Device::cpu(), a.commit_ints * sizeof(int32_t));
-}
-
-void Runner::run_fixed_commit(int64_t seqs, int64_t k) {
-  const FixedArrays a = fixed_arrays(seqs, k);
-  VerifyCommit kept;
-  kept.max_rows = 1 + k;
-  kept.cu_parts = a.view(fixed_ints_, a.cu_parts, 2 * seqs + 1);
-  kept.kv_lens = a.view(fixed_ints_, a.part_kv_lens, 2 * seqs);
-  kept.slots = a.view(fixed_ints_, a.part_slots, 2 * seqs);
+void Runner::run_fixed_commit(const FixedLayout& layout, const ForwardBatch& verify) {
+  const VerifyCommit kept = builder_.commit_view(layout);
   commit_workspace_.reset();
-  model_.commit_kept_rows(last_verify_, kept, model_caches(), commit_workspace_);
+  model_.commit_kept_rows(verify, kept, model_caches(), commit_workspace_);
 }
 
-void Runner::launch_mtp_fixed(std::span<const MtpFixedRow> rows, int64_t drafts) {
-  METRALE_CHECK(!commit_pending_, "an MTP step ran before the last verify step's commit");
-  METRALE_CHECK(limits_.mtp && last_fixed_.seqs > 0, "launch_mtp_fixed without a fixed-layout verify step");
-  METRALE_CHECK(pending_mtp_.drafts == 0, "an MTP chain is still in flight");
-  METRALE_CHECK(static_cast<int64_t>(rows.size()) == last_fixed_.real_seqs, "MTP rows for {} of {} sequences",
-                rows.size(), last_fixed_.real_seqs);
+MtpChain Runner::launch_mtp_fixed(const FixedStep& step, std::span<const MtpFixedRow> rows, int64_t drafts) {
+  METRALE_CHECK(limits_.mtp && !step.empty(), "launch_mtp_fixed without a fixed-layout step");
+  METRALE_CHECK(static_cast<int64_t>(rows.size()) == step.real_seqs, "MTP rows for {} of {} sequences", rows.size(),
+                step.real_seqs);
   const Device device = model_.device();
-  const int64_t seqs = last_fixed_.seqs, k = last_fixed_.k;
+  const int64_t seqs = step.seqs;
   drafts = std::clamp<int64_t>(drafts, 1, limits_.max_drafts);
 #if METRALE_WITH_CUDA
   const CudaGraph* graph = nullptr;
-  const auto graphs = verify_graphs_.find({seqs, k});
-  if (last_fixed_.graph && graphs != verify_graphs_.end()) {
+  const auto graphs = verify_graphs_.find({seqs, step.k});
+  if (step.graph && graphs != verify_graphs_.end()) {
     // The smallest captured chain that makes enough drafts.
     const auto it = graphs->second->mtp.lower_bound(drafts);
     if (it != graphs->second->mtp.end()) {
@@ -430,142 +339,99 @@ void Runner::launch_mtp_fixed(std::span<const MtpFixedRow> rows, int64_t drafts)
     METRALE_CHECK(row.chain_positions < drafts, "MTP row with {} chained positions for {} drafts", row.chain_positions,
                   drafts);
   }
-  stage_fixed_mtp(rows, drafts);
+  const StagedMtp staged = stage_fixed_mtp(step, rows, drafts);
 #if METRALE_WITH_CUDA
   if (graph != nullptr) {
     graph->launch(static_cast<cudaStream_t>(current_stream(device)));
   } else {
-    run_fixed_mtp(seqs, k, drafts);
+    run_fixed_mtp(staged);
   }
 #else
-  run_fixed_mtp(seqs, k, drafts);
+  run_fixed_mtp(staged);
 #endif
-  mtp_plan_ = {};
-  last_fixed_ = FixedShape();
-  pending_mtp_.seqs = seqs;
-  pending_mtp_.drafts = drafts;
-  pending_mtp_.chain_positions.clear();
-  for (const MtpFixedRow& row : rows) pending_mtp_.chain_positions.push_back(row.drafting ? row.chain_positions : -1);
+  MtpChain chain;
+  chain.seqs = seqs;
+  chain.drafts = drafts;
+  for (const MtpFixedRow& row : rows) chain.chain_positions.push_back(row.drafting ? row.chain_positions : -1);
   copy_bytes_async(mtp_drafts_host_.data(), Device::cpu(), mtp_drafts_.tensor.data(), device,
                    static_cast<size_t>(drafts * seqs) * sizeof(int32_t));
   join_commit();  // queued after the chain: it ran beside the commit
+  return chain;
 }
 
-std::vector<std::vector<int32_t>> Runner::collect_mtp_fixed() {
-  METRALE_CHECK(pending_mtp_.drafts > 0, "no MTP chain in flight");
+std::vector<std::vector<int32_t>> Runner::collect_mtp_fixed(const MtpChain& chain) {
+  METRALE_CHECK(!chain.empty(), "no MTP chain in flight");
   const Device device = model_.device();
   if (device.is_cuda()) synchronize(device);
   const auto* all = static_cast<const int32_t*>(mtp_drafts_host_.data());
-  std::vector<std::vector<int32_t>> out(pending_mtp_.chain_positions.size());
+  std::vector<std::vector<int32_t>> out(chain.chain_positions.size());
   for (size_t s = 0; s < out.size(); ++s) {
-    for (int64_t j = 0; j <= pending_mtp_.chain_positions[s]; ++j)
-      out[s].push_back(std::max(all[static_cast<size_t>(j * pending_mtp_.seqs) + s], 0));  // -1: no valid logit
+    for (int64_t j = 0; j <= chain.chain_positions[s]; ++j)
+      out[s].push_back(std::max(all[static_cast<size_t>(j * chain.seqs) + s], 0));  // -1: no valid logit
   }
-  pending_mtp_ = PendingMtp();
   return out;
 }
 
-void Runner::stage_fixed_mtp(std::span<const MtpFixedRow> rows, int64_t drafts) {
-  const int64_t seqs = last_fixed_.seqs, k = last_fixed_.k, per_seq = 1 + k;
-  const bool use_graph = last_fixed_.graph;
-  const FixedArrays a = fixed_arrays(seqs, k);
-  const int64_t block_size = limits_.block_size;
-  // Block tables keep the graphs' fixed stride; eager steps bound the attention by the longest context.
-  const int64_t stride = a.stride;
-  int64_t longest = 1 + k;  // padding rows: per_seq keys
-  auto* host = static_cast<int32_t*>(fixed_host_.data());
-  std::vector<std::span<const int32_t>> tables(static_cast<size_t>(seqs));
-  for (int64_t s = 0; s < static_cast<int64_t>(rows.size()); ++s) {
+Runner::StagedMtp Runner::stage_fixed_mtp(const FixedStep& step, std::span<const MtpFixedRow> rows, int64_t drafts) {
+  const int64_t seqs = step.seqs, k = step.k, per_seq = 1 + k;
+  StagedMtp staged;
+  staged.layout = builder_.fixed_layout(seqs, k);
+  staged.drafts = drafts;
+  staged.drafting.assign(static_cast<size_t>(seqs), 0);
+  groups_.assign(static_cast<size_t>(seqs), RowGroup());
+  chain_groups_.assign(static_cast<size_t>(std::max<int64_t>(drafts - 1, 0) * seqs), RowGroup());
+  // Finished or padding sequences: rows at position 0 that write nothing, their draft row first.
+  for (RowGroup& group : groups_) {
+    group.rows = per_seq;
+    group.logits_end = 1;
+  }
+  for (RowGroup& group : chain_groups_) {
+    group.rows = 1;
+    group.logits_end = 1;
+  }
+  for (int64_t s = 0; s < static_cast<int64_t>(rows.size()) && s < step.real_seqs; ++s) {
     const MtpFixedRow& row = rows[static_cast<size_t>(s)];
     if (!row.drafting) continue;
-    tables[static_cast<size_t>(s)] = cache_->block_table(fixed_seq_ids_[static_cast<size_t>(s)]);
-  }
-  mtp_drafting_.assign(static_cast<size_t>(seqs), 0);
-  for (size_t s = 0; s < rows.size(); ++s) mtp_drafting_[s] = rows[s].drafting ? 1 : 0;
-  int32_t* tokens0 = host + a.tokens0;
-  int32_t* positions0 = host + a.positions0;
-  int32_t* slots0 = host + a.slots0;
-  int32_t* cu0 = host + a.cu0;
-  int32_t* kv_lens0 = host + a.kv_lens0;
-  int32_t* draft_rows0 = host + a.draft_rows0;
-  int32_t* positions = host + a.positions;
-  int32_t* slots = host + a.slots;
-  int32_t* kv_lens = host + a.kv_lens;
-  int32_t* cu1 = host + a.cu1;
-  int32_t* rows1 = host + a.rows1;
-  int32_t* block_tables = host + a.block_tables;
-  std::fill(block_tables, block_tables + seqs * stride, 0);
-  cu0[0] = 0;
-  cu1[0] = 0;
-  for (int64_t s = 0; s < seqs; ++s) {
-    const bool real = s < last_fixed_.real_seqs;
-    const MtpFixedRow* row = real && !rows.empty() ? &rows[static_cast<size_t>(s)] : nullptr;
-    const bool drafting = row != nullptr && row->drafting;
-    const int64_t first = s * per_seq;
-    cu0[s + 1] = static_cast<int32_t>(first + per_seq);
-    cu1[s + 1] = static_cast<int32_t>(s + 1);
-    rows1[s] = static_cast<int32_t>(s);
-    if (!drafting) {
-      // Finished or padding: rows at position 0 that write nothing.
-      for (int64_t i = 0; i < per_seq; ++i) {
-        tokens0[first + i] = 0;
-        positions0[first + i] = 0;
-        slots0[first + i] = -1;
-      }
-      kv_lens0[s] = static_cast<int32_t>(per_seq);
-      draft_rows0[s] = static_cast<int32_t>(first);
-      for (int64_t j = 1; j < drafts; ++j) {
-        const int64_t at = (j - 1) * seqs + s;
-        positions[at] = 0;
-        slots[at] = -1;
-        kv_lens[at] = 1;
-      }
-      continue;
-    }
-    const auto table = tables[static_cast<size_t>(s)];
-    std::copy(table.begin(), table.end(), block_tables + s * stride);
+    staged.drafting[static_cast<size_t>(s)] = 1;
+    const auto table = cache_->block_table(step.seq_ids[static_cast<size_t>(s)]);
     // The verify row of the sequence's known token sat at position t.
-    const int64_t t = fixed_first_positions_[static_cast<size_t>(s)];
-    const int64_t accepted = row->accepted;
-    METRALE_CHECK(accepted >= 0 && accepted <= k && static_cast<int64_t>(row->next_tokens.size()) == accepted + 1,
-                  "MTP row {}: {} accepted with {} next tokens", s, accepted, row->next_tokens.size());
+    const int64_t t = step.first_positions[static_cast<size_t>(s)];
+    const int64_t accepted = row.accepted;
+    METRALE_CHECK(accepted >= 0 && accepted <= k && static_cast<int64_t>(row.next_tokens.size()) == accepted + 1,
+                  "MTP row {}: {} accepted with {} next tokens", s, accepted, row.next_tokens.size());
     // Catch-up: rows 0..a at positions t..t+a with the tokens that followed them; rows past a are
-    // padding (their keys are not written).
-    for (int64_t i = 0; i < per_seq; ++i) {
-      const bool kept = i <= accepted;
-      tokens0[first + i] = kept ? row->next_tokens[static_cast<size_t>(i)] : 0;
-      positions0[first + i] = static_cast<int32_t>(kept ? t + i : t);
-      slots0[first + i] = kept ? cache_slot_of(table, t + i, block_size) : -1;
-    }
-    kv_lens0[s] = static_cast<int32_t>(t + per_seq);
-    draft_rows0[s] = static_cast<int32_t>(first + accepted);
-    longest = std::max(longest, t + per_seq);
-    // Chained draft j sits at position t + a + j; without a reserved block it writes nothing and
-    // its draft is dropped.
+    // padding (their keys are not written). Row a drafts.
+    RowGroup& catch_up = groups_[static_cast<size_t>(s)];
+    catch_up.first_position = t;
+    catch_up.real_rows = accepted + 1;
+    catch_up.tokens = row.next_tokens;
+    catch_up.block_table = table;
+    catch_up.logits_begin = accepted;
+    catch_up.logits_end = accepted + 1;
+    // Chained draft j sits at position t + a + j; without a reserved block it writes nothing (a
+    // padding row at t + a) and its draft is dropped.
     for (int64_t j = 1; j < drafts; ++j) {
-      const int64_t at = (j - 1) * seqs + s;
-      const int64_t position = t + accepted + j;
-      const bool room = j <= row->chain_positions;
-      positions[at] = static_cast<int32_t>(room ? position : t + accepted);
-      slots[at] = room ? cache_slot_of(table, position, block_size) : -1;
-      kv_lens[at] = static_cast<int32_t>((room ? position : t + accepted) + 1);
-      longest = std::max<int64_t>(longest, kv_lens[at]);
+      RowGroup& chained = chain_groups_[static_cast<size_t>((j - 1) * seqs + s)];
+      const bool room = j <= row.chain_positions;
+      chained.first_position = t + accepted + (room ? j : 0);
+      chained.real_rows = room ? 1 : 0;
+      chained.block_table = table;
     }
   }
-  copy_bytes_async(static_cast<int32_t*>(fixed_ints_.tensor.data()) + a.commit_ints, model_.device(),
-                   host + a.commit_ints, Device::cpu(), (a.total - a.commit_ints) * sizeof(int32_t));
-  mtp_plan_ = use_graph ? MtpPlan{} : MtpPlan{longest};
+  // Block tables keep the graphs' fixed stride; eager steps bound the attention by the longest context.
+  const int64_t longest = builder_.stage_mtp(staged.layout, groups_, chain_groups_);
+  staged.max_kv_len = step.graph ? 0 : longest;
+  return staged;
 }
 
-void Runner::run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts) {
-  const FixedArrays a = fixed_arrays(seqs, k);
+void Runner::run_fixed_mtp(const StagedMtp& staged) {
+  const FixedLayout& a = staged.layout;
+  const int64_t seqs = a.seqs, rows = seqs * (1 + a.k), drafts = staged.drafts;
   const Device device = model_.device();
   const DType act = activation_dtype_of(device);
   const int64_t hidden = model_.config().hidden_size, vocab = model_.config().vocab_size;
   const int64_t layers = std::max<int64_t>(model_.num_mtp_layers(), 1);
-  const int64_t stride = a.stride;
-  const int64_t max_kv_len = mtp_plan_.max_kv_len > 0 ? mtp_plan_.max_kv_len : limits_.max_model_len;
-  const Tensor block_tables = a.view(fixed_ints_, a.block_tables, seqs * stride).reshape({seqs, stride});
+  const int64_t max_kv_len = staged.max_kv_len > 0 ? staged.max_kv_len : limits_.max_model_len;
   const Tensor logits = Tensor(mtp_fixed_logits_.tensor.data(), DType::kF32, {seqs, vocab}, device);
   const auto greedy = [&](int64_t j) {
     const auto sample = [&](int64_t begin, int64_t end) {
@@ -583,7 +449,7 @@ void Runner::run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts) {
     }
     // The CPU sampler rejects the non-finite rows finished and padding sequences may produce.
     for (int64_t s = 0; s < seqs; ++s) {
-      if (s < static_cast<int64_t>(mtp_drafting_.size()) && mtp_drafting_[static_cast<size_t>(s)] != 0) {
+      if (s < static_cast<int64_t>(staged.drafting.size()) && staged.drafting[static_cast<size_t>(s)] != 0) {
         sample(s, s + 1);
       } else {
         const int32_t zero = 0;
@@ -592,29 +458,10 @@ void Runner::run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts) {
       }
     }
   };
-  const auto host_span = [&](size_t offset, int64_t count) {
-    return std::span<const int32_t>(static_cast<const int32_t*>(fixed_host_.data()) + offset,
-                                    static_cast<size_t>(count));
-  };
   // Catch-up over every verify row: x_{t+1} with h_t of the verify (the hidden states in place).
-  ForwardBatch b0;
-  b0.num_tokens = a.rows;
-  b0.num_seqs = seqs;
-  b0.block_size = limits_.block_size;
-  b0.max_q_len = 1 + k;
-  b0.max_kv_len = max_kv_len;
-  b0.token_ids = a.view(fixed_ints_, a.tokens0, a.rows);
-  b0.positions = a.view(fixed_ints_, a.positions0, a.rows);
-  b0.slot_mapping = a.view(fixed_ints_, a.slots0, a.rows);
-  b0.cu_q = a.view(fixed_ints_, a.cu0, seqs + 1);
-  b0.kv_lens = a.view(fixed_ints_, a.kv_lens0, seqs);
-  b0.block_tables = block_tables;
-  b0.logit_rows = a.view(fixed_ints_, a.draft_rows0, seqs);
-  b0.host_cu_q = host_span(a.cu0, seqs + 1);
-  b0.host_kv_lens = host_span(a.kv_lens0, seqs);
-  b0.host_logit_rows = host_span(a.draft_rows0, seqs);
-  b0.hidden_out = mtp_fixed_hidden_[0].tensor.slice(0, 0, a.rows);
-  const Tensor verify_hidden = Tensor(hidden_.tensor.data(), act, {a.rows, hidden}, device);
+  ForwardBatch b0 = builder_.mtp_view(a, 0, max_kv_len);
+  b0.hidden_out = mtp_fixed_hidden_[0].tensor.slice(0, 0, rows);
+  const Tensor verify_hidden = Tensor(hidden_.tensor.data(), act, {rows, hidden}, device);
   workspace_.reset();
   model_.mtp_forward(b0, model_caches(), verify_hidden, logits, workspace_, 0);
   greedy(0);
@@ -623,23 +470,8 @@ void Runner::run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts) {
   kernels::gather_rows(b0.hidden_out, b0.logit_rows, previous);
   for (int64_t j = 1; j < drafts; ++j) {
     const Tensor out = mtp_fixed_hidden_[j % 2 == 1 ? 2 : 1].tensor.slice(0, 0, seqs);
-    ForwardBatch b;
-    b.num_tokens = seqs;
-    b.num_seqs = seqs;
-    b.block_size = limits_.block_size;
-    b.max_q_len = 1;
-    b.max_kv_len = max_kv_len;
+    ForwardBatch b = builder_.mtp_view(a, j, max_kv_len);
     b.token_ids = mtp_drafts_.tensor.slice(0, (j - 1) * seqs, j * seqs);
-    const size_t at = static_cast<size_t>((j - 1) * seqs);
-    b.positions = a.view(fixed_ints_, a.positions + at, seqs);
-    b.slot_mapping = a.view(fixed_ints_, a.slots + at, seqs);
-    b.kv_lens = a.view(fixed_ints_, a.kv_lens + at, seqs);
-    b.cu_q = a.view(fixed_ints_, a.cu1, seqs + 1);
-    b.block_tables = block_tables;
-    b.logit_rows = a.view(fixed_ints_, a.rows1, seqs);
-    b.host_cu_q = host_span(a.cu1, seqs + 1);
-    b.host_kv_lens = host_span(a.kv_lens + at, seqs);
-    b.host_logit_rows = host_span(a.rows1, seqs);
     b.hidden_out = out;
     workspace_.reset();
     model_.mtp_forward(b, model_caches(), previous, logits, workspace_, j % layers);
@@ -650,62 +482,32 @@ void Runner::run_fixed_mtp(int64_t seqs, int64_t k, int64_t drafts) {
 
 Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_source, int64_t mtp_layer,
                        Tensor& out_hidden) {
-  METRALE_CHECK(!commit_pending_, "an MTP step ran before the last verify step's commit");
-  HostStep& h = *host_;
   const Device device = model_.device();
-  const int64_t block_size = limits_.block_size;
   const int64_t hidden_size = model_.config().hidden_size;
-  int64_t step_blocks = 1;
-  for (const MtpRows& seq : rows) step_blocks = std::max<int64_t>(step_blocks, cache_->block_table(seq.seq_id).size());
-  h.block_stride = step_blocks;
-  int32_t* token_ids = HostStep::ints(h.token_ids);
-  int32_t* positions = HostStep::ints(h.positions);
-  int32_t* slots = HostStep::ints(h.slot_mapping);
-  int32_t* logit_rows = HostStep::ints(h.logit_rows);
-  int32_t* cu_q = HostStep::ints(h.cu_q);
-  int32_t* kv_lens = HostStep::ints(h.kv_lens);
-  int32_t* tables = HostStep::ints(h.block_tables);
-  const int64_t num_seqs = static_cast<int64_t>(rows.size());
-  METRALE_CHECK(num_seqs <= limits_.max_num_seqs, "MTP step of {} sequences", num_seqs);
-  std::fill(tables, tables + num_seqs * h.block_stride, 0);
-  std::vector<int32_t> gather;
-  int64_t t = 0, r = 0;
-  h.max_q_len = 0;
-  h.max_kv_len = 0;
-  cu_q[0] = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const MtpRows& seq = rows[static_cast<size_t>(s)];
-    const auto table = cache_->block_table(seq.seq_id);
+  groups_.clear();
+  for (const MtpRows& seq : rows) {
     const auto count = static_cast<int64_t>(seq.next_tokens.size());
-    const int64_t end = seq.first_position + count;
-    METRALE_CHECK(count > 0 && static_cast<int64_t>(table.size()) * block_size >= end,
-                  "MTP rows of sequence {}: {} rows to position {} with {} blocks", seq.seq_id, count, end,
-                  table.size());
-    METRALE_CHECK(t + count <= max_step_rows(), "MTP step exceeds the token limit");
-    std::copy(table.begin(), table.end(), tables + s * h.block_stride);
-    for (int64_t i = 0; i < count; ++i, ++t) {
-      const int64_t p = seq.first_position + i;
-      token_ids[t] = seq.next_tokens[static_cast<size_t>(i)];
-      positions[t] = static_cast<int32_t>(p);
-      slots[t] = cache_slot_of(table, p, block_size);
-      gather.push_back(static_cast<int32_t>(seq.first_hidden_row + i));
+    METRALE_CHECK(count > 0, "MTP rows of sequence {}: none", seq.seq_id);
+    RowGroup group;
+    group.first_position = seq.first_position;
+    group.rows = group.real_rows = count;
+    group.tokens = seq.next_tokens;
+    group.block_table = cache_->block_table(seq.seq_id);
+    group.hidden_row = seq.first_hidden_row;
+    if (seq.wants_logits) {
+      group.logits_begin = count - 1;
+      group.logits_end = count;
     }
-    cu_q[s + 1] = static_cast<int32_t>(t);
-    kv_lens[s] = static_cast<int32_t>(end);
-    if (seq.wants_logits) logit_rows[r++] = static_cast<int32_t>(t - 1);
-    h.max_q_len = std::max(h.max_q_len, count);
-    h.max_kv_len = std::max(h.max_kv_len, end);
+    groups_.push_back(group);
   }
-  h.num_tokens = t;
-  h.num_seqs = num_seqs;
-  h.num_rows = r;
-  h.has_state_slots = false;  // the MTP layers are attention only
-  ForwardBatch batch = upload(/*fixed_block_stride=*/false);
+  BatchBuilder::StepOptions options;
+  options.hidden_rows = true;  // the MTP layers are attention only: no state slots
+  const BatchBuilder::Built built = builder_.build_step(groups_, options);
+  ForwardBatch batch = built.batch;
+  const int64_t t = batch.num_tokens, r = built.shape.num_logit_rows;
   const DType act = activation_dtype_of(device);
-  const Tensor index = grown(mtp_gather_, DType::kI32, {t}, device);
-  copy_bytes(index.data(), device, gather.data(), Device::cpu(), gather.size() * sizeof(int32_t));
   const Tensor hidden_in = grown(mtp_hidden_in_, act, {t, hidden_size}, device);
-  kernels::gather_rows(hidden_source, index, hidden_in);
+  kernels::gather_rows(hidden_source, built.hidden_rows, hidden_in);
   mtp_flip_ ^= 1;
   out_hidden = grown(mtp_out_[mtp_flip_], act, {t, hidden_size}, device);
   batch.hidden_out = out_hidden;
@@ -724,37 +526,29 @@ void Runner::run_mtp_keys(std::span<const MtpKeyRow> rows, const Tensor& hidden_
 }
 
 void Runner::run_mtp_key_batch(std::span<const MtpKeyRow> rows, int64_t padded, const Tensor& hidden_source) {
-  METRALE_CHECK(!commit_pending_, "an MTP step ran before the last verify step's commit");
   METRALE_CHECK(static_cast<int64_t>(rows.size()) <= padded, "{} MTP key rows padded to {}", rows.size(), padded);
   const Device device = model_.device();
-  const int64_t block_size = limits_.block_size;
-  // [4, padded] i32: token ids x_{t+1}, positions t, cache slots (-1: none), rows of hidden_source.
-  std::vector<int32_t> ints(static_cast<size_t>(4 * padded), 0);
-  std::fill(ints.begin() + 2 * padded, ints.begin() + 3 * padded, -1);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const MtpKeyRow& row = rows[i];
-    const auto table = cache_->block_table(row.seq_id);
-    METRALE_CHECK(static_cast<int64_t>(table.size()) * block_size > row.position,
-                  "MTP keys of sequence {} at position {} with {} blocks", row.seq_id, row.position, table.size());
-    const auto at = static_cast<int64_t>(i);
-    ints[static_cast<size_t>(at)] = row.next_token;
-    ints[static_cast<size_t>(padded + at)] = static_cast<int32_t>(row.position);
-    ints[static_cast<size_t>(2 * padded + at)] = cache_slot_of(table, row.position, block_size);
-    ints[static_cast<size_t>(3 * padded + at)] = static_cast<int32_t>(row.hidden_row);
+  groups_.clear();
+  for (const MtpKeyRow& row : rows) {
+    RowGroup group;
+    group.first_position = row.position;
+    group.rows = group.real_rows = 1;
+    group.tokens = {&row.next_token, 1};
+    group.block_table = cache_->block_table(row.seq_id);
+    group.hidden_row = row.hidden_row;
+    groups_.push_back(group);
   }
-  const Tensor all = grown(mtp_key_ints_, DType::kI32, {4 * padded}, device);
-  copy_bytes(all.data(), device, ints.data(), Device::cpu(), ints.size() * sizeof(int32_t));
-  ForwardBatch batch;
-  batch.num_tokens = padded;
-  batch.block_size = block_size;
-  batch.token_ids = all.slice(0, 0, padded);
-  batch.positions = all.slice(0, padded, 2 * padded);
-  batch.slot_mapping = all.slice(0, 2 * padded, 3 * padded);
+  if (static_cast<int64_t>(rows.size()) < padded) {
+    RowGroup padding;  // position 0, cache slot -1, hidden row 0
+    padding.rows = padded - static_cast<int64_t>(rows.size());
+    groups_.push_back(padding);
+  }
+  const BatchBuilder::Built built = builder_.build_key_rows(groups_);
   const Tensor hidden_in =
       grown(mtp_hidden_in_, activation_dtype_of(device), {padded, model_.config().hidden_size}, device);
-  kernels::gather_rows(hidden_source, all.slice(0, 3 * padded, 4 * padded), hidden_in);
+  kernels::gather_rows(hidden_source, built.hidden_rows, hidden_in);
   workspace_.reset();
-  model_.mtp_write_keys(batch, model_caches(), hidden_in, workspace_, 0);
+  model_.mtp_write_keys(built.batch, model_caches(), hidden_in, workspace_, 0);
 }
 
 int64_t Runner::mtp_key_batch_rows(int64_t count) const {
@@ -775,14 +569,13 @@ void Runner::warm_up_mtp_keys() {
   synchronize(model_.device());
 }
 
-void Runner::stash_hidden_rows(int64_t first, int64_t count, int64_t at) {
-  METRALE_CHECK(!last_hidden_.empty() && first >= 0 && first + count <= last_hidden_.size(0),
-                "stash rows [{}, {}) of the last step's hidden states {}", first, first + count,
-                last_hidden_.describe());
+void Runner::stash_hidden_rows(const Tensor& hidden, int64_t first, int64_t count, int64_t at) {
+  METRALE_CHECK(!hidden.empty() && first >= 0 && first + count <= hidden.size(0),
+                "stash rows [{}, {}) of the step's hidden states {}", first, first + count, hidden.describe());
   METRALE_CHECK(at >= 0 && at + count <= mtp_stash_rows(), "stash rows [{}, {}) of {}", at, at + count,
                 mtp_stash_rows());
   if (count == 0) return;
-  const Tensor source = last_hidden_.slice(0, first, first + count);
+  const Tensor source = hidden.slice(0, first, first + count);
   const Tensor target = mtp_stash_.tensor.slice(0, at, at + count);
   copy_bytes_async(target.data(), model_.device(), source.data(), model_.device(), source.nbytes());
 }
@@ -793,36 +586,31 @@ size_t Runner::profile_fixed_steps() {
   const int64_t k = limits_.max_drafts;
   const int64_t seqs = std::min(limits_.max_num_seqs, capacity / (1 + k));
   if (seqs <= 0) return 0;
-  prepare_fixed_shape(seqs, k);
-  run_fixed_verify(last_verify_, seqs * (1 + k), {});
-  stage_fixed_commit({});
-  run_fixed_commit(seqs, k);
-  if (limits_.mtp) {
-    stage_fixed_mtp({}, k);
-    run_fixed_mtp(seqs, k, k);
-  }
+  const FixedShapeStep shape = prepare_fixed_shape(seqs, k);
+  run_fixed_verify(shape.batch, seqs * (1 + k), {});
+  const FixedLayout layout = builder_.fixed_layout(seqs, k);
+  builder_.stage_commit(layout, shape.batch, {});
+  run_fixed_commit(layout, shape.batch);
+  if (limits_.mtp) run_fixed_mtp(stage_fixed_mtp(shape.step, {}, k));
   synchronize(device);
   // The largest commit sized its workspace: fixed from here on (its graphs keep the addresses).
   commit_workspace_.reserve(commit_workspace_.high_water_bytes() + (1u << 20), /*growable=*/false);
-  last_fixed_ = FixedShape();
-  last_verify_ = ForwardBatch();
-  mtp_plan_ = {};
   return workspace_.high_water_bytes();
 }
 
-void Runner::prepare_fixed_shape(int64_t seqs, int64_t k) {
+Runner::FixedShapeStep Runner::prepare_fixed_shape(int64_t seqs, int64_t k) {
   // A step of padding sequences only (position 0, slot -1, the padding state slot).
   SchedulePlan empty;
   StepResult result;
-  build_host_step(empty, seqs, 1 + k, result);
-  ForwardBatch batch = upload(/*fixed_block_stride=*/true);
-  batch.max_kv_len = limits_.max_model_len;
-  attach_speculative_outputs(batch, /*verify=*/true, /*fixed=*/true);
-  if (limits_.mtp) batch.hidden_out = hidden_.tensor.slice(0, 0, seqs * (1 + k));
-  last_verify_ = batch;
-  last_fixed_ = {seqs, k, 0, true};
-  fixed_seq_ids_.clear();
-  fixed_first_positions_.clear();
+  FixedShapeStep shape;
+  shape.batch = build_step(empty, seqs, 1 + k, result);
+  shape.batch.max_kv_len = limits_.max_model_len;
+  attach_speculative_outputs(shape.batch, /*verify=*/true, /*fixed=*/true, result);
+  if (limits_.mtp) shape.batch.hidden_out = hidden_.tensor.slice(0, 0, seqs * (1 + k));
+  shape.step.seqs = seqs;
+  shape.step.k = k;
+  shape.step.graph = true;
+  return shape;
 }
 
 void Runner::capture_verify_graphs(const std::vector<int64_t>& batch_sizes) {
@@ -834,10 +622,10 @@ void Runner::capture_verify_graphs(const std::vector<int64_t>& batch_sizes) {
     for (const int64_t size : batch_sizes) {
       if (size > limits_.max_num_seqs || verify_graphs_.count({size, 0})) continue;
       auto graphs = std::make_unique<VerifyGraphs>();
-      prepare_fixed_shape(size, 0);
+      const FixedShapeStep shape = prepare_fixed_shape(size, 0);
       for (const int64_t drafts : captured_draft_counts(limits_.max_drafts)) {
-        stage_fixed_mtp({}, drafts);
-        capture_graph(graphs->mtp[drafts], device, [&] { run_fixed_mtp(size, 0, drafts); });
+        const StagedMtp staged = stage_fixed_mtp(shape.step, {}, drafts);
+        capture_graph(graphs->mtp[drafts], device, [&] { run_fixed_mtp(staged); });
       }
       verify_graphs_.emplace(std::make_pair(size, int64_t{0}), std::move(graphs));
     }
@@ -846,24 +634,22 @@ void Runner::capture_verify_graphs(const std::vector<int64_t>& batch_sizes) {
     for (const int64_t size : batch_sizes) {
       if (size > limits_.max_num_seqs || size * (1 + k) > capacity || verify_graphs_.count({size, k})) continue;
       auto graphs = std::make_unique<VerifyGraphs>();
-      prepare_fixed_shape(size, k);
-      const ForwardBatch batch = last_verify_;
+      const FixedShapeStep shape = prepare_fixed_shape(size, k);
+      const ForwardBatch& batch = shape.batch;
       capture_graph(graphs->verify, device, [&] { run_fixed_verify(batch, size * (1 + k), {}); });
-      stage_fixed_commit({});
-      capture_graph(graphs->commit, device, [&] { run_fixed_commit(size, k); });
+      const FixedLayout layout = builder_.fixed_layout(size, k);
+      builder_.stage_commit(layout, batch, {});
+      capture_graph(graphs->commit, device, [&] { run_fixed_commit(layout, batch); });
       if (limits_.mtp) {
         for (const int64_t drafts : captured_draft_counts(limits_.max_drafts)) {
-          stage_fixed_mtp({}, drafts);
-          capture_graph(graphs->mtp[drafts], device, [&] { run_fixed_mtp(size, k, drafts); });
+          const StagedMtp staged = stage_fixed_mtp(shape.step, {}, drafts);
+          capture_graph(graphs->mtp[drafts], device, [&] { run_fixed_mtp(staged); });
         }
       }
       verify_graphs_.emplace(std::make_pair(size, k), std::move(graphs));
     }
   }
   synchronize(device);
-  last_fixed_ = FixedShape();
-  last_verify_ = ForwardBatch();
-  mtp_plan_ = {};
 #else
   (void)batch_sizes;
 #endif

@@ -12,9 +12,7 @@ void preempt(Sequence* sequence, CacheManager& cache) {
   sequence->num_computed = 0;
   sequence->mtp_computed = 0;
   sequence->mtp_missed = 0;
-  sequence->draft_tokens.clear();
-  sequence->draft_probs.clear();
-  sequence->draft_base = -1;
+  sequence->clear_drafts();
   sequence->status = SequenceStatus::kWaiting;
   ++sequence->num_preemptions;
 }

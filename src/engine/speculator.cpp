@@ -9,6 +9,15 @@
 
 namespace metrale {
 
+bool decodes_next(const Sequence& sequence) {
+  return sequence.num_computed == sequence.num_tokens() - 1 && sequence.num_output() > 0 &&
+         !sequence.request.return_prompt_logits;
+}
+
+float stream_uniform(uint64_t seed, uint64_t stream, uint64_t step) {
+  return uniform_for(splitmix64_at(seed, stream), step);
+}
+
 std::string_view speculative_method_name(SpeculativeMethod method) {
   switch (method) {
     case SpeculativeMethod::kNone: return "none";
@@ -437,6 +446,11 @@ double SpeculationController::record_verify(double sequence_ema, int64_t drafted
   // that one early rejection does not write the sequence off.
   const double start = sequence_ema < 0.0 ? global_acceptance_ : sequence_ema;
   return start + kSequenceDecay * weight * (rate - start);
+}
+
+void SpeculationController::abandon_step() {
+  step_accepted_ = step_trials_ = 0.0;
+  probe_pending_ = false;
 }
 
 void SpeculationController::record_step(const SpeculativeStepRecord& step) {

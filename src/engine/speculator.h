@@ -13,7 +13,9 @@
 // - n-gram prompt lookup: the longest suffix of the sequence (ngram_max down to ngram_min tokens)
 //   that occurred earlier in its own prompt + output proposes the tokens that followed its latest
 //   earlier occurrence;
-// - MTP: the checkpoint's multi-token-prediction head (Engine, engine/mtp_drafter.h).
+// - MTP: the checkpoint's multi-token-prediction head (engine/mtp_drafter.h).
+// Both implement Drafter (engine/drafter.h); the SpeculativeDecoder (engine/speculative_decoder.h)
+// owns the drafter, the controller and everything a verify leaves pending until its commit.
 //
 // Adaptivity (SpeculationController, below): measured acceptance and measured step times choose,
 // per step, how many drafts the step verifies (0: a plain step).
@@ -24,9 +26,23 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/request.h"
 #include "engine/sampler.h"
 
 namespace metrale {
+
+// A sequence that decodes next step: its only uncomputed token is the last one (and it asks for no
+// prompt logits).
+bool decodes_next(const Sequence& sequence);
+
+// Independent counter-based random streams of a request, besides the Sampler's own (seed, step):
+// acceptance, residual draws, sampled MTP drafts, and benchmark replay.
+inline constexpr uint64_t kAcceptStream = 0x5eca'cce9'7000'0001ull;
+inline constexpr uint64_t kResidualStream = 0x5eca'cce9'7000'0002ull;
+inline constexpr uint64_t kDraftStream = 0x5eca'cce9'7000'0003ull;
+inline constexpr uint64_t kReplayStream = 0x5eca'cce9'7000'0004ull;
+// The uniform in [0, 1) of `stream` at `step` for a request seeded `seed`.
+float stream_uniform(uint64_t seed, uint64_t stream, uint64_t step);
 
 enum class SpeculativeMethod { kNone, kNgram, kMtp };
 
@@ -164,6 +180,8 @@ class SpeculationController {
   double record_verify(double sequence_ema, int64_t drafted, int64_t accepted);
   // After each step (its verifies recorded): the cost tables and the global acceptance.
   void record_step(const SpeculativeStepRecord& step);
+  // A step failed before record_step: its verifies and its probe count for nothing.
+  void abandon_step();
 
   double global_acceptance() const { return global_acceptance_; }
   // The measured time of a decode-only step of `num_decoding` sequences verifying k drafts (< 0: unmeasured).

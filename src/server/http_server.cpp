@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "server/choice_output.h"
+#include "server/health.h"
 #include "text/chat_template.h"
 
 namespace metrale::server {
@@ -162,8 +163,10 @@ void HttpServer::Impl::install_routes() {
     res.set_content(dump_json(models_response(config.served_model_name, created, engine.plan().max_model_len)),
                     "application/json");
   });
-  http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content("{\"status\":\"ok\"}", "application/json");
+  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    const HealthReply reply = health_reply(engine.health());
+    res.status = reply.status;
+    res.set_content(reply.body, "application/json");
   });
   http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics.render(engine.stats()), "text/plain; version=0.0.4; charset=utf-8");

@@ -70,9 +70,7 @@ Collected collect(RequestStream& stream, int stop_after_tokens = -1, std::functi
 std::vector<int32_t> run_alone(const Request& request) {
   auto engine = make_engine();
   const int64_t id = engine->add_request(request);
-  while (engine->has_unfinished()) engine->step();
-  const auto output = engine->sequence(id).output();
-  return {output.begin(), output.end()};
+  return testing::run_to_completion(*engine)[id].tokens;
 }
 
 void wait_until(const std::function<bool()>& condition) {

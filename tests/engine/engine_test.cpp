@@ -24,16 +24,7 @@ std::unique_ptr<Engine> make_engine(const std::filesystem::path& dir, EngineConf
 
 // Runs the engine until every request is done; returns each request's generated tokens.
 std::map<int64_t, std::vector<int32_t>> run_to_completion(Engine& engine) {
-  std::map<int64_t, std::vector<int32_t>> outputs;
-  int guard = 0;
-  while (engine.has_unfinished()) {
-    for (const TokenEvent& event : engine.step()) {
-      if (event.sampled.token >= 0) outputs[event.request_id].push_back(event.sampled.token);
-    }
-    EXPECT_LT(++guard, 10000) << "engine does not make progress";
-    if (guard >= 10000) break;
-  }
-  return outputs;
+  return testing::tokens_of(testing::run_to_completion(engine, {}, {}, 10000));
 }
 
 void expect_cache_drained(const Engine& engine) {

@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <map>
-#include <ostream>
 #include <random>
 
 #include "engine/engine.h"
@@ -65,29 +64,13 @@ std::vector<int32_t> random_tokens(size_t count, uint64_t seed) {
   return tokens;
 }
 
-// Each request's generated tokens, and the log-probabilities of every step (all 8 top tokens), which
-// show any difference in the logits, not only one that flips a greedy choice.
-struct Generated {
-  std::vector<int32_t> tokens;
-  std::vector<float> logprobs;
-  bool operator==(const Generated&) const = default;
-};
+// Each request's generated tokens and the log-probabilities of every step (the token's and all
+// 8 top tokens'), which show any difference in the logits, not only one that flips a greedy choice.
+using testing::Generated;
 
-std::ostream& operator<<(std::ostream& out, const Generated& generated) {
-  for (const int32_t token : generated.tokens) out << token << ' ';
-  return out;
-}
-
+// Runs until every request is done, checking the cache's books after every step.
 std::map<int64_t, Generated> run(Engine& engine) {
-  std::map<int64_t, Generated> outputs;
-  for (int guard = 0; engine.has_unfinished() && guard < 10000; ++guard) {
-    for (const TokenEvent& event : engine.step()) {
-      Generated& generated = outputs[event.request_id];
-      generated.tokens.push_back(event.sampled.token);
-      for (const auto& [token, logprob] : event.sampled.top_logprobs) generated.logprobs.push_back(logprob);
-    }
-    EXPECT_NO_THROW(engine.cache().check_integrity());
-  }
+  auto outputs = testing::run_to_completion(engine, testing::expect_cache_integrity);
   EXPECT_FALSE(engine.has_unfinished());
   EXPECT_EQ(engine.cache().pool().num_used(), 0);
   return outputs;

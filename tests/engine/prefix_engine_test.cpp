@@ -76,24 +76,16 @@ void expect_books_balance(const Engine& engine) {
 // Runs until every request is done, checking the cache's books after every step; returns each
 // request's generated tokens.
 std::map<int64_t, std::vector<int32_t>> run_to_completion(Engine& engine) {
-  std::map<int64_t, std::vector<int32_t>> outputs;
-  for (int guard = 0; engine.has_unfinished(); ++guard) {
-    if (guard >= 10000) {
-      ADD_FAILURE() << "engine does not make progress";
-      break;
-    }
-    for (const TokenEvent& event : engine.step()) {
-      if (event.sampled.token >= 0) outputs[event.request_id].push_back(event.sampled.token);
-    }
-    EXPECT_LE(static_cast<int64_t>(engine.num_running()), engine.plan().max_num_seqs);
-    expect_books_balance(engine);
-    if (::testing::Test::HasFailure()) break;
-  }
+  const auto after_step = [](const Engine& stepped) {
+    EXPECT_LE(static_cast<int64_t>(stepped.num_running()), stepped.plan().max_num_seqs);
+    expect_books_balance(stepped);
+  };
+  const auto outputs = testing::run_to_completion(engine, after_step, {}, 10000);
   const BlockPool& pool = engine.cache().pool();
   EXPECT_EQ(pool.num_used(), 0) << "finished requests still hold blocks";
   EXPECT_EQ(engine.cache().num_sequences(), 0u);
   EXPECT_EQ(engine.stats().state_slots_used, engine.cache().num_checkpoints()) << "only checkpoints stay";
-  return outputs;
+  return testing::tokens_of(outputs);
 }
 
 std::vector<int32_t> run_alone(Engine& engine, Request request) {

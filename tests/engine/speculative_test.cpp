@@ -26,8 +26,8 @@ namespace metrale {
 // Reaches into the engine for tests that need a decision the controller would not make.
 class EngineTestAccess {
  public:
-  static void run_plain(Engine& engine, int64_t steps) { engine.forced_plain_steps_ = steps; }
-  static bool mtp_stash_empty(const Engine& engine) { return engine.mtp_stash_rows_.empty(); }
+  static void run_plain(Engine& engine, int64_t steps) { engine.speculative_->force_plain_steps(steps); }
+  static bool mtp_stash_empty(const Engine& engine) { return engine.speculative_->mtp_stash_empty(); }
 };
 
 namespace {
@@ -44,28 +44,12 @@ constexpr bool kSanitizedBuild = false;
 const std::filesystem::path kGoldens = std::filesystem::path(METRALE_TEST_DATA_DIR) / "goldens";
 const std::filesystem::path kDemo = std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "demo";
 
-struct Generated {
-  std::vector<int32_t> tokens;
-  std::vector<float> logprobs;  // the emitted token's, then its top logprobs
-  FinishReason finish = FinishReason::kNone;
-};
-
-void record(const std::vector<TokenEvent>& events, std::map<int64_t, Generated>& outputs) {
-  for (const TokenEvent& event : events) {
-    Generated& generated = outputs[event.request_id];
-    if (event.sampled.token >= 0) {
-      generated.tokens.push_back(event.sampled.token);
-      generated.logprobs.push_back(event.sampled.logprob);
-      for (const auto& [token, logprob] : event.sampled.top_logprobs) generated.logprobs.push_back(logprob);
-    }
-    if (event.finished()) generated.finish = event.finish_reason;
-  }
-}
+using testing::Generated;
+using testing::record;
 
 // Steps `engine` until every request finished; `outputs` may hold the events of earlier steps.
 std::map<int64_t, Generated> run(Engine& engine, std::map<int64_t, Generated> outputs = {}) {
-  for (int guard = 0; engine.has_unfinished() && guard < 20000; ++guard) record(engine.step(), outputs);
-  EXPECT_FALSE(engine.has_unfinished());
+  outputs = testing::run_to_completion(engine, {}, std::move(outputs));
   EXPECT_NO_THROW(engine.cache().check_integrity());
   EXPECT_EQ(engine.cache().pool().num_used(), 0);
   return outputs;
@@ -250,8 +234,7 @@ class GreedyEquivalence : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GreedyEquivalence, NgramGivesThePlainTokens) {
   const std::string name = GetParam();
-  const std::filesystem::path dir = kGoldens / name / "model";
-  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "no golden model " << name;
+  ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
   const ModelFactory factory = golden_model(name);
   const auto probe = factory();
   if (!can_verify(*probe)) GTEST_SKIP() << name << ": the model's recurrent layers cannot verify yet";
@@ -313,7 +296,8 @@ TEST(SpeculativeEngine, FakeHybridKeepsExactStateThroughVerifies) {
 
 // ---- The demo model: n-gram and MTP
 
-bool have_demo() { return std::filesystem::exists(kDemo / "model.safetensors"); }
+// The demo model is checked in: a test that needs it fails without it.
+::testing::AssertionResult have_demo() { return testing::fixture_exists(kDemo / "model.safetensors"); }
 
 std::vector<std::vector<int32_t>> demo_prompts() {
   // Token ids of the demo tokenizer are not needed: any ids are valid input, and repeats help n-gram.
@@ -321,7 +305,7 @@ std::vector<std::vector<int32_t>> demo_prompts() {
 }
 
 TEST(SpeculativeDemo, NgramAndMtpGiveThePlainTokens) {
-  if (!have_demo()) GTEST_SKIP() << "no models/demo";
+  ASSERT_TRUE(have_demo());
   const ModelFactory factory = [] { return load_model(kDemo, Device::cpu()); };
   const auto probe = factory();
   if (!can_verify(*probe)) GTEST_SKIP() << "qwen3_5's recurrent layers cannot verify yet";
@@ -357,7 +341,7 @@ TEST(SpeculativeDemo, NgramAndMtpGiveThePlainTokens) {
 // The demo's MTP head was trained for one step: about 0.65 of single drafts are accepted on its
 // own text (models/demo/README.md). Greedy continuations of a held-out snippet.
 TEST(SpeculativeDemo, MtpAcceptanceIsPlausible) {
-  if (!have_demo()) GTEST_SKIP() << "no models/demo";
+  ASSERT_TRUE(have_demo());
   auto model = load_model(kDemo, Device::cpu());
   if (!can_verify(*model)) GTEST_SKIP() << "qwen3_5's recurrent layers cannot verify yet";
   // The reference snippet's ids (train_log.json reference.input_ids) would be ideal; prompts from
@@ -460,7 +444,7 @@ void expect_mtp_keys_while_head_off_equal_the_heads(Device device, double tolera
 }
 
 TEST(SpeculativeDemo, MtpKeysWrittenWhileTheHeadIsOffEqualTheHeads) {
-  if (!have_demo()) GTEST_SKIP() << "no models/demo";
+  ASSERT_TRUE(have_demo());
   expect_mtp_keys_while_head_off_equal_the_heads(Device::cpu(), 1e-3);
 }
 
@@ -494,11 +478,13 @@ void expect_same_up_to_near_ties(const std::map<int64_t, Generated>& spec,
 
 TEST(SpeculativeGpu, GraphedVerifyAndMtpGiveThePlainTokens) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  // Every model is a checked-in fixture: a missing one fails the test rather than shrinking it.
+  ASSERT_TRUE(have_demo());
   std::vector<std::pair<std::string, ModelFactory>> models;
-  if (have_demo()) models.emplace_back("demo", [] { return load_model(kDemo, Device::cuda(0)); });
+  models.emplace_back("demo", [] { return load_model(kDemo, Device::cuda(0)); });
   for (const char* name : {"qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"}) {
-    if (std::filesystem::exists(kGoldens / name / "model"))
-      models.emplace_back(name, [name] { return load_model(kGoldens / name / "model", Device::cuda(0)); });
+    ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
+    models.emplace_back(name, [name] { return load_model(kGoldens / name / "model", Device::cuda(0)); });
   }
   for (const auto& [name, factory] : models) {
     const auto probe = factory();
@@ -527,7 +513,7 @@ TEST(SpeculativeGpu, GraphedVerifyAndMtpGiveThePlainTokens) {
 
 TEST(SpeculativeGpu, MtpKeysWrittenWhileTheHeadIsOffEqualTheHeads) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
-  if (!have_demo()) GTEST_SKIP() << "no models/demo";
+  ASSERT_TRUE(have_demo());
   // bf16 keys (|k| up to ~10 after the norm's weight) from hidden states that verify and decode
   // rows round differently; a wrong row or position differs by whole units.
   expect_mtp_keys_while_head_off_equal_the_heads(Device::cuda(0), 0.25);
@@ -595,7 +581,7 @@ TEST(SpeculativeSampling, NgramKeepsTheSampledDistribution) {
 }
 
 TEST(SpeculativeSampling, MtpKeepsTheSampledDistribution) {
-  if (!have_demo()) GTEST_SKIP() << "no models/demo";
+  ASSERT_TRUE(have_demo());
   const ModelFactory factory = [] { return load_model(kDemo, Device::cpu()); };
   if (!can_verify(*factory())) GTEST_SKIP() << "qwen3_5's recurrent layers cannot verify yet";
   const std::vector<int32_t> prompt = {100, 200, 300, 400, 500};
@@ -631,8 +617,7 @@ std::vector<std::vector<float>> slot_states(const Engine& engine, int64_t seq_id
 
 TEST(SpeculativeEngine, RecurrentStateAfterVerifyEqualsPlainDecoding) {
   for (const std::string name : {"qwen3_5", "qwen3_next"}) {
-    const std::filesystem::path dir = kGoldens / name / "model";
-    if (!std::filesystem::exists(dir)) continue;
+    ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
     const ModelFactory factory = golden_model(name);
     if (!can_verify(*factory())) GTEST_SKIP() << name << ": recurrent layers cannot verify yet";
     const auto prompt = prompts(factory()->config().vocab_size, 21).front();

@@ -1,0 +1,66 @@
+// StepSampler: turns a step's logits into the tokens each of its chunks emits. Plain decode rows
+// are sampled on the device when every row can be (no penalties, top logprobs or prompt logits);
+// verify steps of greedy requests accept from their argmax rows (Runner::fetch_greedy_rows: a few
+// bytes per row reach the host, not the logits); everything else samples on the host with the
+// Sampler, and a verify chunk accepts its drafts in order (greedy: while each equals the Sampler's
+// own choice; sampling: rejection sampling against the Sampler's distribution). Scoring requests
+// get their prompt logits copied here.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine/runner.h"
+#include "engine/sampler.h"
+#include "engine/speculator.h"
+
+namespace metrale {
+
+// What the chunks of one step emit.
+struct StepTokens {
+  std::vector<std::vector<SampledToken>> emitted;  // per LogitRowUse: accepted drafts, then the sampled token
+  std::vector<int64_t> accepted;                   // drafts each chunk kept
+  std::vector<int64_t> kept_rows;                  // rows each sequence keeps: its known rows + accepted drafts
+  bool from_greedy_rows = false;                   // a verify accepted from the argmax rows alone
+  bool all_greedy = false;                         // StepSampler::all_greedy of the step
+};
+
+class StepSampler {
+ public:
+  StepSampler(const SpeculativeConfig& speculative, int64_t vocab_size, int64_t max_num_seqs);
+  ~StepSampler();
+  StepSampler(StepSampler&&) noexcept;
+  StepSampler& operator=(StepSampler&&) noexcept;
+
+  // The tokens of every chunk of `plan` (result.logits may be replaced by a host copy).
+  StepTokens sample(const SchedulePlan& plan, StepResult& result, Runner& runner);
+  // Every sequence of the step samples greedily (or acceptance is replayed), without penalties, top
+  // logprobs or prompt logits: its next token is the argmax, its MTP drafts the head's argmax, and a
+  // verify step accepts from the argmax rows alone.
+  bool all_greedy(const StepResult& result) const;
+
+ private:
+  // Samples rows [0, uses.size()) of a device logits tensor on the device when every row can be
+  // and rows line up with the chunks; returns false otherwise.
+  bool sample_on_device(const StepResult& result, std::vector<SampledToken>& sampled);
+  // The tokens one sampling chunk emits: for a verify chunk the accepted drafts then the
+  // replacement or bonus token; otherwise the one sampled token. Sets `accepted` (drafts kept).
+  std::vector<SampledToken> accept_chunk(const LogitRowUse& use, const Tensor& logits, int64_t& accepted);
+  // Greedy acceptance from StepResult::greedy_tokens.
+  void accept_greedy_rows(const StepResult& result, Runner& runner, StepTokens& tokens);
+  // Prompt logits for scoring: rows for positions below num_prompt.
+  void copy_prompt_logits(const LogitRowUse& use, const Tensor& logits) const;
+
+  SpeculativeConfig speculative_;
+  int64_t vocab_ = 0;
+  int64_t max_num_seqs_ = 0;
+  Sampler sampler_;
+  std::vector<float> host_logits_;  // logits rows copied from the device for sampling
+  std::vector<float> scratch_;      // [V] a row for acceptance
+  std::vector<float> probs_;        // [V] the target distribution
+  // Sampling on the device: per-row parameters and results, sized for max_num_seqs rows.
+  struct DeviceSampling;
+  std::unique_ptr<DeviceSampling> device_sampling_;
+};
+
+}  // namespace metrale
