@@ -97,26 +97,6 @@ BatchShape fill_batch(std::span<const RowGroup> groups, const BatchSlots& slots,
   return shape;
 }
 
-void fill_commit_parts(std::span<const int32_t> cu_q, std::span<const int32_t> kv_lens,
-                       std::span<const int32_t> state_slots, std::span<const int32_t> kept, int32_t* cu_parts,
-                       int32_t* part_kv_lens, int32_t* part_slots) {
-  METRALE_CHECK(!cu_q.empty() && kv_lens.size() + 1 == cu_q.size(), "commit: cu_q [{}] and kv_lens [{}]", cu_q.size(),
-                kv_lens.size());
-  const size_t seqs = kv_lens.size();
-  cu_parts[0] = 0;
-  for (size_t s = 0; s < seqs; ++s) {
-    const int32_t begin = cu_q[s], q_len = cu_q[s + 1] - begin;
-    const int32_t keep = s < kept.size() ? kept[s] : 1;
-    METRALE_CHECK(keep >= 1 && keep <= q_len, "commit: sequence {} keeps {} of {} rows", s, keep, q_len);
-    cu_parts[2 * s + 1] = begin + keep;
-    cu_parts[2 * s + 2] = begin + q_len;
-    part_kv_lens[2 * s] = kv_lens[s] - q_len + keep;
-    part_kv_lens[2 * s + 1] = q_len - keep;
-    part_slots[2 * s] = state_slots.empty() ? 0 : state_slots[s];
-    part_slots[2 * s + 1] = -1;
-  }
-}
-
 size_t StagingLayout::take(int64_t count) {
   const size_t offset = size_;
   size_ += static_cast<size_t>((std::max<int64_t>(count, 0) + 63) / 64 * 64);  // 256-byte aligned sections

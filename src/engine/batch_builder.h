@@ -80,13 +80,6 @@ struct BatchShape {
 BatchShape fill_batch(std::span<const RowGroup> groups, const BatchSlots& slots, int64_t block_size, int64_t stride,
                       int32_t* host);
 
-// The commit parts of a verify (VerifyCommit): sequence s of the verify batch (its rows from its
-// cu_q, its kv_lens and state slot) keeps its first kept[s] rows (1 past kept.size(): padding
-// sequences); part 2s holds them on its slot, part 2s + 1 the rejected rest on slot -1.
-void fill_commit_parts(std::span<const int32_t> cu_q, std::span<const int32_t> kv_lens,
-                       std::span<const int32_t> state_slots, std::span<const int32_t> kept, int32_t* cu_parts,
-                       int32_t* part_kv_lens, int32_t* part_slots);
-
 // Lays out 256-byte aligned sections of int32 elements.
 class StagingLayout {
  public:

@@ -78,6 +78,15 @@ struct VerifyCommit {
   Tensor slots;          // [2S] i32: kept parts: the sequence's state slot; rejected parts: -1
 };
 
+// The host arrays of a VerifyCommit ([2S + 1], [2S], [2S] i32): sequence s of the verify batch
+// (its rows from cu_q [S + 1], kv_lens [S], state_slots [S] or empty) keeps its first kept[s] rows;
+// sequences past kept.size() keep 1 (padding sequences of a fixed layout). Part 2s holds the kept
+// rows on the sequence's slot, part 2s + 1 the rejected rest on slot -1. Throws kInvalidArgument
+// unless 1 <= kept[s] <= q_len_s. Returns the longest q_len (VerifyCommit::max_rows).
+int64_t fill_commit_parts(std::span<const int32_t> cu_q, std::span<const int32_t> kv_lens,
+                          std::span<const int32_t> state_slots, std::span<const int32_t> kept, int32_t* cu_parts,
+                          int32_t* part_kv_lens, int32_t* part_slots);
+
 // A per-row input of a step, prepared on the host before upload (e.g. PLE table rows).
 struct StepInputSpec {
   std::string name;

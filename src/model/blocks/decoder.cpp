@@ -127,26 +127,11 @@ void DecoderModel::commit_verified(const ForwardBatch& batch, std::span<const in
     raise(ErrorCode::kInvalidArgument, "commit_verified: {} kept-row counts for {} sequences", kept_rows.size(), seqs);
   }
   if (!trunk_.needs_commit()) return;  // no per-slot state: the verify forward left every cache right
-  std::vector<int32_t> cu_parts{0}, kv_lens, slots;
-  int64_t max_rows = 0;
-  for (int64_t s = 0; s < seqs; ++s) {
-    const int32_t begin = batch.host_cu_q[static_cast<size_t>(s)];
-    const int32_t q_len = batch.host_cu_q[static_cast<size_t>(s) + 1] - begin;
-    const int32_t kept = kept_rows[static_cast<size_t>(s)];
-    if (kept < 1 || kept > q_len) {
-      raise(ErrorCode::kInvalidArgument, "commit_verified: sequence {} keeps {} of its {} rows (1..{} allowed)", s,
-            kept, q_len, q_len);
-    }
-    cu_parts.push_back(begin + kept);
-    cu_parts.push_back(begin + q_len);
-    kv_lens.push_back(batch.host_kv_lens[static_cast<size_t>(s)] - q_len + kept);
-    kv_lens.push_back(q_len - kept);
-    slots.push_back(batch.host_state_slots.empty() ? 0 : batch.host_state_slots[static_cast<size_t>(s)]);
-    slots.push_back(-1);
-    max_rows = std::max<int64_t>(max_rows, q_len);
-  }
+  const auto parts = static_cast<size_t>(2 * seqs);
+  std::vector<int32_t> cu_parts(parts + 1), kv_lens(parts), slots(parts);
   VerifyCommit kept;
-  kept.max_rows = max_rows;
+  kept.max_rows = fill_commit_parts(batch.host_cu_q, batch.host_kv_lens, batch.host_state_slots, kept_rows,
+                                    cu_parts.data(), kv_lens.data(), slots.data());
   kept.cu_parts = device_i32(cu_parts, workspace, device_);
   kept.kv_lens = device_i32(kv_lens, workspace, device_);
   kept.slots = device_i32(slots, workspace, device_);
