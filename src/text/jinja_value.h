@@ -66,7 +66,9 @@ class Value {
   static Value object(Object object, bool is_namespace = false);
   static Value function(Function function);
   // From JSON as JSON.parse + @huggingface/jinja's conversion see it: integral numbers become
-  // integers, and objects list integer-like keys first (JavaScript property order).
+  // integers, and objects list integer-like keys first (JavaScript property order). Throws
+  // kInvalidArgument for containers nested deeper than kMaxJsonDepth.
+  static constexpr size_t kMaxJsonDepth = 128;
   static Value from_json(const nlohmann::ordered_json& json);
 
   ValueKind kind() const { return kind_; }

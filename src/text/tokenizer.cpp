@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "core/log.h"
 #include "core/strings.h"
 #include "text/byte_level.h"
@@ -374,16 +375,49 @@ void TokenizerData::encode_pre_tokenized(std::string_view text, std::vector<int3
 
 namespace {
 
-nlohmann::json parse_json_file(const std::filesystem::path& path) {
-  const std::string content = read_file(path);
+// tokenizer.json nests a few levels (a Sequence of normalizers, a TemplateProcessing's pieces);
+// deeper text is not a tokenizer, and nlohmann's conversions recurse once per level.
+constexpr size_t kMaxTokenizerJsonDepth = 64;
+
+nlohmann::json parse_json_text(std::string_view content, std::string_view source) {
+  if (json_nests_deeper_than(content, kMaxTokenizerJsonDepth))
+    raise(ErrorCode::kBadFormat, "{}: invalid JSON: nested deeper than {}", source, kMaxTokenizerJsonDepth);
   try {
     return nlohmann::json::parse(content);
   } catch (const nlohmann::json::exception& e) {
-    raise(ErrorCode::kBadFormat, "{}: invalid JSON: {}", path.string(), e.what());
+    raise(ErrorCode::kBadFormat, "{}: invalid JSON: {}", source, e.what());
+  }
+}
+
+// Errors name the file they come from; nlohmann's type errors (a value of an unexpected type deep
+// inside) become kBadFormat too.
+template <typename Build>
+void with_context(std::string_view source, Build&& build) {
+  try {
+    build();
+  } catch (const Error& e) {
+    rethrow_with_context(e, "{}", source);
+  } catch (const nlohmann::json::exception& e) {
+    raise(ErrorCode::kBadFormat, "{}: {}", source, e.what());
   }
 }
 
 }  // namespace
+
+Tokenizer Tokenizer::from_json_text(std::string_view tokenizer_json, std::string_view config_json,
+                                    std::string_view chat_template, std::string_view source) {
+  const std::string tokenizer_source = (std::filesystem::path(source) / "tokenizer.json").string();
+  const nlohmann::json tokenizer = parse_json_text(tokenizer_json, tokenizer_source);
+  std::shared_ptr<text::TokenizerData> data;
+  with_context(tokenizer_source, [&] { data = text::build_tokenizer_data(tokenizer); });
+  if (!config_json.empty()) {
+    const std::string config_source = (std::filesystem::path(source) / "tokenizer_config.json").string();
+    const nlohmann::json config = parse_json_text(config_json, config_source);
+    with_context(config_source, [&] { text::apply_tokenizer_config(*data, config); });
+  }
+  if (!chat_template.empty()) data->chat_template = std::string(chat_template);
+  return Tokenizer(std::move(data));
+}
 
 Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
   if (!std::filesystem::is_directory(dir)) raise(ErrorCode::kNotFound, "tokenizer directory {} does not exist", dir.string());
@@ -391,29 +425,18 @@ Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
   if (!std::filesystem::is_regular_file(tokenizer_path)) {
     raise(ErrorCode::kNotFound, "{} not found (metrale reads Hugging Face tokenizer.json files)", tokenizer_path.string());
   }
-  const nlohmann::json tokenizer_json = parse_json_file(tokenizer_path);
-  // Errors name the file they come from; nlohmann's type errors (a value of an unexpected type
-  // deep inside) become kBadFormat too.
-  const auto with_context = [](const std::filesystem::path& path, auto&& build) {
-    try {
-      build();
-    } catch (const Error& e) {
-      rethrow_with_context(e, "{}", path.string());
-    } catch (const nlohmann::json::exception& e) {
-      raise(ErrorCode::kBadFormat, "{}: {}", path.string(), e.what());
-    }
-  };
-  std::shared_ptr<text::TokenizerData> data;
-  with_context(tokenizer_path, [&] { data = text::build_tokenizer_data(tokenizer_json); });
-  const std::filesystem::path config_path = dir / "tokenizer_config.json";
-  if (std::filesystem::is_regular_file(config_path)) {
-    const nlohmann::json config = parse_json_file(config_path);
-    with_context(config_path, [&] { text::apply_tokenizer_config(*data, config); });
+  const std::string tokenizer_json = read_file(tokenizer_path);
+  std::string config_json;
+  if (const auto config_path = dir / "tokenizer_config.json"; std::filesystem::is_regular_file(config_path)) {
+    config_json = read_file(config_path);
+    // An empty file is not "no config": it is malformed JSON.
+    if (config_json.empty()) raise(ErrorCode::kBadFormat, "{}: invalid JSON: the file is empty", config_path.string());
   }
+  std::string chat_template;
   if (const auto template_path = dir / "chat_template.jinja"; std::filesystem::is_regular_file(template_path)) {
-    data->chat_template = read_file(template_path);
+    chat_template = read_file(template_path);
   }
-  return Tokenizer(std::move(data));
+  return from_json_text(tokenizer_json, config_json, chat_template, dir.string());
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {

@@ -202,6 +202,33 @@ TEST(TokenizerErrors, CorruptJsonNamesTheFile) {
   EXPECT_TRUE(contains(config, "tokenizer_config.json")) << config.what();
 }
 
+TEST(TokenizerErrors, DeeplyNestedJsonIsBadFormat) {
+  TempDir dir;
+  dir.write("tokenizer.json", std::string(100000, '[') + std::string(100000, ']'));
+  const Error e = load_error(dir.path());
+  EXPECT_EQ(e.code(), ErrorCode::kBadFormat);
+  EXPECT_TRUE(contains(e, "nested deeper than 64")) << e.what();
+  dir.write("tokenizer.json", tiny_tokenizer_json(false).dump());
+  dir.write("tokenizer_config.json", R"({"chat_template": )" + std::string(1000, '{'));
+  const Error config = load_error(dir.path());
+  EXPECT_EQ(config.code(), ErrorCode::kBadFormat);
+  EXPECT_TRUE(contains(config, "tokenizer_config.json")) << config.what();
+}
+
+TEST(Tokenizer, FromJsonTextEqualsFromDir) {
+  TempDir dir;
+  const std::string tokenizer_json = tiny_tokenizer_json(false, {{"<|end|>"}}).dump();
+  const std::string config = R"({"eos_token": "<|end|>", "chat_template": "{{ messages[0].content }}"})";
+  dir.write("tokenizer.json", tokenizer_json);
+  dir.write("tokenizer_config.json", config);
+  const Tokenizer from_dir = Tokenizer::from_dir(dir.path());
+  const Tokenizer from_text = Tokenizer::from_json_text(tokenizer_json, config);
+  EXPECT_EQ(from_text.encode("hello world<|end|>"), from_dir.encode("hello world<|end|>"));
+  EXPECT_EQ(from_text.eos_token_id(), from_dir.eos_token_id());
+  EXPECT_EQ(from_text.chat_template(), "{{ messages[0].content }}");
+  EXPECT_EQ(Tokenizer::from_json_text(tokenizer_json, "", "override").chat_template(), "override");
+}
+
 TEST(TokenizerErrors, MalformedSectionsAreBadFormat) {
   TempDir dir;
   auto json = tiny_tokenizer_json(false);
