@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "engine/engine.h"
+#include "model/model.h"
 
 namespace metrale::cli {
 
@@ -55,7 +56,25 @@ void add_device_options(CLI::App& command, EngineOptions& options);
 
 std::filesystem::path resolve_model_dir(const EngineOptions& options);
 // Loads the model and builds the engine; `scheduler` overrides are applied on top of the flags.
+// The flags are checked against the model first (check_engine_options).
 std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk = 0);
+// An engine on `model` (loaded or random) with the flags checked against it.
+std::unique_ptr<Engine> make_engine_for(std::unique_ptr<Model> model, const EngineOptions& options,
+                                        int max_prefill_chunk = 0);
+
+// The flags against each other and against the model: --max-model-len within the model's
+// max_position_embeddings, --state-checkpoint-interval a multiple of --block-size (hybrid models),
+// --ngram-min <= --ngram-max. Throws kInvalidArgument (exit code 2) naming the flags.
+void check_engine_options(const EngineOptions& options, const Model& model);
+// Sets the CPU thread pool from --threads (0: every CPU); more than 4 threads per CPU of the
+// machine is a usage error.
+void apply_cpu_threads(const EngineOptions& options);
+// The device --device names (default: the GPU when present), or kInvalidArgument when it cannot run.
+Device chosen_device(const EngineOptions& options);
+
+// Parses a comma-separated list of token ids, each in [0, vocab_size) (vocab_size 0: only
+// non-negative and within int32); throws kInvalidArgument naming `what` and the id.
+std::vector<int32_t> parse_token_ids(const std::string& text, const std::string& what, int64_t vocab_size);
 
 // Sampling defaults from <dir>/generation_config.json (temperature, top_p, top_k, min_p,
 // repetition_penalty; do_sample false means greedy); library defaults where absent.
