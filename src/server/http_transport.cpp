@@ -182,6 +182,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (state_ == State::kClosed) return;
     state_ = State::kClosed;
     failed_ = failed_ || exchange_ != nullptr;
+    exchange_.reset();  // the exchange keeps this connection alive (gone) for as long as its handler holds it
     error_code ignored;
     timer_.cancel();
     write_timer_.cancel();
@@ -193,7 +194,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool gone() const { return failed_ || state_ == State::kClosed; }
   void observe(std::string_view path, int status) const { shared_.observe(path, status); }
   int version() const { return version_; }
-  bool keep_alive() const { return keep_alive_ && !close_after_ && !peer_eof_; }
+  // Whether another request may follow this response: a half-closed client's pipelined requests
+  // are still answered.
+  bool keep_alive() const { return keep_alive_ && !close_after_ && !(peer_eof_ && buffer_.size() == 0); }
   void close_after() { close_after_ = true; }
 
   // Queues framed response bytes. Returns false once the client cannot be reached.
@@ -452,7 +455,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void after_response() {
     response_complete_ = false;
-    exchange_.reset();
+    exchange_.reset();  // breaks the cycle with the exchange, which holds this connection
     if (state_ == State::kClosed) return;
     if (!keep_alive()) {
       finish();
@@ -507,19 +510,19 @@ Exchange::Exchange(std::shared_ptr<Connection> connection, EventLoop& loop, Http
 Exchange::~Exchange() = default;
 
 bool Exchange::client_gone() const {
-  const std::shared_ptr<Connection> connection = connection_.lock();
+  const std::shared_ptr<Connection>& connection = connection_;
   return connection == nullptr || connection->gone();
 }
 
 void Exchange::close_after_response() {
-  if (const auto connection = connection_.lock()) connection->close_after();
+  connection_->close_after();
 }
 
 void Exchange::respond(int status, std::string_view content_type, std::string body, const HttpHeaders& extra) {
   if (started_) return;
   started_ = true;
   finished_ = true;
-  const std::shared_ptr<Connection> connection = connection_.lock();
+  const std::shared_ptr<Connection>& connection = connection_;
   if (connection == nullptr || connection->gone()) return;
   connection->observe(request_.path, status);
   const bool head_only = request_.method == "HEAD";
@@ -535,7 +538,7 @@ void Exchange::begin_stream(int status, std::string_view content_type, const Htt
   if (started_) return;
   started_ = true;
   streaming_ = true;
-  const std::shared_ptr<Connection> connection = connection_.lock();
+  const std::shared_ptr<Connection>& connection = connection_;
   if (connection == nullptr || connection->gone()) return;
   connection->observe(request_.path, status);
   chunked_ = request_.version == 11;
@@ -547,7 +550,7 @@ void Exchange::begin_stream(int status, std::string_view content_type, const Htt
 
 bool Exchange::write(std::string_view data) {
   if (!streaming_ || finished_) return false;
-  const std::shared_ptr<Connection> connection = connection_.lock();
+  const std::shared_ptr<Connection>& connection = connection_;
   if (connection == nullptr || connection->gone()) return false;
   last_write_ = Clock::now();
   if (data.empty()) return true;
@@ -561,7 +564,7 @@ bool Exchange::write(std::string_view data) {
 void Exchange::end_stream() {
   if (!streaming_ || finished_) return;
   finished_ = true;
-  const std::shared_ptr<Connection> connection = connection_.lock();
+  const std::shared_ptr<Connection>& connection = connection_;
   if (connection == nullptr || connection->gone()) return;
   if (chunked_) connection->send("0\r\n\r\n");
   connection->response_done();

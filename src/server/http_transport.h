@@ -99,7 +99,9 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
 
  private:
   friend class Connection;
-  std::weak_ptr<Connection> connection_;
+  // Held while the exchange lives (a half-closed client's connection has no read in flight to keep
+  // it): the connection drops its own reference to the exchange when the response is over.
+  std::shared_ptr<Connection> connection_;
   EventLoop& loop_;
   HttpRequest request_;
   bool started_ = false;
