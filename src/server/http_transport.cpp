@@ -358,22 +358,44 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   void parse_failed(const error_code& ec) {
-    if (ec == http::error::header_limit) {
+    if (ec == http::error::bad_version && names_a_version()) {
+      fail(505, "only HTTP/1.0 and HTTP/1.1 are served");
+    } else if (ec == http::error::header_limit) {
       fail(431, fmt::format("the request head is larger than {} bytes", shared_.limits.max_header_bytes));
     } else if (ec == http::error::body_limit) {
       fail(413, fmt::format("the request body is larger than {} bytes", shared_.limits.max_body_bytes));
-    } else if (ec == http::error::bad_version) {
-      fail(505, "only HTTP/1.0 and HTTP/1.1 are served");
     } else {
       fail(400, fmt::format("the HTTP request is malformed ({})", ec.message()));
     }
   }
 
+  // Whether the request line ends in a well-formed "HTTP/d.d" (then a bad version is 505, not 400).
+  bool names_a_version() const {
+    const std::string_view text(static_cast<const char*>(buffer_.data().data()), buffer_.size());
+    const std::string_view line = text.substr(0, text.find("\r\n"));
+    const size_t at = line.rfind(" HTTP/");
+    if (at == std::string_view::npos || line.size() != at + 9) return false;
+    const std::string_view version = line.substr(at + 6);
+    return std::isdigit(static_cast<unsigned char>(version[0])) && version[1] == '.' &&
+           std::isdigit(static_cast<unsigned char>(version[2]));
+  }
+
   // Checks that need the head only, before the body is read.
   bool check_header() {
     const auto& message = parser_->get();
-    version_ = message.version() == 10 ? 10 : 11;
+    if (message.version() != 10 && message.version() != 11) {
+      fail(505, "only HTTP/1.0 and HTTP/1.1 are served");
+      return false;
+    }
+    version_ = message.version();
     keep_alive_ = parser_->keep_alive();
+    // Request bodies are framed by Content-Length or plain chunking; any other transfer coding
+    // (gzip, or chunked not last) leaves the length unknowable or asks for decompression.
+    const auto transfer = message[http::field::transfer_encoding];
+    if (!transfer.empty() && !iequals(transfer, "chunked")) {
+      fail(400, "the only transfer coding accepted on requests is chunked");
+      return false;
+    }
     const auto encoding = message[http::field::content_encoding];
     if (!encoding.empty() && !iequals(encoding, "identity")) {
       fail(415, "compressed request bodies are not accepted (send the body without Content-Encoding)");
