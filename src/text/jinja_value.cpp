@@ -33,6 +33,10 @@ Value* Object::find(std::string_view key) {
 }
 
 void Object::set(std::string key, Value value) {
+  const uint32_t nested = value.depth() + 1;
+  if (nested > Value::kMaxDepth)
+    raise(ErrorCode::kInvalidArgument, "a value nested deeper than {} levels", Value::kMaxDepth);
+  depth = std::max(depth, nested);
   if (Value* existing = find(key)) {
     *existing = std::move(value);
     return;
@@ -75,17 +79,38 @@ Value Value::string(std::string value) {
 }
 
 Value Value::array(std::vector<Value> items, bool tuple) {
+  uint32_t deepest = 0;
+  for (const Value& item : items) deepest = std::max(deepest, item.depth());
+  if (deepest + 1 > kMaxDepth) raise(ErrorCode::kInvalidArgument, "a value nested deeper than {} levels", kMaxDepth);
   Value v;
   v.kind_ = tuple ? ValueKind::kTuple : ValueKind::kArray;
   v.array_ = std::make_shared<const std::vector<Value>>(std::move(items));
+  v.array_depth_ = deepest + 1;
   return v;
 }
 
 Value Value::object(Object object, bool is_namespace) {
+  uint32_t deepest = 0;
+  for (const auto& entry : object.entries) deepest = std::max(deepest, entry.second.depth());
+  if (deepest + 1 > kMaxDepth) raise(ErrorCode::kInvalidArgument, "a value nested deeper than {} levels", kMaxDepth);
+  object.depth = deepest + 1;
   Value v;
   v.kind_ = is_namespace ? ValueKind::kNamespace : ValueKind::kObject;
   v.object_ = std::make_shared<Object>(std::move(object));
   return v;
+}
+
+uint32_t Value::depth() const {
+  switch (kind_) {
+    case ValueKind::kArray:
+    case ValueKind::kTuple:
+      return array_depth_;
+    case ValueKind::kObject:
+    case ValueKind::kNamespace:
+      return object_->depth;
+    default:
+      return 0;
+  }
 }
 
 Value Value::function(Function function) {

@@ -63,7 +63,9 @@ std::vector<AddedToken> parse_added_tokens(const json::Json& entries) {
       token.content = *content;
       if (!is_valid_utf8(token.content)) raise(ErrorCode::kBadFormat, "content is not valid UTF-8");
       if (const json::Json* id = json::member(entry, "id"); id != nullptr && id->is_number_integer()) {
-        token.id = id->get<int32_t>();
+        if (id->get<int64_t>() < 0 || id->get<int64_t>() >= (int64_t{1} << 24))
+          raise(ErrorCode::kBadFormat, "the id of '{}' must be in [0, 2^24)", token.content);
+        token.id = static_cast<int32_t>(id->get<int64_t>());
       }
       token.special = json::boolean(entry, "special", false);
       token.single_word = json::boolean(entry, "single_word", false);
@@ -122,15 +124,22 @@ std::vector<int32_t> template_token_ids(const json::Json& special_tokens, const 
   const json::Json* token = json::member(special_tokens, name);
   const json::Json* ids = token != nullptr ? json::member(*token, "ids") : nullptr;
   if (ids == nullptr) raise(ErrorCode::kBadFormat, "TemplateProcessing: special token '{}' is not in \"special_tokens\"", name);
-  return ids->get<std::vector<int32_t>>();
+  std::vector<int32_t> values;
+  for (const auto& id : json::array(*ids, "TemplateProcessing special token ids")) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      raise(ErrorCode::kBadFormat, "TemplateProcessing: special token '{}' has an id that is not a token id", name);
+    values.push_back(static_cast<int32_t>(id.get<int64_t>()));
+  }
+  return values;
 }
 
 int32_t processor_token_id(const json::Json& spec, const char* key) {
   const json::Json* pair = json::member(spec, key);
-  if (pair == nullptr || !pair->is_array() || pair->size() != 2 || !(*pair)[1].is_number_integer()) {
+  if (pair == nullptr || !pair->is_array() || pair->size() != 2 || !(*pair)[1].is_number_integer() ||
+      (*pair)[1].get<int64_t>() < 0 || (*pair)[1].get<int64_t>() > std::numeric_limits<int32_t>::max()) {
     raise(ErrorCode::kBadFormat, "post_processor.{} must be [token, id]", key);
   }
-  return (*pair)[1].get<int32_t>();
+  return static_cast<int32_t>((*pair)[1].get<int64_t>());
 }
 
 void parse_post_processor(const json::Json& spec, std::vector<int32_t>& prefix, std::vector<int32_t>& suffix) {
@@ -274,7 +283,21 @@ std::shared_ptr<TokenizerData> build_tokenizer_data(const json::Json& root, bool
   // alphabet and keeps the token's UTF-8 text otherwise (e.g. "<｜begin▁of▁sentence｜>").
   int64_t max_id = data->model.max_id();
   if (!added_by_id.empty()) max_id = std::max<int64_t>(max_id, added_by_id.rbegin()->first);
+  // The decoding tables are indexed by id: a stray huge id must not size them (the largest real
+  // vocabularies hold a few hundred thousand tokens).
+  constexpr int64_t kMaxVocab = int64_t{1} << 24;
+  if (max_id >= kMaxVocab)
+    raise(ErrorCode::kBadFormat, "token id {} is beyond the {} ids a vocabulary may use", max_id, kMaxVocab);
   data->vocab_size = max_id + 1;
+  // The post-processor's ids must name tokens: add_special_tokens would emit them as they are.
+  for (const auto* ids : {&data->special_prefix, &data->special_suffix}) {
+    for (const int32_t id : *ids) {
+      if (id < 0 || id >= data->vocab_size) {
+        raise(ErrorCode::kBadFormat, "post_processor: special token id {} is not in the vocabulary (ids 0 to {})", id,
+              data->vocab_size - 1);
+      }
+    }
+  }
   data->token_bytes_offsets.assign(static_cast<size_t>(data->vocab_size) + 1, 0);
   data->special.assign(static_cast<size_t>(data->vocab_size), 0);
   for (int64_t id = 0; id < data->vocab_size; ++id) {

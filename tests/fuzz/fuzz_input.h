@@ -52,5 +52,5 @@ class FuzzInput {
 
 #define FUZZ_CHECK(cond, ...)                                          \
   do {                                                                 \
-    if (!(cond)) ::metrale::fuzz::invariant_failed(#cond, ##__VA_ARGS__); \
+    if (!(cond)) ::metrale::fuzz::invariant_failed(#cond __VA_OPT__(, ) __VA_ARGS__); \
   } while (0)

@@ -185,6 +185,18 @@ TEST(ChatTemplate, HostileTemplatesAreBounded) {
   std::string deep_ifs;
   for (int i = 0; i < 5000; ++i) deep_ifs += "{% if true %}";
   EXPECT_NE(error_of(deep_ifs).find("nested too deeply"), std::string::npos);
+  // Values built 300,000 levels deep used to overflow the stack when they were destroyed.
+  EXPECT_NE(error_of("{% set ns = namespace(x=[]) %}{% for i in range(300000) %}{% set ns.x = [ns.x] %}{% endfor %}"
+                     "{{ ns.x | length }}")
+                .find("nested deeper than 256"),
+            std::string::npos);
+  EXPECT_NE(error_of("{% set ns = namespace(h=none) %}{% for i in range(1000) %}{% set t = namespace(a=none) %}"
+                     "{% set t.a = ns.h %}{% set ns.h = t %}{% endfor %}")
+                .find("nested deeper than 256"),
+            std::string::npos);
+  EXPECT_EQ(render("{% set ns = namespace(x=[]) %}{% for i in range(200) %}{% set ns.x = [ns.x] %}{% endfor %}"
+                   "{{ ns.x | length }}"),
+            "1");
 }
 
 // Request values (tools, extra message fields, chat_template_kwargs) nested tens of thousands of
