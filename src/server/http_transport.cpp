@@ -199,10 +199,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool keep_alive() const { return keep_alive_ && !close_after_ && !(peer_eof_ && buffer_.size() == 0); }
   void close_after() { close_after_ = true; }
 
-  // Queues framed response bytes. Returns false once the client cannot be reached.
-  bool send(std::string_view bytes) {
+  // Queues framed response bytes. Returns false once the client cannot be reached. More bytes
+  // than max_buffered_output waiting for the client drop it, unless these end the response (a
+  // large whole body may be followed by its last chunk).
+  bool send(std::string_view bytes, bool ends_response = false) {
     if (gone()) return false;
-    if (out_.size() + in_flight_.size() > shared_.limits.max_buffered_output) {
+    if (!ends_response && out_.size() + in_flight_.size() > shared_.limits.max_buffered_output) {
       METRALE_LOG_WARN("http: dropping a client that does not read ({} bytes waiting)", out_.size() + in_flight_.size());
       failed_ = true;
       close_now();
@@ -551,7 +553,7 @@ void Exchange::respond(int status, std::string_view content_type, std::string bo
   std::string bytes = response_head(status, request_.version, content_type, extra, body.size(), false,
                                     connection->keep_alive());
   if (!head_only) bytes += body;
-  connection->send(bytes);
+  connection->send(bytes, /*ends_response=*/true);
   last_write_ = Clock::now();
   connection->response_done();
 }
@@ -588,7 +590,7 @@ void Exchange::end_stream() {
   finished_ = true;
   const std::shared_ptr<Connection>& connection = connection_;
   if (connection == nullptr || connection->gone()) return;
-  if (chunked_) connection->send("0\r\n\r\n");
+  if (chunked_) connection->send("0\r\n\r\n", /*ends_response=*/true);
   connection->response_done();
 }
 

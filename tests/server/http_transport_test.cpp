@@ -135,6 +135,11 @@ class Server {
         }
         return true;
       });
+    } else if (request.path == "/big") {
+      // One large piece, as a non-streaming JSON body is written: it must arrive whole.
+      exchange->begin_stream(200, "application/json");
+      exchange->write(std::string(6 << 20, 'j'));
+      exchange->end_stream();
     } else if (request.path == "/forever") {
       exchange->begin_stream(200, "text/plain");
       exchange->pump([this, exchange] {
@@ -294,6 +299,18 @@ TEST(HttpTransport, AClientThatStopsReadingIsDropped) {
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (server.flood_gone == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(server.flood_gone.load(), 1);
+}
+
+TEST(HttpTransport, ALargeBodyWrittenAtOnceArrivesWhole) {
+  TransportLimits limits;
+  limits.max_buffered_output = 4 << 20;
+  Server server(limits);
+  RawClient client(server.port());
+  client.send("GET /big HTTP/1.1\r\nConnection: close\r\n\r\n");
+  const std::string out = client.read(10000ms);
+  EXPECT_TRUE(client.closed());
+  EXPECT_NE(out.find(std::string(6 << 20, 'j')), std::string::npos) << out.size() << " bytes arrived";
+  EXPECT_NE(out.find("\r\n0\r\n\r\n"), std::string::npos);
 }
 
 TEST(HttpTransport, StopEndsEveryPumpWithItsClientGone) {
