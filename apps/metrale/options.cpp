@@ -52,8 +52,9 @@ void add_engine_options(CLI::App& command, EngineOptions& options) {
   command.add_flag("--enable-prefix-caching,!--no-prefix-caching", options.enable_prefix_caching,
                    "reuse the cached KV blocks (and recurrent state) of shared prompt prefixes (default: on)");
   command.add_option("--state-checkpoint-interval", options.state_checkpoint_interval,
-                     "hybrid models: tokens between recurrent-state checkpoints during prefill (multiple of the block size)")
-      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+                     "hybrid models: tokens between recurrent-state checkpoints during prefill, a multiple of "
+                     "--block-size (default: 512 rounded up to one)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   command.add_option("--state-checkpoint-slots", options.state_checkpoint_slots,
                      "hybrid models: recurrent-state checkpoint slots for the prefix cache (default: --max-num-seqs)")
       ->check(CLI::Range(0, 1 << 20));
@@ -157,7 +158,9 @@ EngineConfig engine_config_from(const EngineOptions& options) {
   config.gpu_memory_utilization = options.gpu_memory_utilization;
   config.cuda_graphs = !options.no_cuda_graphs;
   config.enable_prefix_caching = options.enable_prefix_caching;
-  config.state_checkpoint_interval = options.state_checkpoint_interval;
+  config.state_checkpoint_interval = options.state_checkpoint_interval > 0
+                                         ? options.state_checkpoint_interval
+                                         : (512 + options.block_size - 1) / options.block_size * options.block_size;
   config.state_checkpoint_slots = options.state_checkpoint_slots;
   config.speculative.method = parse_speculative_method(options.speculative_method);
   config.speculative.num_drafts = options.num_drafts;
@@ -186,16 +189,13 @@ Device chosen_device(const EngineOptions& options) {
   return device;
 }
 
-void check_engine_options(const EngineOptions& options, const Model& model) {
-  const ModelConfig& config = model.config();
+void check_engine_options(const EngineOptions& options, const ModelConfig& config) {
   if (options.max_model_len > config.max_position_embeddings) {
     raise(ErrorCode::kInvalidArgument,
           "--max-model-len {} is beyond the {} positions of the model (max_position_embeddings in {})",
           options.max_model_len, config.max_position_embeddings, config.source.string());
   }
-  bool recurrent = false;
-  for (const LayerCacheSpec& spec : model.cache_specs()) recurrent = recurrent || spec.kind == LayerCacheKind::kRecurrent;
-  if (recurrent && options.state_checkpoint_interval % options.block_size != 0) {
+  if (options.state_checkpoint_interval > 0 && options.state_checkpoint_interval % options.block_size != 0) {
     raise(ErrorCode::kInvalidArgument,
           "--state-checkpoint-interval {} is not a multiple of --block-size {} (checkpoints are taken at block "
           "boundaries)",
@@ -208,7 +208,7 @@ void check_engine_options(const EngineOptions& options, const Model& model) {
 
 std::unique_ptr<Engine> make_engine_for(std::unique_ptr<Model> model, const EngineOptions& options,
                                         int max_prefill_chunk) {
-  check_engine_options(options, *model);
+  check_engine_options(options, model->config());
   EngineConfig config = engine_config_from(options);
   config.scheduler.max_prefill_chunk = max_prefill_chunk;
   return std::make_unique<Engine>(std::move(model), config);
@@ -218,7 +218,9 @@ std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefil
   apply_cpu_threads(options);
   const Device device = chosen_device(options);
   engine_config_from(options);  // the flags' own errors (sizes) before the model loads
-  return make_engine_for(load_model(resolve_model_dir(options), device), options, max_prefill_chunk);
+  const std::filesystem::path dir = resolve_model_dir(options);
+  check_engine_options(options, load_model_config(dir));  // before the weights load
+  return make_engine_for(load_model(dir, device), options, max_prefill_chunk);
 }
 
 std::vector<int32_t> parse_token_ids(const std::string& text, const std::string& what, int64_t vocab_size) {

@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "engine/engine.h"
+#include "model/config.h"
 #include "model/model.h"
 
 namespace metrale::cli {
@@ -25,7 +26,9 @@ struct EngineOptions {
   double gpu_memory_utilization = 0.90;   // GPU: share of device memory for weights, workspace, graphs, cache
   bool no_cuda_graphs = false;
   bool enable_prefix_caching = true;
-  int64_t state_checkpoint_interval = 512;  // hybrid models: tokens between prefill state checkpoints
+  // Hybrid models: tokens between prefill state checkpoints, a multiple of block_size; 0: 512
+  // rounded up to a multiple of block_size.
+  int64_t state_checkpoint_interval = 0;
   int state_checkpoint_slots = -1;          // hybrid models: checkpoint slots; -1: --max-num-seqs
   // Speculative decoding (engine/speculator.h).
   std::string speculative_method = "none";  // none | ngram | mtp
@@ -63,9 +66,9 @@ std::unique_ptr<Engine> make_engine_for(std::unique_ptr<Model> model, const Engi
                                         int max_prefill_chunk = 0);
 
 // The flags against each other and against the model: --max-model-len within the model's
-// max_position_embeddings, --state-checkpoint-interval a multiple of --block-size (hybrid models),
+// max_position_embeddings, a --state-checkpoint-interval given a multiple of --block-size,
 // --ngram-min <= --ngram-max. Throws kInvalidArgument (exit code 2) naming the flags.
-void check_engine_options(const EngineOptions& options, const Model& model);
+void check_engine_options(const EngineOptions& options, const ModelConfig& config);
 // Sets the CPU thread pool from --threads (0: every CPU); more than 4 threads per CPU of the
 // machine is a usage error.
 void apply_cpu_threads(const EngineOptions& options);
