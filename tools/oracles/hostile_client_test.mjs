@@ -633,8 +633,11 @@ if (selected.length) {
     '--max-num-seqs', '64', '--max-queued-requests', '2048']);
   const { port } = server;
   console.log(`---- server up on ${server.url}`);
-  const reference = (await stream(port, canaryRequest)).content;
+  const alone = await stream(port, canaryRequest);
+  const reference = alone.content;
   assert.ok(reference.length > 0);
+  // Tokens per second of one stream here, to size the shutdown case's stream at about 6 s.
+  const tokensPerSecond = canaryRequest.max_tokens / Math.max(0.001, alone.totalMs / 1000);
   const canary = startCanary(port, reference);
   for (const { name, fn, timeoutMs } of selected) {
     const started = Date.now();
@@ -660,10 +663,11 @@ if (selected.length) {
 
   // Shutdown: a stream in flight finishes while new requests get 503; the process exits 0.
   try {
-    const inFlight = stream(port, { prompt: 'def shutdown():', max_tokens: 64, ignore_eos: true, temperature: 0 });
+    const length = Math.min(1800, Math.max(64, Math.round(tokensPerSecond * 6)));
+    const inFlight = stream(port, { prompt: 'def shutdown():', max_tokens: length, ignore_eos: true, temperature: 0 });
     await sleep(300);
     server.child.kill('SIGTERM');
-    await sleep(200);
+    await sleep(100);
     const refused = await request(port, '/v1/completions', { prompt: 'x', max_tokens: 1 });
     expectError(refused, 503);
     const health = parseResponses((await raw(port, 'GET /health HTTP/1.1\r\nConnection: close\r\n\r\n')).text)[0];
