@@ -2,12 +2,16 @@
 # build, and run; everything else is a plain CMake build under build/.
 BUILD_DIR ?= build
 ASAN_DIR ?= build-asan
+FUZZ_DIR ?= build-fuzz
+# Seconds per fuzz target: `make fuzz` (local runs) and `make fuzz-ci` (.ci/run).
+FUZZ_SECONDS ?= 600
+FUZZ_CI_SECONDS ?= 45
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PROMPT ?= def parse_args(argv):
 MAX_TOKENS ?= 64
 
-.PHONY: all deps build run test asan test-asan clean format
+.PHONY: all deps build run test asan test-asan fuzzers fuzz fuzz-ci clean format
 
 all: build
 
@@ -35,8 +39,22 @@ asan: deps $(ASAN_DIR)/CMakeCache.txt
 test-asan: asan
 	cd $(ASAN_DIR) && ctest --output-on-failure -j $(JOBS)
 
+# libFuzzer targets (clang, ASan + UBSan): tests/fuzz/.
+$(FUZZ_DIR)/CMakeCache.txt:
+	cmake -S . -B $(FUZZ_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++-16 -DMETRALE_FUZZ=ON \
+	  -DMETRALE_CUDA=OFF $(CMAKE_FLAGS)
+
+fuzzers: deps $(FUZZ_DIR)/CMakeCache.txt
+	cmake --build $(FUZZ_DIR) -j $(JOBS) --target fuzzers
+
+fuzz: fuzzers
+	tests/fuzz/run_fuzzers.sh $(FUZZ_DIR) $(FUZZ_SECONDS) $(JOBS)
+
+fuzz-ci: fuzzers
+	tests/fuzz/run_fuzzers.sh $(FUZZ_DIR) $(FUZZ_CI_SECONDS) $(JOBS)
+
 format:
 	find src apps tests -name '*.cpp' -o -name '*.h' -o -name '*.cu' | xargs clang-format -i
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(FUZZ_DIR)

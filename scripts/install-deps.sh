@@ -9,6 +9,7 @@ packages=(
   build-essential cmake pkg-config git ca-certificates
   nlohmann-json3-dev libfmt-dev libcli11-dev libonig-dev libutf8proc-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcpp-httplib-dev libxxhash-dev
+  libboost1.81-dev clang-16 libclang-rt-16-dev
   nodejs npm
 )
 

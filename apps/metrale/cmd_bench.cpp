@@ -276,9 +276,8 @@ int run_bench(const BenchOptions& options) {
   if (!options.config.empty() && !options.random_weights) {
     raise(ErrorCode::kInvalidArgument, "--config needs --random-weights (a preset has no weights)");
   }
-  if (options.engine.threads > 0) set_cpu_threads(options.engine.threads);
-  const Device device = options.engine.device.empty() ? default_device() : parse_device(options.engine.device);
-  if (device.is_cuda() && !cuda_available()) raise(ErrorCode::kInvalidArgument, "no CUDA device is available");
+  apply_cpu_threads(options.engine);
+  const Device device = chosen_device(options.engine);
   if (options.engine.speculative_method != "none") return run_speculative_bench(options, device);
   const auto batches = parse_int_list(options.batches, "--batch");
   const auto prefills = parse_int_list(options.prefills, "--prefill");

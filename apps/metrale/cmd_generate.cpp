@@ -9,6 +9,7 @@
 #include "commands.h"
 #include "core/error.h"
 #include "core/strings.h"
+#include "model/config.h"
 #include "options.h"
 #include "text/tokenizer.h"
 
@@ -37,12 +38,11 @@ int run_generate(const GenerateOptions& options) {
   const bool need_tokenizer = !options.prompts.empty() || std::filesystem::exists(model_dir / "tokenizer.json");
   if (need_tokenizer) tokenizer = Tokenizer::from_dir(model_dir);
 
+  // Ids are checked against the vocabulary here, as the server does, before the model loads.
+  const int64_t vocab_size = load_model_config(model_dir).vocab_size;
   std::vector<std::vector<int32_t>> prompts;
-  if (!options.prompt_ids.empty()) {
-    std::vector<int32_t> ids;
-    for (const int64_t id : parse_int_list(options.prompt_ids, "--prompt-ids")) ids.push_back(static_cast<int32_t>(id));
-    prompts.push_back(std::move(ids));
-  }
+  if (!options.prompt_ids.empty()) prompts.push_back(parse_token_ids(options.prompt_ids, "--prompt-ids", vocab_size));
+  const std::vector<int32_t> stop_token_ids = parse_token_ids(options.stop_token_ids, "--stop-token-ids", vocab_size);
   for (const auto& text : options.prompts) prompts.push_back(tokenizer->encode(text, /*add_special_tokens=*/true));
 
   const SamplingParams sampling = sampling_from_flags(*options.command, options.sampling, model_dir);
@@ -56,8 +56,7 @@ int run_generate(const GenerateOptions& options) {
     request.sampling.seed = options.seed;
     request.max_tokens = options.max_tokens;
     request.ignore_eos = options.ignore_eos;
-    for (const int64_t id : parse_int_list(options.stop_token_ids, "--stop-token-ids"))
-      request.stop_token_ids.push_back(static_cast<int32_t>(id));
+    request.stop_token_ids = stop_token_ids;
     ids.push_back(engine->add_request(std::move(request)));
   }
 

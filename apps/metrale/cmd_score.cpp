@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/npy.h"
 #include "core/strings.h"
+#include "model/config.h"
 #include "options.h"
 #include "text/tokenizer.h"
 
@@ -28,7 +29,7 @@ int run_score(const ScoreOptions& options) {
   if (options.tokens.empty() == options.text.empty()) raise(ErrorCode::kInvalidArgument, "give either --tokens or --text");
   std::vector<int32_t> ids;
   if (!options.tokens.empty()) {
-    for (const int64_t id : parse_int_list(options.tokens, "--tokens")) ids.push_back(static_cast<int32_t>(id));
+    ids = parse_token_ids(options.tokens, "--tokens", load_model_config(resolve_model_dir(options.engine)).vocab_size);
   } else {
     ids = Tokenizer::from_dir(resolve_model_dir(options.engine)).encode(options.text, true);
   }

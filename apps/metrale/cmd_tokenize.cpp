@@ -106,7 +106,7 @@ int run_tokenize(const TokenizeOptions& options) {
     raise(ErrorCode::kInvalidArgument, "give exactly one of --text, --file, --jsonl, --decode, --decode-jsonl");
   }
   if (!options.engine.device.empty()) parse_device(options.engine.device);  // rejects unknown devices
-  if (options.engine.threads > 0) set_cpu_threads(options.engine.threads);
+  apply_cpu_threads(options.engine);
   const Tokenizer tokenizer = Tokenizer::from_dir(resolve_model_dir(options.engine));
   Output out;
 

@@ -2,6 +2,7 @@
 // a one-line message on stderr with the documented exit code.
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include "commands.h"
 #include "core/error.h"
@@ -30,6 +31,10 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     std::fprintf(stderr, "metrale: error: %s\n", e.what());
     return e.code() == ErrorCode::kInvalidArgument ? cli::kExitUsage : cli::kExitRuntimeError;
+  } catch (const std::bad_alloc&) {
+    // Sized allocations (buffers, caches) report their size as a metrale::Error; this is any other.
+    std::fprintf(stderr, "metrale: error: out of memory (an allocation failed)\n");
+    return cli::kExitRuntimeError;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "metrale: error: %s\n", e.what());
     return cli::kExitRuntimeError;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -27,7 +28,8 @@ void add_model_option(CLI::App& command, EngineOptions& options) {
 
 void add_device_options(CLI::App& command, EngineOptions& options) {
   command.add_option("--device", options.device, "cpu, cuda or cuda:N (default: the GPU when present, else cpu)");
-  command.add_option("--threads", options.threads, "CPU threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  command.add_option("--threads", options.threads, "CPU threads (default: all cores; at most 4 per core)")
+      ->check(CLI::Range(0, ThreadPool::kMaxThreads));
 }
 
 void add_engine_options(CLI::App& command, EngineOptions& options) {
@@ -38,7 +40,8 @@ void add_engine_options(CLI::App& command, EngineOptions& options) {
       ->capture_default_str()->check(CLI::Range(1, 65536));
   command.add_option("--max-num-batched-tokens", options.max_num_batched_tokens, "tokens per step at most")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
-  command.add_option("--max-model-len", options.max_model_len, "context length (default: the model's)")
+  command.add_option("--max-model-len", options.max_model_len,
+                     "context length (default and upper bound: the model's max_position_embeddings)")
       ->check(CLI::NonNegativeNumber);
   command.add_option("--kv-cache-memory", options.kv_cache_memory, "CPU: memory for the KV cache, e.g. 512MiB, 4GiB")
       ->capture_default_str();
@@ -49,8 +52,9 @@ void add_engine_options(CLI::App& command, EngineOptions& options) {
   command.add_flag("--enable-prefix-caching,!--no-prefix-caching", options.enable_prefix_caching,
                    "reuse the cached KV blocks (and recurrent state) of shared prompt prefixes (default: on)");
   command.add_option("--state-checkpoint-interval", options.state_checkpoint_interval,
-                     "hybrid models: tokens between recurrent-state checkpoints during prefill (multiple of the block size)")
-      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+                     "hybrid models: tokens between recurrent-state checkpoints during prefill, a multiple of "
+                     "--block-size (default: 512 rounded up to one)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   command.add_option("--state-checkpoint-slots", options.state_checkpoint_slots,
                      "hybrid models: recurrent-state checkpoint slots for the prefix cache (default: --max-num-seqs)")
       ->check(CLI::Range(0, 1 << 20));
@@ -83,6 +87,8 @@ uint64_t parse_byte_size(const std::string& text, const std::string& what) {
   else if (unit == "G" || unit == "GiB" || unit == "GB") scale = 1024.0 * 1024 * 1024;
   else raise(ErrorCode::kInvalidArgument, "{}: unknown unit '{}' in '{}'", what, unit, text);
   if (!(value > 0) || !std::isfinite(value)) raise(ErrorCode::kInvalidArgument, "{}: '{}' must be positive", what, text);
+  // A double converts to uint64 only below 2^64; sizes beyond 2^62 bytes are nonsense anyway.
+  if (value * scale >= 0x1p62) raise(ErrorCode::kInvalidArgument, "{}: '{}' is too large", what, text);
   return static_cast<uint64_t>(value * scale);
 }
 
@@ -152,7 +158,9 @@ EngineConfig engine_config_from(const EngineOptions& options) {
   config.gpu_memory_utilization = options.gpu_memory_utilization;
   config.cuda_graphs = !options.no_cuda_graphs;
   config.enable_prefix_caching = options.enable_prefix_caching;
-  config.state_checkpoint_interval = options.state_checkpoint_interval;
+  config.state_checkpoint_interval = options.state_checkpoint_interval > 0
+                                         ? options.state_checkpoint_interval
+                                         : (512 + options.block_size - 1) / options.block_size * options.block_size;
   config.state_checkpoint_slots = options.state_checkpoint_slots;
   config.speculative.method = parse_speculative_method(options.speculative_method);
   config.speculative.num_drafts = options.num_drafts;
@@ -171,17 +179,70 @@ std::vector<TokenEvent> step_or_throw(Engine& engine) {
   return events;
 }
 
-std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk) {
+void apply_cpu_threads(const EngineOptions& options) {
+  const int cpus = machine_cpu_count();
+  if (options.threads > 4 * cpus) {
+    raise(ErrorCode::kInvalidArgument, "--threads {}: this machine has {} CPUs; use at most {} threads", options.threads,
+          cpus, 4 * cpus);
+  }
   if (options.threads > 0) set_cpu_threads(options.threads);
+}
+
+Device chosen_device(const EngineOptions& options) {
   const Device device = options.device.empty() ? default_device() : parse_device(options.device);
   if (device.is_cuda() && !cuda_available()) {
     raise(ErrorCode::kInvalidArgument, "--device {}: no CUDA device is available in this build or machine",
           options.device);
   }
+  return device;
+}
+
+void check_engine_options(const EngineOptions& options, const ModelConfig& config) {
+  if (options.max_model_len > config.max_position_embeddings) {
+    raise(ErrorCode::kInvalidArgument,
+          "--max-model-len {} is beyond the {} positions of the model (max_position_embeddings in {})",
+          options.max_model_len, config.max_position_embeddings, config.source.string());
+  }
+  if (options.state_checkpoint_interval > 0 && options.state_checkpoint_interval % options.block_size != 0) {
+    raise(ErrorCode::kInvalidArgument,
+          "--state-checkpoint-interval {} is not a multiple of --block-size {} (checkpoints are taken at block "
+          "boundaries)",
+          options.state_checkpoint_interval, options.block_size);
+  }
+  if (options.ngram_min > options.ngram_max) {
+    raise(ErrorCode::kInvalidArgument, "--ngram-min {} is above --ngram-max {}", options.ngram_min, options.ngram_max);
+  }
+}
+
+std::unique_ptr<Engine> make_engine_for(std::unique_ptr<Model> model, const EngineOptions& options,
+                                        int max_prefill_chunk) {
+  check_engine_options(options, model->config());
   EngineConfig config = engine_config_from(options);
   config.scheduler.max_prefill_chunk = max_prefill_chunk;
-  auto model = load_model(resolve_model_dir(options), device);
   return std::make_unique<Engine>(std::move(model), config);
+}
+
+std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk) {
+  apply_cpu_threads(options);
+  const Device device = chosen_device(options);
+  engine_config_from(options);  // the flags' own errors (sizes) before the model loads
+  const std::filesystem::path dir = resolve_model_dir(options);
+  check_engine_options(options, load_model_config(dir));  // before the weights load
+  return make_engine_for(load_model(dir, device), options, max_prefill_chunk);
+}
+
+std::vector<int32_t> parse_token_ids(const std::string& text, const std::string& what, int64_t vocab_size) {
+  std::vector<int32_t> ids;
+  for (const int64_t id : parse_int_list(text, what)) {
+    const int64_t limit = vocab_size > 0 ? vocab_size : int64_t{std::numeric_limits<int32_t>::max()} + 1;
+    if (id < 0 || id >= limit) {
+      if (vocab_size > 0)
+        raise(ErrorCode::kInvalidArgument, "{}: token id {} is outside the vocabulary [0, {})", what, id, vocab_size);
+      raise(ErrorCode::kInvalidArgument, "{}: token id {} is out of range", what, id);
+    }
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  return ids;
 }
 
 }  // namespace metrale::cli

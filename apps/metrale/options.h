@@ -9,6 +9,8 @@
 #include <CLI/CLI.hpp>
 
 #include "engine/engine.h"
+#include "model/config.h"
+#include "model/model.h"
 
 namespace metrale::cli {
 
@@ -24,7 +26,9 @@ struct EngineOptions {
   double gpu_memory_utilization = 0.90;   // GPU: share of device memory for weights, workspace, graphs, cache
   bool no_cuda_graphs = false;
   bool enable_prefix_caching = true;
-  int64_t state_checkpoint_interval = 512;  // hybrid models: tokens between prefill state checkpoints
+  // Hybrid models: tokens between prefill state checkpoints, a multiple of block_size; 0: 512
+  // rounded up to a multiple of block_size.
+  int64_t state_checkpoint_interval = 0;
   int state_checkpoint_slots = -1;          // hybrid models: checkpoint slots; -1: --max-num-seqs
   // Speculative decoding (engine/speculator.h).
   std::string speculative_method = "none";  // none | ngram | mtp
@@ -55,7 +59,25 @@ void add_device_options(CLI::App& command, EngineOptions& options);
 
 std::filesystem::path resolve_model_dir(const EngineOptions& options);
 // Loads the model and builds the engine; `scheduler` overrides are applied on top of the flags.
+// The flags are checked against the model first (check_engine_options).
 std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk = 0);
+// An engine on `model` (loaded or random) with the flags checked against it.
+std::unique_ptr<Engine> make_engine_for(std::unique_ptr<Model> model, const EngineOptions& options,
+                                        int max_prefill_chunk = 0);
+
+// The flags against each other and against the model: --max-model-len within the model's
+// max_position_embeddings, a --state-checkpoint-interval given a multiple of --block-size,
+// --ngram-min <= --ngram-max. Throws kInvalidArgument (exit code 2) naming the flags.
+void check_engine_options(const EngineOptions& options, const ModelConfig& config);
+// Sets the CPU thread pool from --threads (0: every CPU); more than 4 threads per CPU of the
+// machine is a usage error.
+void apply_cpu_threads(const EngineOptions& options);
+// The device --device names (default: the GPU when present), or kInvalidArgument when it cannot run.
+Device chosen_device(const EngineOptions& options);
+
+// Parses a comma-separated list of token ids, each in [0, vocab_size) (vocab_size 0: only
+// non-negative and within int32); throws kInvalidArgument naming `what` and the id.
+std::vector<int32_t> parse_token_ids(const std::string& text, const std::string& what, int64_t vocab_size);
 
 // One engine step for the commands that drive the engine themselves: a request the step failed
 // (FinishReason::kError, see Engine::step) ends the command with that error, as it would have

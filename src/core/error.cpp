@@ -9,6 +9,7 @@ std::string_view error_code_name(ErrorCode code) {
     case ErrorCode::kBadFormat: return "bad_format";
     case ErrorCode::kUnsupported: return "unsupported";
     case ErrorCode::kOutOfMemory: return "out_of_memory";
+    case ErrorCode::kUnavailable: return "unavailable";
     case ErrorCode::kInternal: return "internal";
   }
   return "unknown";

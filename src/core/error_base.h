@@ -15,6 +15,7 @@ enum class ErrorCode {
   kBadFormat,         // a file exists but is malformed (safetensors header, config.json, tokenizer.json)
   kUnsupported,       // well-formed but not supported (unknown model_type, dtype, feature)
   kOutOfMemory,       // an allocation or the cache budget cannot be satisfied
+  kUnavailable,       // the system refuses a resource: an address in use, threads that cannot start
   kInternal,          // a broken invariant: a bug in metrale
 };
 

@@ -49,6 +49,18 @@ std::vector<int64_t> parse_int_list(std::string_view text, std::string_view what
   return values;
 }
 
+bool constant_time_equals(std::string_view given, std::string_view secret) {
+  // Every byte of the secret is visited whatever `given` holds; the differences are OR-ed, so no
+  // branch depends on where they are.
+  unsigned difference = given.size() == secret.size() ? 0u : 1u;
+  for (size_t i = 0; i < secret.size(); ++i) {
+    const auto expected = static_cast<unsigned char>(secret[i]);
+    const auto got = i < given.size() ? static_cast<unsigned char>(given[i]) : static_cast<unsigned char>(~expected);
+    difference |= static_cast<unsigned>(expected ^ got);
+  }
+  return difference == 0;
+}
+
 std::string read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) raise(ErrorCode::kNotFound, "cannot open {}", path.string());

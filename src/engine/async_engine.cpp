@@ -204,7 +204,10 @@ void AsyncEngine::admit(std::vector<Submission>& submissions) {
       for (const int64_t id : group.engine_ids) engine_->release(id);
       const Error* error = dynamic_cast<const Error*>(&e);
       const bool invalid = error != nullptr && error->code() == ErrorCode::kInvalidArgument;
-      submission.stream->push(make_error(invalid ? StreamErrorKind::kInvalidRequest : StreamErrorKind::kInternal,
+      const bool unavailable = error != nullptr && error->code() == ErrorCode::kUnavailable;
+      submission.stream->push(make_error(invalid       ? StreamErrorKind::kInvalidRequest
+                                         : unavailable ? StreamErrorKind::kUnavailable
+                                                       : StreamErrorKind::kInternal,
                                          e.what()));
       submission.stream->close();
       if (invalid) counters_.rejected += static_cast<int64_t>(submission.requests.size());

@@ -37,6 +37,7 @@ enum class StreamErrorKind {
   kInvalidRequest,  // the engine rejected the request (Engine::add_request threw kInvalidArgument)
   kShuttingDown,    // the engine stopped before the request could run
   kInternal,        // the engine failed while running it
+  kUnavailable,     // the engine can no longer serve (Engine::add_request threw kUnavailable)
 };
 
 // One event of a stream. A submission of N requests (a group: n choices, several prompts) shares

@@ -234,7 +234,7 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
 }
 
 int64_t Engine::add_request(Request request) {
-  if (!health_.serving) raise(ErrorCode::kInternal, "the engine can no longer serve: {}", health_.reason);
+  if (!health_.serving) raise(ErrorCode::kUnavailable, "the engine can no longer serve: {}", health_.reason);
   const int64_t vocab = model_->config().vocab_size;
   if (request.prompt.empty()) raise(ErrorCode::kInvalidArgument, "the prompt is empty");
   for (const int32_t id : request.prompt) {

@@ -125,7 +125,7 @@ class Engine {
 
   // Validates and queues a request; returns its id. Throws kInvalidArgument for bad requests
   // (empty prompt, ids outside the vocabulary, bad sampling parameters, too long for the context
-  // or for the whole KV cache), and kInternal once the engine can no longer serve.
+  // or for the whole KV cache), and kUnavailable once the engine can no longer serve.
   int64_t add_request(Request request);
   // Cancels a request: it finishes with kAbort and its blocks are freed at once.
   void abort_request(int64_t request_id);

@@ -1,16 +1,26 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <iterator>
+#include <limits>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "core/strings.h"
 
 namespace metrale {
 namespace {
 
+// config.json nests a few levels (rope_parameters, quantization_config, text_config); deeper text
+// is not a config, and the recursive copies below must not meet it.
+constexpr size_t kMaxConfigDepth = 64;
+
 nlohmann::json read_json(const std::filesystem::path& path) {
   const std::string text = read_file(path);
+  if (json_nests_deeper_than(text, kMaxConfigDepth))
+    raise(ErrorCode::kBadFormat, "{}: invalid JSON: nested deeper than {}", path.string(), kMaxConfigDepth);
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
@@ -27,6 +37,71 @@ void append_ids(const nlohmann::json& value, std::vector<int64_t>& ids) {
   if (value.is_array())
     for (const auto& item : value)
       if (item.is_number_integer()) add(item.get<int64_t>());
+}
+
+// A value for an error message: its JSON text, cut short (a wrong value may be a huge list).
+std::string brief(const nlohmann::json& value) {
+  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (text.size() > 80) text = text.substr(0, 77) + "...";
+  return text;
+}
+
+// The ranges of the sizes the engine computes with. Every product of them that the engine forms
+// (vocab x hidden, heads x head_dim, blocks of max_position_embeddings) fits an int64 with room,
+// and positions fit the int32 arrays of a step.
+struct IntRange {
+  const char* field;
+  int64_t lo, hi;
+};
+constexpr int64_t kMaxPositions = int64_t{1} << 28;  // 268M tokens; positions are int32 on the device
+constexpr IntRange kRanges[] = {
+    {"vocab_size", 1, std::numeric_limits<int32_t>::max()},
+    {"hidden_size", 1, int64_t{1} << 20},
+    {"num_hidden_layers", 1, 4096},
+    {"num_attention_heads", 1, int64_t{1} << 16},
+    {"num_key_value_heads", 1, int64_t{1} << 16},
+    {"head_dim", 1, int64_t{1} << 16},
+    {"intermediate_size", 0, int64_t{1} << 24},
+    {"max_position_embeddings", 1, kMaxPositions},
+};
+
+void check_ranges(const ModelConfig& config) {
+  const int64_t values[] = {config.vocab_size, config.hidden_size, config.num_layers, config.num_heads,
+                            config.num_kv_heads, config.head_dim, config.intermediate_size,
+                            config.max_position_embeddings};
+  static_assert(std::size(values) == std::size(kRanges));
+  for (size_t i = 0; i < std::size(kRanges); ++i) {
+    const IntRange& range = kRanges[i];
+    if (values[i] < range.lo || values[i] > range.hi) {
+      if (range.lo == 1 && values[i] <= 0)
+        raise(ErrorCode::kBadFormat, "{}: field '{}' must be positive, got {}", config.source.string(), range.field, values[i]);
+      raise(ErrorCode::kBadFormat, "{}: field '{}' must be in [{}, {}], got {}", config.source.string(), range.field,
+            range.lo, range.hi, values[i]);
+    }
+  }
+  const auto check_double = [&](const char* field, double value, bool ok, const char* range) {
+    if (!std::isfinite(value) || !ok)
+      raise(ErrorCode::kBadFormat, "{}: {} must be {}, got {}", config.source.string(), field, range, value);
+  };
+  check_double("rms_norm_eps", config.rms_norm_eps, config.rms_norm_eps > 0 && config.rms_norm_eps < 1, "in (0, 1)");
+  check_double("rope_theta", config.rope.theta, config.rope.theta > 0, "positive");
+  check_double("partial_rotary_factor", config.rope.partial_rotary_factor,
+               config.rope.partial_rotary_factor > 0 && config.rope.partial_rotary_factor <= 1, "in (0, 1]");
+  check_double("the rope scaling factor", config.rope.factor, config.rope.factor > 0, "positive");
+  check_double("rope beta_fast", config.rope.beta_fast, true, "finite");
+  check_double("rope beta_slow", config.rope.beta_slow, true, "finite");
+  if (config.rope.attention_factor) check_double("rope attention_factor", *config.rope.attention_factor, true, "finite");
+  if (config.rope.original_max_position_embeddings &&
+      (*config.rope.original_max_position_embeddings < 1 || *config.rope.original_max_position_embeddings > kMaxPositions)) {
+    raise(ErrorCode::kBadFormat, "{}: rope original_max_position_embeddings must be in [1, {}], got {}",
+          config.source.string(), kMaxPositions, *config.rope.original_max_position_embeddings);
+  }
+  const auto check_id = [&](const char* field, int64_t id) {
+    if (id < 0 || id > std::numeric_limits<int32_t>::max())
+      raise(ErrorCode::kBadFormat, "{}: {} {} is not a token id", config.source.string(), field, id);
+  };
+  for (const int64_t id : config.eos_token_ids) check_id("eos_token_id", id);
+  if (config.bos_token_id) check_id("bos_token_id", *config.bos_token_id);
 }
 
 }  // namespace
@@ -46,27 +121,27 @@ int64_t ModelConfig::get_int(const std::string& key, int64_t fallback) const {
     const double number = value.get<double>();
     if (number >= -9.2e18 && number <= 9.2e18 && number == std::floor(number)) return static_cast<int64_t>(number);
   }
-  raise(ErrorCode::kBadFormat, "{}: field '{}' must be an integer, got {}", source.string(), key, value.dump());
+  raise(ErrorCode::kBadFormat, "{}: field '{}' must be an integer, got {}", source.string(), key, brief(value));
 }
 
 double ModelConfig::get_double(const std::string& key, double fallback) const {
   if (!has(key)) return fallback;
   const auto& value = text.at(key);
-  if (!value.is_number()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a number, got {}", source.string(), key, value.dump());
+  if (!value.is_number()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a number, got {}", source.string(), key, brief(value));
   return value.get<double>();
 }
 
 bool ModelConfig::get_bool(const std::string& key, bool fallback) const {
   if (!has(key)) return fallback;
   const auto& value = text.at(key);
-  if (!value.is_boolean()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be true or false, got {}", source.string(), key, value.dump());
+  if (!value.is_boolean()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be true or false, got {}", source.string(), key, brief(value));
   return value.get<bool>();
 }
 
 std::string ModelConfig::get_string(const std::string& key, const std::string& fallback) const {
   if (!has(key)) return fallback;
   const auto& value = text.at(key);
-  if (!value.is_string()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a string, got {}", source.string(), key, value.dump());
+  if (!value.is_string()) raise(ErrorCode::kBadFormat, "{}: field '{}' must be a string, got {}", source.string(), key, brief(value));
   return value.get<std::string>();
 }
 
@@ -99,7 +174,7 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::filesyst
   ModelConfig result;
   result.source = source;
   if (config.contains("model_type") && !config["model_type"].is_string()) {
-    raise(ErrorCode::kBadFormat, "{}: field 'model_type' must be a string, got {}", source.string(), config["model_type"].dump());
+    raise(ErrorCode::kBadFormat, "{}: field 'model_type' must be a string, got {}", source.string(), brief(config["model_type"]));
   }
   result.outer_model_type = config.value("model_type", std::string());
   if (config.contains("text_config") && config["text_config"].is_object()) {
@@ -154,7 +229,7 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::filesyst
   };
   for (const char* key : {"rope_type", "type"}) {
     if (rope.contains(key) && !rope[key].is_string())
-      raise(ErrorCode::kBadFormat, "{}: rope field '{}' must be a string, got {}", source.string(), key, rope[key].dump());
+      raise(ErrorCode::kBadFormat, "{}: rope field '{}' must be a string, got {}", source.string(), key, brief(rope[key]));
   }
   result.rope.type = rope.value("rope_type", rope.value("type", std::string("default")));
   result.rope.theta = number("rope_theta", 10000.0);
@@ -164,9 +239,10 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::filesyst
   result.rope.beta_slow = number("beta_slow", 1.0);
   if (rope.contains("attention_factor") && rope["attention_factor"].is_number())
     result.rope.attention_factor = rope["attention_factor"].get<double>();
-  if (rope.contains("original_max_position_embeddings") && rope["original_max_position_embeddings"].is_number())
+  if (rope.contains("original_max_position_embeddings") && rope["original_max_position_embeddings"].is_number_integer())
     result.rope.original_max_position_embeddings = rope["original_max_position_embeddings"].get<int64_t>();
   if (rope.contains("truncate") && rope["truncate"].is_boolean()) result.rope.truncate = rope["truncate"].get<bool>();
+  check_ranges(result);
   return result;
 }
 

@@ -1,16 +1,21 @@
 #include "model/safetensors.h"
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <limits>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 
 namespace metrale {
 namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // the format's own limit is 100 MB
+constexpr size_t kMaxHeaderDepth = 8;
 
 std::optional<DType> parse_dtype(const std::string& name) {
   if (name == "F32") return DType::kF32;
@@ -55,9 +60,82 @@ std::string safetensors_dtype_name(DType dtype) {
   return "?";
 }
 
-SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : file_(path) {
-  const auto bytes = file_.bytes();
-  const std::string where = path.string();
+namespace {
+
+// One header entry, validated on its own: dtype, shape and byte size.
+SafetensorsEntry parse_entry(const std::string& name, const nlohmann::json& info, uint64_t data_size,
+                             std::string_view where) {
+  const auto bad = [&](const std::string& why) {
+    raise(ErrorCode::kBadFormat, "{}: tensor '{}': {}", where, name, why);
+  };
+  if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
+    bad("entry needs dtype, shape and data_offsets");
+  if (!info["dtype"].is_string()) bad("dtype is not a string");
+  SafetensorsEntry entry;
+  entry.dtype_name = info["dtype"].get<std::string>();
+  entry.dtype = parse_dtype(entry.dtype_name);
+  const uint64_t element = element_bytes(entry.dtype_name);
+  if (element == 0) bad("unknown dtype '" + entry.dtype_name + "'");
+  if (!info["shape"].is_array()) bad("shape is not a list");
+  if (info["shape"].size() > static_cast<size_t>(Shape::kMaxDims))
+    bad(fmt::format("shape has {} dimensions, more than the {} metrale supports", info["shape"].size(), Shape::kMaxDims));
+  uint64_t count = 1;
+  for (const auto& dim : info["shape"]) {
+    if (!dim.is_number_unsigned()) bad("shape has a negative or non-integer dimension");
+    const auto size = dim.get<uint64_t>();
+    if (size > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) bad("shape has a dimension past 2^63");
+    entry.shape.push_back(static_cast<int64_t>(size));
+    if (size != 0 && count > (1ull << 62) / size) bad("shape overflows");
+    count *= size;
+  }
+  const auto& offsets = info["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned())
+    bad("data_offsets must be two non-negative integers");
+  entry.begin = offsets[0].get<uint64_t>();
+  entry.end = offsets[1].get<uint64_t>();
+  if (entry.begin > entry.end) bad("data_offsets are reversed");
+  if (entry.end > data_size) {
+    bad(fmt::format("data_offsets [{}, {}) run past the end of the file (data section of {} bytes)", entry.begin,
+                    entry.end, data_size));
+  }
+  if (count > (1ull << 62) / element || entry.end - entry.begin != count * element) {
+    bad(fmt::format("data_offsets cover {} bytes but shape and dtype need {}", entry.end - entry.begin, count * element));
+  }
+  return entry;
+}
+
+// The offsets, sorted, must tile [0, data_size): what the reference loader checks, so that no two
+// tensors share bytes (a file whose weights alias would load and produce garbage).
+void check_tiling(const std::map<std::string, SafetensorsEntry>& entries, uint64_t data_size, std::string_view where) {
+  std::vector<std::pair<const std::string*, const SafetensorsEntry*>> order;
+  order.reserve(entries.size());
+  for (const auto& [name, entry] : entries) order.emplace_back(&name, &entry);
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.second->begin, a.second->end) < std::tie(b.second->begin, b.second->end);
+  });
+  uint64_t expected = 0;
+  const std::string* previous = nullptr;
+  for (const auto& [name, entry] : order) {
+    if (entry->begin < expected) {
+      raise(ErrorCode::kBadFormat, "{}: tensor '{}': data_offsets [{}, {}) overlap those of '{}', which end at {}",
+            where, *name, entry->begin, entry->end, *previous, expected);
+    }
+    if (entry->begin > expected) {
+      raise(ErrorCode::kBadFormat, "{}: tensor '{}': data_offsets start at {}, leaving bytes [{}, {}) that no tensor "
+            "describes", where, *name, entry->begin, expected, entry->begin);
+    }
+    expected = entry->end;
+    previous = name;
+  }
+  if (expected != data_size) {
+    raise(ErrorCode::kBadFormat, "{}: the tensors cover {} bytes of a data section of {} bytes", where, expected,
+          data_size);
+  }
+}
+
+}  // namespace
+
+SafetensorsHeader parse_safetensors_header(std::span<const std::byte> bytes, std::string_view where) {
   if (bytes.size() < 8) raise(ErrorCode::kBadFormat, "{}: truncated safetensors file ({} bytes, no header)", where, bytes.size());
   uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[static_cast<size_t>(i)])) << (8 * i);
@@ -66,52 +144,32 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : file_(path
     raise(ErrorCode::kBadFormat, "{}: truncated safetensors file: header of {} bytes but only {} follow", where,
           header_len, bytes.size() - 8);
   }
-  data_start_ = 8 + header_len;
-  const uint64_t data_size = bytes.size() - data_start_;
+  SafetensorsHeader result;
+  result.data_start = 8 + header_len;
+  const uint64_t data_size = bytes.size() - result.data_start;
+  const std::string_view text(reinterpret_cast<const char*>(bytes.data()) + 8, header_len);
+  // {name: {dtype, shape: [...], data_offsets: [...]}, __metadata__: {...}} nests 3 deep.
+  if (json_nests_deeper_than(text, kMaxHeaderDepth))
+    raise(ErrorCode::kBadFormat, "{}: corrupt safetensors header: nested deeper than {}", where, kMaxHeaderDepth);
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(reinterpret_cast<const char*>(bytes.data()) + 8,
-                                   reinterpret_cast<const char*>(bytes.data()) + 8 + header_len);
+    header = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     raise(ErrorCode::kBadFormat, "{}: corrupt safetensors header: {}", where, e.what());
   }
   if (!header.is_object()) raise(ErrorCode::kBadFormat, "{}: corrupt safetensors header: not a JSON object", where);
   for (const auto& [name, info] : header.items()) {
     if (name == "__metadata__") continue;
-    auto bad = [&](const std::string& why) {
-      raise(ErrorCode::kBadFormat, "{}: tensor '{}': {}", where, name, why);
-    };
-    if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
-      bad("entry needs dtype, shape and data_offsets");
-    if (!info["dtype"].is_string()) bad("dtype is not a string");
-    SafetensorsEntry entry;
-    entry.dtype_name = info["dtype"].get<std::string>();
-    entry.dtype = parse_dtype(entry.dtype_name);
-    const uint64_t element = element_bytes(entry.dtype_name);
-    if (element == 0) bad("unknown dtype '" + entry.dtype_name + "'");
-    if (!info["shape"].is_array()) bad("shape is not a list");
-    uint64_t count = 1;
-    for (const auto& dim : info["shape"]) {
-      if (!dim.is_number_unsigned()) bad("shape has a negative or non-integer dimension");
-      entry.shape.push_back(dim.get<int64_t>());
-      if (entry.shape.back() != 0 && count > (1ull << 62) / static_cast<uint64_t>(entry.shape.back())) bad("shape overflows");
-      count *= static_cast<uint64_t>(entry.shape.back());
-    }
-    const auto& offsets = info["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned())
-      bad("data_offsets must be two non-negative integers");
-    entry.begin = offsets[0].get<uint64_t>();
-    entry.end = offsets[1].get<uint64_t>();
-    if (entry.begin > entry.end) bad("data_offsets are reversed");
-    if (entry.end > data_size) {
-      bad(fmt::format("data_offsets [{}, {}) run past the end of the file (data section of {} bytes)", entry.begin,
-                      entry.end, data_size));
-    }
-    if (entry.end - entry.begin != count * element) {
-      bad(fmt::format("data_offsets cover {} bytes but shape and dtype need {}", entry.end - entry.begin, count * element));
-    }
-    entries_.emplace(name, std::move(entry));
+    result.entries.emplace(name, parse_entry(name, info, data_size, where));
   }
+  check_tiling(result.entries, data_size, where);
+  return result;
+}
+
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : file_(path) {
+  SafetensorsHeader header = parse_safetensors_header(file_.bytes(), path.string());
+  data_start_ = header.data_start;
+  entries_ = std::move(header.entries);
 }
 
 Tensor SafetensorsFile::view(const std::string& name) const {
@@ -128,10 +186,18 @@ Tensor SafetensorsFile::view(const std::string& name) const {
 
 void write_safetensors(const std::filesystem::path& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
+  // The data is laid out by element size, largest first (stable otherwise), as the reference writer
+  // does: every tensor then starts at a multiple of its element size.
+  std::vector<const std::pair<std::string, Tensor>*> layout;
+  for (const auto& named : tensors) layout.push_back(&named);
+  std::stable_sort(layout.begin(), layout.end(), [](const auto* a, const auto* b) {
+    return dtype_size(a->second.dtype()) > dtype_size(b->second.dtype());
+  });
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
+  for (const auto* named : layout) {
+    const auto& [name, tensor] = *named;
     METRALE_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(), "write_safetensors: {} must be a contiguous CPU tensor", name);
     const uint64_t bytes = tensor.nbytes();
     header[name] = {{"dtype", safetensors_dtype_name(tensor.dtype())},
@@ -148,8 +214,8 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<std:
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((header_len >> (8 * i)) & 0xff);
   out.write(len_bytes, 8);
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  // Entries are written in the order given, which is the order of their offsets.
-  for (const auto& [name, tensor] : tensors) {
+  for (const auto* named : layout) {
+    const Tensor& tensor = named->second;
     out.write(static_cast<const char*>(tensor.data()), static_cast<std::streamsize>(tensor.nbytes()));
   }
   if (!out) raise(ErrorCode::kInternal, "failed writing {}", path.string());

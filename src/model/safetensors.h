@@ -7,7 +7,9 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/mapped_file.h"
@@ -22,10 +24,25 @@ struct SafetensorsEntry {
   uint64_t begin = 0, end = 0;      // byte offsets into the data section
 };
 
+// A validated header: where the data section starts in the file and the tensors in it.
+struct SafetensorsHeader {
+  uint64_t data_start = 0;  // 8 + the header length
+  std::map<std::string, SafetensorsEntry> entries;
+};
+
+// Validates the bytes of a whole safetensors file as the reference loader (the `safetensors` Rust
+// crate) does: the header length, JSON (nesting at most 8 deep), each entry's dtype, shape (at most
+// Shape::kMaxDims dimensions) and byte size; then the offsets, which sorted must tile the data
+// section exactly: the first tensor starts at 0, each starts where the one before ends (no overlap,
+// no gap), the last ends at the end of the file. Alignment is not required, as the format does not
+// require it (an unpadded header, a 3-element BF16 before an F32): a view may then be unaligned,
+// and Weights copies such a tensor to aligned memory. Throws kBadFormat naming `where` and the
+// tensor at fault.
+SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file, std::string_view where);
+
 class SafetensorsFile {
  public:
-  // Maps and validates the file: header length, JSON, every entry's dtype/shape/offsets against the
-  // data section. Throws kBadFormat naming the file (and tensor) on any inconsistency.
+  // Maps the file and validates it (parse_safetensors_header).
   explicit SafetensorsFile(const std::filesystem::path& path);
 
   const std::filesystem::path& path() const { return file_.path(); }

@@ -1,22 +1,47 @@
 #include "runtime/thread_pool.h"
 
 #include <algorithm>
+#include <exception>
 #include <memory>
+
+#include "core/error.h"
 
 namespace metrale {
 
-ThreadPool::ThreadPool(int threads) {
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+int machine_cpu_count() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+ThreadPool::ThreadPool(int threads, const ThreadStarter& start_thread) {
+  if (threads <= 0) threads = machine_cpu_count();
+  if (threads > kMaxThreads)
+    raise(ErrorCode::kInvalidArgument, "a CPU thread pool of {} threads is beyond the limit of {}", threads, kMaxThreads);
+  workers_.reserve(static_cast<size_t>(threads - 1));
+  for (int i = 1; i < threads; ++i) {
+    try {
+      if (start_thread) workers_.push_back(start_thread([this] { worker_loop(); }));
+      else workers_.emplace_back([this] { worker_loop(); });
+    } catch (const std::exception& e) {
+      // The destructor does not run for a constructor that throws: stop the started workers here,
+      // or their std::thread objects would terminate the process (or they would wait forever).
+      const size_t started = workers_.size();
+      stop_workers();
+      raise(ErrorCode::kUnavailable, "cannot start CPU thread {} of {} ({} running): {}", started + 2, threads,
+            started + 1, e.what());
+    }
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::stop_workers() noexcept {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
   }
   work_ready_.notify_all();
-  for (auto& worker : workers_) worker.join();
+  for (auto& worker : workers_) {
+    if (worker.joinable()) worker.join();
+  }
+  workers_.clear();
 }
 
 void ThreadPool::run_chunks() {
@@ -108,6 +133,7 @@ ThreadPool& cpu_pool() {
 void set_cpu_threads(int threads) {
   requested_threads() = threads;
   pool_slot().reset();
+  pool_slot() = std::make_unique<ThreadPool>(threads);
 }
 
 }  // namespace metrale

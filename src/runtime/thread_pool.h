@@ -14,8 +14,14 @@ namespace metrale {
 
 class ThreadPool {
  public:
-  // threads = total workers including the caller; 0 means hardware concurrency.
-  explicit ThreadPool(int threads = 0);
+  static constexpr int kMaxThreads = 1024;
+  // Starts one worker thread running `body`; the default is std::thread (tests inject failures).
+  using ThreadStarter = std::function<std::thread(std::function<void()> body)>;
+
+  // threads = total workers including the caller; 0 means hardware concurrency. Throws
+  // kInvalidArgument beyond kMaxThreads, and kUnavailable (naming how many threads started) when the
+  // system refuses a thread; the workers already started are stopped and joined first.
+  explicit ThreadPool(int threads = 0, const ThreadStarter& start_thread = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -29,6 +35,7 @@ class ThreadPool {
  private:
   void worker_loop();
   void run_chunks();
+  void stop_workers() noexcept;
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;
@@ -49,8 +56,12 @@ class ThreadPool {
 };
 
 // The process-wide pool used by the CPU kernels. set_cpu_threads must be called before first use to
-// take effect (e.g. from --threads); afterwards it recreates the pool.
+// take effect (e.g. from --threads); afterwards it recreates the pool. It builds the pool at once,
+// so an impossible thread count fails there (with the errors of the constructor) and not in a kernel.
 ThreadPool& cpu_pool();
 void set_cpu_threads(int threads);
+
+// The CPUs this process may run on (hardware concurrency, at least 1).
+int machine_cpu_count();
 
 }  // namespace metrale

@@ -1,15 +1,18 @@
 #include "server/http_server.h"
 
-#include <sys/socket.h>
-
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <ctime>
+#include <deque>
+#include <functional>
+#include <mutex>
 #include <optional>
-
-#include <httplib.h>
+#include <thread>
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/strings.h"
 #include "server/choice_output.h"
 #include "server/health.h"
 #include "text/chat_template.h"
@@ -19,37 +22,80 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
-// cpp-httplib is a compiled library on Debian: its backlog (5) cannot be set by macros; listening
-// again on the bound socket raises it.
-class ListeningServer : public httplib::Server {
- public:
-  bool relisten(int backlog) { return ::listen(svr_sock_, backlog) == 0; }
-};
-
-constexpr std::chrono::milliseconds kPollInterval{100};
 // While a response has nothing to send it writes a heartbeat this often (an SSE comment, or JSON's
-// insignificant leading whitespace): a write is the only reliable way to learn that the client is
+// insignificant leading whitespace): a write is the only reliable way to learn that a client is
 // gone (the second write after the peer closed fails), so waiting requests of departed clients are
 // cancelled too.
 constexpr std::chrono::milliseconds kHeartbeatInterval{1000};
 
-std::string status_text(int status) {
-  switch (status) {
-    case 400: return "the HTTP request is malformed";
-    case 404: return "no such route";
-    case 405: return "method not allowed";
-    case 413: return "the request body is too large";
-    case 414: return "the request URI is too long";
-    default: return fmt::format("HTTP status {}", status);
-  }
-}
+// RequestStream offers only a timed wait. A deadline long past makes it a non-blocking take: the
+// wait checks its predicate first, and glibc returns at once, without a system call, for a deadline
+// before the clock's epoch (a zero timeout, by contrast, costs a futex call of ~100 us). The pump
+// polls every active stream each tick, so this must stay cheap (~0.2 us).
+constexpr std::chrono::milliseconds kNoWait{-100'000'000'000};
+
+std::vector<StreamEvent> take_events(RequestStream& stream) { return stream.wait(kNoWait); }
 
 double seconds_between(SteadyClock::time_point from, SteadyClock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
 }
 
-// One HTTP request's work: its prompts, the engine stream of its n x prompts requests, and the
-// text state of every choice. Owned by the response's content provider; used by one worker thread.
+const char* const kEngineFailure = "the engine failed while running this request (the server log has the details)";
+
+// A fixed pool of threads for the request preparation (parse, template, tokenize, submit).
+class WorkerPool {
+ public:
+  explicit WorkerPool(int threads) {
+    for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { run(); });
+  }
+  ~WorkerPool() { stop(); }
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  void post(std::function<void()> task) {
+    {
+      std::lock_guard lock(mutex_);
+      if (stopping_) return;
+      tasks_.push_back(std::move(task));
+    }
+    ready_.notify_one();
+  }
+  // Runs what is queued, then joins.
+  void stop() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    ready_.notify_all();
+    for (auto& thread : threads_) {
+      if (thread.joinable()) thread.join();
+    }
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock lock(mutex_);
+        ready_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// One generation request: its prompts, the engine stream of its n x prompts requests, and the text
+// state of every choice. Built on a worker; from admission on, used by its I/O thread only.
 struct Generation {
   bool chat = false;
   GenerationParams params;
@@ -60,12 +106,10 @@ struct Generation {
   bool starts_in_reasoning = false;
 
   std::shared_ptr<RequestStream> stream;
-  std::vector<StreamEvent> backlog;  // events that arrived with the admission
-  std::vector<ChoiceOutput> choices; // [prompt * n + j]
-  bool started = false;              // the opening chunks are out
-  bool closed = false;               // the response is complete, or abandoned
-  SteadyClock::time_point last_write = SteadyClock::now();
-  std::string engine_error;          // the engine failed mid-way
+  std::vector<ChoiceOutput> choices;  // [prompt * n + j]
+  bool admitted = false;              // the engine accepted the group; the response has begun
+  bool closed = false;                // the response is complete, or abandoned
+  std::string engine_error;           // the engine failed mid-way (logged; not shown to the client)
 
   size_t prompt_of(size_t choice) const { return choice / static_cast<size_t>(params.n); }
   bool all_finished() const {
@@ -82,6 +126,15 @@ struct Generation {
   }
 };
 
+std::string_view route_of(std::string_view path) {
+  static constexpr std::string_view kRoutes[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                                 "/metrics"};
+  for (const std::string_view route : kRoutes) {
+    if (path == route) return route;
+  }
+  return "other";
+}
+
 }  // namespace
 
 struct HttpServer::Impl {
@@ -91,11 +144,20 @@ struct HttpServer::Impl {
   std::optional<ChatTemplate> chat_template;
   bool template_uses_think = false;
   ServerMetrics metrics;
-  ListeningServer http;
+  std::atomic<bool> draining{false};
+  std::atomic<int64_t> active{0};
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
+  WorkerPool workers;
+  HttpTransport transport;
 
   Impl(AsyncEngine& engine_ref, Tokenizer tokenizer_handle, ServerConfig server_config)
-      : engine(engine_ref), tokenizer(std::move(tokenizer_handle)), config(std::move(server_config)) {
+      : engine(engine_ref),
+        tokenizer(std::move(tokenizer_handle)),
+        config(std::move(server_config)),
+        workers(config.http_workers),
+        transport(
+            config.transport, [this](const std::shared_ptr<Exchange>& exchange) { handle(exchange); },
+            [this](std::string_view path, int status) { metrics.record_http(route_of(path), status); }) {
     if (!tokenizer.chat_template().empty()) {
       try {
         chat_template.emplace(ChatTemplate::from_tokenizer(tokenizer));
@@ -104,107 +166,131 @@ struct HttpServer::Impl {
         METRALE_LOG_WARN("the model's chat template cannot be used, /v1/chat/completions is off: {}", e.what());
       }
     }
-    install_routes();
   }
 
-  void install_routes();
-  void send_error(httplib::Response& res, const ApiError& error) const;
-  bool authorized(const httplib::Request& req) const;
+  // What /health answers: 503 while draining, else the engine's own health (server/health.h).
+  HealthReply health_reply() const {
+    if (draining) return {503, R"({"status":"draining"})"};
+    return server::health_reply(engine.health());
+  }
 
+  void handle(const std::shared_ptr<Exchange>& exchange);
+  bool authorized(const HttpRequest& request) const;
+  static void send_error(Exchange& exchange, const ApiError& error, const HttpHeaders& extra = {}) {
+    exchange.respond(error.status(), "application/json", dump_json(error_body(error)), extra);
+  }
+
+  void start_generation(const std::shared_ptr<Exchange>& exchange, bool chat);
   std::shared_ptr<Generation> prepare(const std::string& body, bool chat) const;
   void submit(Generation& generation);
-  void handle_generation(const httplib::Request& req, httplib::Response& res, bool chat);
+
+  // The pump step of one generation; false when the response is over.
+  bool step(Generation& generation, Exchange& exchange);
+  bool begin_response(Generation& generation, Exchange& exchange, const StreamEvent& first);
+  bool stream_events(Generation& generation, Exchange& exchange, std::vector<StreamEvent> events);
+  bool whole_events(Generation& generation, Exchange& exchange, std::vector<StreamEvent> events);
+  // Nothing to send: writes a heartbeat when one is due; false (after abandoning) when the client is gone.
+  bool heartbeat(Generation& generation, Exchange& exchange, std::string_view beat);
 
   // Applies engine events to the choices; returns the deltas the client should see, in order.
   std::vector<ChoiceText> apply(Generation& generation, std::vector<StreamEvent> events);
   void record_choice(const Generation& generation, size_t index);
   // The client is gone (or the response failed): cancel what still runs and count it aborted.
   void abandon(Generation& generation);
-  // Nothing to send: returns false (after abandoning the request) when the client is gone.
-  bool client_present(Generation& generation, httplib::DataSink& sink, std::string_view heartbeat);
-  bool stream_step(Generation& generation, httplib::DataSink& sink);
-  bool whole_step(Generation& generation, httplib::DataSink& sink);
 };
 
-void HttpServer::Impl::send_error(httplib::Response& res, const ApiError& error) const {
-  res.status = error.status();
-  res.set_content(dump_json(error_body(error)), "application/json");
-}
-
-bool HttpServer::Impl::authorized(const httplib::Request& req) const {
+bool HttpServer::Impl::authorized(const HttpRequest& request) const {
   if (config.api_key.empty()) return true;
-  return req.get_header_value("Authorization") == "Bearer " + config.api_key;
+  const std::string_view header = request.header("Authorization");
+  constexpr std::string_view kScheme = "Bearer ";
+  if (header.size() < kScheme.size()) return false;
+  for (size_t i = 0; i < kScheme.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(header[i])) != std::tolower(static_cast<unsigned char>(kScheme[i])))
+      return false;
+  }
+  return constant_time_equals(header.substr(kScheme.size()), config.api_key);
 }
 
-void HttpServer::Impl::install_routes() {
-  const auto threads = static_cast<size_t>(std::max(1, config.http_threads));
-  // httplib takes ownership of the pool it is handed (its API is a factory returning a raw pointer).
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  http.set_keep_alive_max_count(100000);
-  http.set_keep_alive_timeout(config.keep_alive_seconds);
-  http.set_payload_max_length(config.max_body_bytes);
-  http.set_tcp_nodelay(true);
+void HttpServer::Impl::handle(const std::shared_ptr<Exchange>& exchange) {
+  const HttpRequest& request = exchange->request();
+  const std::string& path = request.path;
+  if (draining) exchange->close_after_response();
+  if (path.rfind("/v1/", 0) == 0 && !authorized(request)) {
+    send_error(*exchange,
+               ApiError(401, "authentication_error", "invalid or missing API key (send Authorization: Bearer <key>)",
+                        "", "invalid_api_key"),
+               {{"WWW-Authenticate", R"(Bearer realm="metrale")"}});
+    return;
+  }
+  const bool get = request.method == "GET" || request.method == "HEAD";
+  const auto wrong_method = [&](const char* allowed) {
+    send_error(*exchange, ApiError(405, "invalid_request_error",
+                                   fmt::format("{} {}: method not allowed (use {})", request.method, path, allowed)),
+               {{"Allow", allowed}});
+  };
+  if (path == "/health") {
+    if (!get) return wrong_method("GET");
+    const HealthReply reply = health_reply();
+    exchange->respond(reply.status, "application/json", reply.body);
+  } else if (path == "/metrics") {
+    if (!get) return wrong_method("GET");
+    exchange->respond(200, "text/plain; version=0.0.4; charset=utf-8", metrics.render(engine.stats()));
+  } else if (path == "/v1/models") {
+    if (!get) return wrong_method("GET");
+    exchange->respond(200, "application/json",
+                      dump_json(models_response(config.served_model_name, created, engine.plan().max_model_len)));
+  } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
+    if (request.method != "POST") return wrong_method("POST");
+    start_generation(exchange, path == "/v1/chat/completions");
+  } else {
+    send_error(*exchange, ApiError(404, "not_found_error", fmt::format("{} {}: no such route", request.method, path)));
+  }
+}
 
-  http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (req.path.rfind("/v1/", 0) == 0 && !authorized(req)) {
-      send_error(res, ApiError(401, "authentication_error", "invalid or missing API key (send Authorization: Bearer <key>)",
-                               "", "invalid_api_key"));
-      return httplib::Server::HandlerResponse::Handled;
-    }
-    return httplib::Server::HandlerResponse::Unhandled;
-  });
-  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    handle_generation(req, res, /*chat=*/false);
-  });
-  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    handle_generation(req, res, /*chat=*/true);
-  });
-  http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(dump_json(models_response(config.served_model_name, created, engine.plan().max_model_len)),
-                    "application/json");
-  });
-  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    const HealthReply reply = health_reply(engine.health());
-    res.status = reply.status;
-    res.set_content(reply.body, "application/json");
-  });
-  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(metrics.render(engine.stats()), "text/plain; version=0.0.4; charset=utf-8");
-  });
-  // Statuses httplib sets itself (404 no route, 413 body too large, 400 unparsable HTTP) get an
-  // OpenAI-style body too.
-  http.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req,
-                                                                      httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    std::string message = fmt::format("{} {}: {}", req.method, req.path, status_text(res.status));
-    const std::string type = res.status == 404 ? "not_found_error" : "invalid_request_error";
-    send_error(res, ApiError(res.status, type, std::move(message)));
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-  http.set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr failure) {
-    std::string message = "internal error";
+void HttpServer::Impl::start_generation(const std::shared_ptr<Exchange>& exchange, bool chat) {
+  if (draining) {
+    send_error(*exchange, ApiError(503, "service_unavailable", "the server is shutting down"));
+    return;
+  }
+  ++active;
+  // The worker reads the body through the exchange, which the I/O thread leaves alone meanwhile.
+  workers.post([this, exchange, chat] {
+    std::shared_ptr<Generation> generation;
+    std::optional<ApiError> failure;
     try {
-      std::rethrow_exception(failure);
-    } catch (const std::exception& e) {
-      message = std::string("internal error: ") + e.what();
-    } catch (...) {
+      generation = prepare(exchange->request().body, chat);
+      submit(*generation);
+    } catch (const ApiError& error) {
+      failure = error;
+    } catch (const Error& error) {
+      // Tokenizer and template errors are the request's fault; anything else is ours (logged, not shown).
+      if (error.code() == ErrorCode::kInvalidArgument) {
+        failure = invalid_request(error.what());
+      } else {
+        METRALE_LOG_ERROR("preparing a request failed: {}", error.what());
+        failure = ApiError(500, "server_error", "internal error (the server log has the details)");
+      }
+    } catch (const std::exception& error) {
+      METRALE_LOG_ERROR("preparing a request failed: {}", error.what());
+      failure = ApiError(500, "server_error", "internal error (the server log has the details)");
     }
-    METRALE_LOG_ERROR("{}", message);
-    send_error(res, ApiError(500, "server_error", message));
-  });
-  http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
-    static const char* const kRoutes[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                          "/metrics"};
-    std::string_view route = "other";
-    for (const char* known : kRoutes) {
-      if (req.path == known) route = known;
-    }
-    metrics.record_http(route, res.status);
+    exchange->post([this, exchange, generation, failure] {
+      if (failure) {
+        send_error(*exchange, *failure);
+        --active;
+        return;
+      }
+      exchange->pump([this, exchange, generation] {
+        const bool again = step(*generation, *exchange);
+        if (!again) --active;
+        return again;
+      });
+    });
   });
 }
 
 std::shared_ptr<Generation> HttpServer::Impl::prepare(const std::string& body, bool chat) const {
-  const json request_json = parse_json_body(body);
+  const json request_json = parse_json_body(body, config.limits);
   auto generation = std::make_shared<Generation>();
   generation->chat = chat;
   if (chat) {
@@ -265,7 +351,7 @@ std::shared_ptr<Generation> HttpServer::Impl::prepare(const std::string& body, b
                                  length, context),
                      prompt_param, "context_length_exceeded");
     }
-    if (params.max_tokens && length + *params.max_tokens > context) {
+    if (params.max_tokens && *params.max_tokens > context - length) {
       throw ApiError(400, "invalid_request_error",
                      fmt::format("max_tokens is too large: the prompt has {} tokens and the model's context is {}, so "
                                  "at most {} tokens can be generated, but {} were asked for",
@@ -324,55 +410,128 @@ void HttpServer::Impl::submit(Generation& generation) {
   if (submitted.status == SubmitStatus::kShuttingDown)
     throw ApiError(503, "service_unavailable", "the server is shutting down");
   generation.stream = std::move(submitted.stream);
-
-  // The engine thread validates the group and answers first; tokens may follow in the same batch.
-  for (;;) {
-    std::vector<StreamEvent> events = generation.stream->wait(std::chrono::milliseconds(1000));
-    if (events.empty()) continue;
-    const StreamEvent& first = events.front();
-    if (first.kind == StreamEvent::Kind::kError) {
-      switch (first.error_kind) {
-        case StreamErrorKind::kInvalidRequest: throw invalid_request(first.error_message);
-        case StreamErrorKind::kShuttingDown: throw ApiError(503, "service_unavailable", first.error_message);
-        case StreamErrorKind::kInternal: throw ApiError(500, "server_error", first.error_message);
-      }
-    }
-    METRALE_CHECK(first.kind == StreamEvent::Kind::kAdmitted, "a stream must start with its admission");
-    generation.backlog.assign(std::make_move_iterator(events.begin() + 1), std::make_move_iterator(events.end()));
-    break;
-  }
-  metrics.record_prompt_tokens(generation.usage().prompt_tokens);
 }
 
-void HttpServer::Impl::handle_generation(const httplib::Request& req, httplib::Response& res, bool chat) {
-  std::shared_ptr<Generation> generation;
-  try {
-    generation = prepare(req.body, chat);
-    submit(*generation);
-  } catch (const ApiError& error) {
-    send_error(res, error);
-    return;
-  } catch (const Error& error) {
-    // Tokenizer and template errors are the request's fault; anything else is ours.
-    if (error.code() == ErrorCode::kInvalidArgument) send_error(res, invalid_request(error.what()));
-    else send_error(res, ApiError(500, "server_error", error.what()));
-    return;
+bool HttpServer::Impl::step(Generation& generation, Exchange& exchange) {
+  if (generation.closed) return false;
+  if (exchange.client_gone()) {
+    abandon(generation);
+    return false;
   }
-  const auto release = [this, generation](bool success) {
-    if (!success) abandon(*generation);
+  std::vector<StreamEvent> events = take_events(*generation.stream);
+  if (!generation.admitted) {
+    if (events.empty()) return true;
+    // The engine thread validates the group and answers first; tokens may follow in the same batch.
+    if (!begin_response(generation, exchange, events.front())) return false;
+    events.erase(events.begin());
+  }
+  return generation.params.stream ? stream_events(generation, exchange, std::move(events))
+                                  : whole_events(generation, exchange, std::move(events));
+}
+
+bool HttpServer::Impl::begin_response(Generation& generation, Exchange& exchange, const StreamEvent& first) {
+  if (first.kind == StreamEvent::Kind::kError) {
+    generation.closed = true;
+    switch (first.error_kind) {
+      case StreamErrorKind::kInvalidRequest: send_error(exchange, invalid_request(first.error_message)); break;
+      case StreamErrorKind::kShuttingDown: send_error(exchange, ApiError(503, "service_unavailable", first.error_message)); break;
+      case StreamErrorKind::kInternal:
+        METRALE_LOG_ERROR("request rejected by an engine failure: {}", first.error_message);
+        send_error(exchange, ApiError(500, "server_error", kEngineFailure));
+        break;
+      case StreamErrorKind::kUnavailable:
+        METRALE_LOG_ERROR("request refused: {}", first.error_message);
+        send_error(exchange, ApiError(503, "service_unavailable", "the engine can no longer serve requests (GET /health says why)"));
+        break;
+    }
+    return false;
+  }
+  METRALE_CHECK(first.kind == StreamEvent::Kind::kAdmitted, "a stream must start with its admission");
+  generation.admitted = true;
+  metrics.record_prompt_tokens(generation.usage().prompt_tokens);
+  if (!generation.params.stream) {
+    // Chunked too, so that heartbeats can notice a client that leaves while it waits.
+    exchange.begin_stream(200, "application/json");
+    return true;
+  }
+  exchange.begin_stream(200, "text/event-stream", {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}});
+  // Chat streams open each choice with its role; completions with the echoed prompt.
+  const bool usage_field = generation.params.include_usage;
+  for (size_t i = 0; i < generation.choices.size(); ++i) {
+    ChoiceText opening;
+    opening.index = static_cast<int32_t>(i);
+    if (generation.chat) {
+      opening.first = true;
+    } else if (!generation.echo_texts.empty()) {
+      opening.text = generation.echo_texts[generation.prompt_of(i)];
+    } else {
+      continue;
+    }
+    const json chunk = generation.chat ? chat_chunk(generation.meta, opening, usage_field)
+                                       : completion_chunk(generation.meta, opening, usage_field);
+    if (!exchange.write(sse_event(chunk))) {
+      abandon(generation);
+      return false;
+    }
+  }
+  return true;
+}
+
+bool HttpServer::Impl::heartbeat(Generation& generation, Exchange& exchange, std::string_view beat) {
+  if (SteadyClock::now() - exchange.last_write() < kHeartbeatInterval) return true;
+  if (exchange.write(beat)) return true;
+  abandon(generation);
+  return false;
+}
+
+bool HttpServer::Impl::stream_events(Generation& generation, Exchange& exchange, std::vector<StreamEvent> events) {
+  const bool usage_field = generation.params.include_usage;
+  const auto send = [&](const json& chunk) {
+    if (exchange.write(sse_event(chunk))) return true;
+    abandon(generation);
+    return false;
   };
-  if (generation->params.stream) {
-    res.set_header("Cache-Control", "no-cache");
-    res.set_header("X-Accel-Buffering", "no");
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [this, generation](size_t, httplib::DataSink& sink) { return stream_step(*generation, sink); }, release);
-  } else {
-    // Chunked too, so that the worker can notice a client that leaves while it waits.
-    res.set_chunked_content_provider(
-        "application/json",
-        [this, generation](size_t, httplib::DataSink& sink) { return whole_step(*generation, sink); }, release);
+  const bool had_events = !events.empty();
+  for (const ChoiceText& delta : apply(generation, std::move(events))) {
+    const json chunk = generation.chat ? chat_chunk(generation.meta, delta, usage_field)
+                                       : completion_chunk(generation.meta, delta, usage_field);
+    if (!send(chunk)) return false;
   }
+  if (!generation.all_finished() && !generation.stream->ended()) {
+    return had_events || heartbeat(generation, exchange, ": keep-alive\n\n");
+  }
+  if (!generation.engine_error.empty() && !send(error_body(ApiError(500, "server_error", kEngineFailure)))) return false;
+  if (usage_field && !send(usage_chunk(generation.meta, generation.chat, generation.usage()))) return false;
+  if (!exchange.write(sse_done())) {
+    abandon(generation);
+    return false;
+  }
+  generation.closed = true;
+  exchange.end_stream();
+  return false;
+}
+
+bool HttpServer::Impl::whole_events(Generation& generation, Exchange& exchange, std::vector<StreamEvent> events) {
+  apply(generation, std::move(events));
+  if (!generation.all_finished() && !generation.stream->ended()) return heartbeat(generation, exchange, " ");
+  std::string body;
+  if (!generation.engine_error.empty()) {
+    // The status line (200) is already out: the error travels in the body.
+    body = dump_json(error_body(ApiError(500, "server_error", kEngineFailure)));
+  } else {
+    std::vector<ChoiceText> choices;
+    for (size_t i = 0; i < generation.choices.size(); ++i) {
+      ChoiceText choice = generation.choices[i].accumulated();
+      if (!generation.echo_texts.empty()) choice.text = generation.echo_texts[generation.prompt_of(i)] + choice.text;
+      choices.push_back(std::move(choice));
+    }
+    const json response = generation.chat ? chat_response(generation.meta, choices, generation.usage())
+                                          : completion_response(generation.meta, choices, generation.usage());
+    body = dump_json(response);
+  }
+  generation.closed = true;
+  if (exchange.write(body)) exchange.end_stream();
+  return false;
 }
 
 void HttpServer::Impl::record_choice(const Generation& generation, size_t index) {
@@ -400,6 +559,7 @@ std::vector<ChoiceText> HttpServer::Impl::apply(Generation& generation, std::vec
   };
   for (StreamEvent& event : events) {
     if (event.kind == StreamEvent::Kind::kError) {
+      METRALE_LOG_ERROR("request {} failed in the engine: {}", generation.meta.id, event.error_message);
       generation.engine_error = event.error_message;
       for (size_t i = 0; i < generation.choices.size(); ++i) {
         const bool was_finished = generation.choices[i].finished();
@@ -434,123 +594,29 @@ void HttpServer::Impl::abandon(Generation& generation) {
   }
 }
 
-bool HttpServer::Impl::client_present(Generation& generation, httplib::DataSink& sink, std::string_view heartbeat) {
-  const SteadyClock::time_point now = SteadyClock::now();
-  bool present = sink.is_writable();
-  if (present && now - generation.last_write >= kHeartbeatInterval) {
-    present = sink.write(heartbeat.data(), heartbeat.size());
-    generation.last_write = now;
-  }
-  if (!present) abandon(generation);
-  return present;
-}
-
-bool HttpServer::Impl::stream_step(Generation& generation, httplib::DataSink& sink) {
-  if (generation.closed) return false;
-  const bool usage_field = generation.params.include_usage;
-  const auto send = [&](const json& chunk) {
-    const std::string event = sse_event(chunk);
-    generation.last_write = SteadyClock::now();
-    if (sink.write(event.data(), event.size())) return true;
-    abandon(generation);
-    return false;
-  };
-  const auto chunk_of = [&](const ChoiceText& delta) {
-    return generation.chat ? chat_chunk(generation.meta, delta, usage_field)
-                           : completion_chunk(generation.meta, delta, usage_field);
-  };
-  if (!generation.started) {
-    generation.started = true;
-    // Chat streams open each choice with its role; completions with the echoed prompt.
-    for (size_t i = 0; i < generation.choices.size(); ++i) {
-      ChoiceText opening;
-      opening.index = static_cast<int32_t>(i);
-      if (generation.chat) {
-        opening.first = true;
-      } else if (!generation.echo_texts.empty()) {
-        opening.text = generation.echo_texts[generation.prompt_of(i)];
-      } else {
-        continue;
-      }
-      if (!send(chunk_of(opening))) return false;
-    }
-  }
-  std::vector<StreamEvent> events;
-  if (!generation.backlog.empty()) events.swap(generation.backlog);
-  else events = generation.stream->wait(kPollInterval);
-  if (events.empty() && !generation.all_finished() && !generation.stream->ended())
-    return client_present(generation, sink, ": keep-alive\n\n");
-  for (const ChoiceText& delta : apply(generation, std::move(events))) {
-    if (!send(chunk_of(delta))) return false;
-  }
-  if (!generation.all_finished() && !generation.stream->ended()) return true;
-  if (!generation.engine_error.empty()) {
-    if (!send(error_body(ApiError(500, "server_error", generation.engine_error)))) return false;
-  }
-  if (usage_field && !send(usage_chunk(generation.meta, generation.chat, generation.usage()))) return false;
-  const std::string done = sse_done();
-  if (!sink.write(done.data(), done.size())) {
-    abandon(generation);
-    return false;
-  }
-  generation.closed = true;
-  sink.done();
-  return true;
-}
-
-bool HttpServer::Impl::whole_step(Generation& generation, httplib::DataSink& sink) {
-  if (generation.closed) return false;
-  std::vector<StreamEvent> events;
-  if (!generation.backlog.empty()) events.swap(generation.backlog);
-  else events = generation.stream->wait(kPollInterval);
-  apply(generation, std::move(events));
-  if (!generation.all_finished() && !generation.stream->ended()) return client_present(generation, sink, " ");
-  std::string body;
-  if (!generation.engine_error.empty()) {
-    // The status line (200) is already out: the error travels in the body.
-    body = dump_json(error_body(ApiError(500, "server_error", generation.engine_error)));
-  } else {
-    std::vector<ChoiceText> choices;
-    for (size_t i = 0; i < generation.choices.size(); ++i) {
-      ChoiceText choice = generation.choices[i].accumulated();
-      if (!generation.echo_texts.empty()) choice.text = generation.echo_texts[generation.prompt_of(i)] + choice.text;
-      choices.push_back(std::move(choice));
-    }
-    const json response = generation.chat ? chat_response(generation.meta, choices, generation.usage())
-                                          : completion_response(generation.meta, choices, generation.usage());
-    body = dump_json(response);
-  }
-  generation.closed = true;
-  if (!sink.write(body.data(), body.size())) return false;
-  sink.done();
-  return true;
-}
-
 HttpServer::HttpServer(AsyncEngine& engine, Tokenizer tokenizer, ServerConfig config)
     : impl_(std::make_unique<Impl>(engine, std::move(tokenizer), std::move(config))) {}
 
-HttpServer::~HttpServer() { stop(); }
+HttpServer::~HttpServer() {
+  // Workers first: a preparation in flight posts to an I/O loop, which must still exist.
+  impl_->workers.stop();
+  impl_->transport.stop();
+}
 
 int HttpServer::bind() {
-  ServerConfig& config = impl_->config;
-  int port = config.port;
-  if (port == 0) {
-    port = impl_->http.bind_to_any_port(config.host);
-    if (port < 0) raise(ErrorCode::kInvalidArgument, "cannot bind to {} (any port)", config.host);
-  } else if (!impl_->http.bind_to_port(config.host, port)) {
-    raise(ErrorCode::kInvalidArgument, "cannot bind to {}:{} (in use, or not an address of this machine?)",
-          config.host, port);
-  }
-  if (!impl_->http.relisten(config.listen_backlog))
-    METRALE_LOG_WARN("could not raise the listen backlog to {}", config.listen_backlog);
-  return port;
+  const ServerConfig& config = impl_->config;
+  return impl_->transport.bind(config.host, config.port, config.listen_backlog);
 }
 
-void HttpServer::serve() { impl_->http.listen_after_bind(); }
+void HttpServer::serve() { impl_->transport.run(); }
 
-void HttpServer::stop() {
-  if (impl_->http.is_running()) impl_->http.stop();
-}
+void HttpServer::begin_drain() { impl_->draining = true; }
+
+int64_t HttpServer::active_generations() const { return impl_->active.load(); }
+
+void HttpServer::stop() { impl_->transport.stop(); }
+
+HealthReply HttpServer::health() const { return impl_->health_reply(); }
 
 bool HttpServer::has_chat_template() const { return impl_->chat_template.has_value(); }
 

@@ -1,10 +1,16 @@
-// The OpenAI-compatible HTTP server (cpp-httplib): POST /v1/completions, POST /v1/chat/completions
-// (JSON or SSE streams), GET /v1/models, GET /health, GET /metrics.
+// The OpenAI-compatible HTTP server: POST /v1/completions, POST /v1/chat/completions (JSON or SSE
+// streams), GET /v1/models, GET /health, GET /metrics, on the event-driven transport of
+// server/http_transport.h.
 //
-// Request threads parse, tokenize and validate, submit to the AsyncEngine and stream the tokens
-// back; each open response holds one worker of the pool, so the pool is sized for hundreds of
-// streams. A client that goes away has its requests cancelled (and their cache blocks freed) at
-// the next token or within ~100 ms when idle.
+// Threads (DESIGN.md "Threads"): the transport's I/O threads hold the connections and run every
+// response; a small pool of workers parses, validates, renders the chat template, tokenizes and
+// submits each generation request (the CPU-heavy part, kept off the I/O threads so that /health
+// answers at once whatever arrives); the engine thread appends tokens to each request's stream,
+// and the I/O thread of its connection drains the stream on its pump tick (about every
+// millisecond), detokenizes and writes. Nothing the engine thread does waits for a client.
+//
+// A client that goes away has its requests cancelled (and their cache blocks freed) at its next
+// write, or within a heartbeat (about a second) while it waits.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +19,8 @@
 #include <string>
 
 #include "engine/async_engine.h"
+#include "server/health.h"
+#include "server/http_transport.h"
 #include "server/metrics.h"
 #include "server/openai_protocol.h"
 #include "text/tokenizer.h"
@@ -24,10 +32,9 @@ struct ServerConfig {
   int port = 8000;                      // 0: any free port (bind() returns it)
   std::string api_key;                  // "": no authentication
   std::string served_model_name = "metrale";
-  int http_threads = 512;               // workers; each open response holds one
+  int http_workers = 4;                 // threads that prepare generation requests
   int listen_backlog = 1024;
-  size_t max_body_bytes = 32u << 20;    // larger bodies get 413
-  int keep_alive_seconds = 10;
+  TransportLimits transport;            // sizes, timeouts, the connection cap, I/O threads
   SamplingParams default_sampling;      // for fields a request does not set (the model's generation_config)
   ProtocolLimits limits;
 };
@@ -40,13 +47,20 @@ class HttpServer {
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
 
-  // Binds host:port with the configured backlog; returns the port. Throws kInvalidArgument when
-  // the address cannot be bound.
+  // Binds host:port with the configured backlog; returns the port. Throws kInvalidArgument for a
+  // host that is not an address, kUnavailable when it cannot be bound.
   int bind();
   // Serves until stop() (from any thread). bind() first.
   void serve();
+  // From any thread: new generation requests get 503 (and /health 503) while the ones in flight
+  // go on; responses close their connections.
+  void begin_drain();
+  // Generation requests accepted and not yet answered to their end.
+  int64_t active_generations() const;
   void stop();
 
+  // What /health answers: 503 {"status":"draining"} during shutdown, else the engine's health.
+  HealthReply health() const;
   bool has_chat_template() const;
   const ServerMetrics& metrics() const;
 

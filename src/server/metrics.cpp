@@ -83,8 +83,12 @@ std::string ServerMetrics::render(const AsyncEngineStats& stats) const {
   gauge(out, "metrale_kv_cache_blocks_used", "KV-cache blocks held by running requests.", engine.kv_blocks_used);
   gauge(out, "metrale_kv_cache_blocks_cached", "Free KV-cache blocks that hold reusable prefixes.",
         engine.kv_blocks_cached);
-  gauge(out, "metrale_state_slots_total", "Recurrent-state slots.", engine.state_slots_total);
-  gauge(out, "metrale_state_slots_used", "Recurrent-state slots held by running requests.", engine.state_slots_used);
+  gauge(out, "metrale_state_slots_total",
+        "Recurrent-state slots: one per running sequence plus the prefix-cache checkpoint slots.",
+        engine.state_slots_total);
+  gauge(out, "metrale_state_slots_used",
+        "Recurrent-state slots in use: those of running requests plus the prefix-cache checkpoints held.",
+        engine.state_slots_used);
   counter(out, "metrale_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
           engine.prefix_cache_queries);
   counter(out, "metrale_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", engine.prefix_cache_hits);

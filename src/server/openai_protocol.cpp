@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "core/json_depth.h"
+
 namespace metrale::server {
 
 using json = nlohmann::ordered_json;
@@ -22,12 +24,31 @@ json error_body(const ApiError& error) {
   return json{{"error", std::move(body)}};
 }
 
-json parse_json_body(std::string_view body) {
+namespace {
+
+// nlohmann's messages start with "[json.exception.parse_error.101] "; the client needs the rest.
+std::string_view without_exception_id(std::string_view message) {
+  if (message.rfind("[json.exception.", 0) == 0) {
+    const size_t end = message.find("] ");
+    if (end != std::string_view::npos) message.remove_prefix(end + 2);
+  }
+  return message;
+}
+
+}  // namespace
+
+json parse_json_body(std::string_view body, const ProtocolLimits& limits) {
+  // Copies and dumps of the parsed value recurse once per level: refuse deep text before parsing.
+  if (json_nests_deeper_than(body, limits.max_json_depth))
+    throw invalid_request(fmt::format("the request body nests deeper than {} levels", limits.max_json_depth));
   json value;
   try {
     value = json::parse(body.begin(), body.end());
-  } catch (const json::parse_error& e) {
-    throw invalid_request(fmt::format("the request body is not valid JSON: {}", e.what()));
+  } catch (const json::out_of_range& e) {
+    // A number beyond a double (1e400).
+    throw invalid_request(fmt::format("the request body holds a number out of range: {}", without_exception_id(e.what())));
+  } catch (const json::exception& e) {
+    throw invalid_request(fmt::format("the request body is not valid JSON: {}", without_exception_id(e.what())));
   }
   if (!value.is_object()) throw invalid_request("the request body must be a JSON object");
   return value;
@@ -193,6 +214,8 @@ GenerationParams parse_common(const json& body, const SamplingParams& defaults, 
       throw invalid_request(fmt::format("'stop' may hold at most {} strings", limits.max_stop_strings), "stop");
     for (const std::string& text : params.stop) {
       if (text.empty()) throw invalid_request("'stop' strings must not be empty", "stop");
+      if (text.size() > limits.max_stop_bytes)
+        throw invalid_request(fmt::format("'stop' strings may be at most {} bytes long", limits.max_stop_bytes), "stop");
     }
   }
   if (const json* ids = field(body, "stop_token_ids")) {
@@ -286,6 +309,8 @@ ChatRequest parse_chat_request(const json& body, const SamplingParams& defaults,
   if (messages == nullptr) throw invalid_request("'messages' is required", "messages");
   if (!messages->is_array()) throw wrong_type("messages", "a list of messages", *messages);
   if (messages->empty()) throw invalid_request("'messages' must hold at least one message", "messages");
+  if (messages->size() > limits.max_messages)
+    throw invalid_request(fmt::format("'messages' may hold at most {} messages", limits.max_messages), "messages");
   request.messages = json::array();
   for (size_t i = 0; i < messages->size(); ++i) {
     const json& message = (*messages)[i];
@@ -312,10 +337,15 @@ ChatRequest parse_chat_request(const json& body, const SamplingParams& defaults,
 
   if (const json* tools = field(body, "tools")) {
     if (!tools->is_array()) throw wrong_type("tools", "a list of tools", *tools);
+    if (tools->size() > limits.max_tools)
+      throw invalid_request(fmt::format("'tools' may hold at most {} tools", limits.max_tools), "tools");
     if (!tools->empty()) request.tools = *tools;
   }
   if (const json* kwargs = field(body, "chat_template_kwargs")) {
     if (!kwargs->is_object()) throw wrong_type("chat_template_kwargs", "an object", *kwargs);
+    if (kwargs->size() > limits.max_template_kwargs)
+      throw invalid_request(fmt::format("'chat_template_kwargs' may hold at most {} keys", limits.max_template_kwargs),
+                            "chat_template_kwargs");
     request.chat_template_kwargs = *kwargs;
   }
   if (auto value = get_bool(body, "add_generation_prompt")) request.add_generation_prompt = *value;

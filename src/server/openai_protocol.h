@@ -44,11 +44,18 @@ ApiError invalid_request(std::string message, std::string param = {});
 
 nlohmann::ordered_json error_body(const ApiError& error);
 
-// Limits the parser enforces (beyond what the engine validates).
+// Limits the parser enforces (beyond what the engine validates). The body itself is bounded by
+// the transport (TransportLimits::max_body_bytes); these bound what is handed to the chat template
+// and the tokenizer within it.
 struct ProtocolLimits {
   int32_t max_n = 128;                // choices per prompt
   int32_t max_stop_strings = 16;
+  size_t max_stop_bytes = 1024;       // per stop string
   int32_t max_top_logprobs = SamplingParams::kMaxTopLogprobs;
+  size_t max_json_depth = 64;         // nesting of the request body
+  size_t max_messages = 4096;
+  size_t max_tools = 1024;
+  size_t max_template_kwargs = 256;   // keys of chat_template_kwargs
 };
 
 // What both endpoints share.
@@ -89,8 +96,9 @@ CompletionRequest parse_completion_request(const nlohmann::ordered_json& body, c
                                            const ProtocolLimits& limits = {});
 ChatRequest parse_chat_request(const nlohmann::ordered_json& body, const SamplingParams& defaults,
                                const ProtocolLimits& limits = {});
-// Parses a body as JSON; throws ApiError 400 on malformed JSON or a body that is not an object.
-nlohmann::ordered_json parse_json_body(std::string_view body);
+// Parses a body as JSON; throws ApiError 400 on malformed JSON, a number out of range (1e400), a
+// nesting deeper than limits.max_json_depth (checked before parsing) or a body that is not an object.
+nlohmann::ordered_json parse_json_body(std::string_view body, const ProtocolLimits& limits = {});
 
 // One token's logprob entry, with the token already rendered as text.
 struct TokenAlternative {

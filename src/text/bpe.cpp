@@ -322,9 +322,12 @@ BpeModel BpeModel::from_json(const json::Json& model, bool enable_cache) {
   const auto& vocab_entries = json::object(*vocab_json, "model.vocab");
   TokenIdMap vocab;
   vocab.reserve(vocab_entries.size());
+  // Ids index the decoding tables: they must stay below 2^24 (the largest vocabularies in use hold
+  // a few hundred thousand tokens), or one stray id would size the tables at gigabytes.
+  constexpr int64_t kMaxId = (int64_t{1} << 24) - 1;
   for (const auto& [token, id] : vocab_entries) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
-      raise(ErrorCode::kBadFormat, "model.vocab: the id of '{}' must be an integer in [0, 2^31)", token);
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > kMaxId) {
+      raise(ErrorCode::kBadFormat, "model.vocab: the id of '{}' must be an integer in [0, 2^24)", token);
     }
     vocab.insert_or_assign(token, static_cast<int32_t>(id.get<int64_t>()));
   }

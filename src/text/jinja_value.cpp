@@ -33,6 +33,10 @@ Value* Object::find(std::string_view key) {
 }
 
 void Object::set(std::string key, Value value) {
+  const uint32_t nested = value.depth() + 1;
+  if (nested > Value::kMaxDepth)
+    raise(ErrorCode::kInvalidArgument, "a value nested deeper than {} levels", Value::kMaxDepth);
+  depth = std::max(depth, nested);
   if (Value* existing = find(key)) {
     *existing = std::move(value);
     return;
@@ -75,17 +79,38 @@ Value Value::string(std::string value) {
 }
 
 Value Value::array(std::vector<Value> items, bool tuple) {
+  uint32_t deepest = 0;
+  for (const Value& item : items) deepest = std::max(deepest, item.depth());
+  if (deepest + 1 > kMaxDepth) raise(ErrorCode::kInvalidArgument, "a value nested deeper than {} levels", kMaxDepth);
   Value v;
   v.kind_ = tuple ? ValueKind::kTuple : ValueKind::kArray;
   v.array_ = std::make_shared<const std::vector<Value>>(std::move(items));
+  v.array_depth_ = deepest + 1;
   return v;
 }
 
 Value Value::object(Object object, bool is_namespace) {
+  uint32_t deepest = 0;
+  for (const auto& entry : object.entries) deepest = std::max(deepest, entry.second.depth());
+  if (deepest + 1 > kMaxDepth) raise(ErrorCode::kInvalidArgument, "a value nested deeper than {} levels", kMaxDepth);
+  object.depth = deepest + 1;
   Value v;
   v.kind_ = is_namespace ? ValueKind::kNamespace : ValueKind::kObject;
   v.object_ = std::make_shared<Object>(std::move(object));
   return v;
+}
+
+uint32_t Value::depth() const {
+  switch (kind_) {
+    case ValueKind::kArray:
+    case ValueKind::kTuple:
+      return array_depth_;
+    case ValueKind::kObject:
+    case ValueKind::kNamespace:
+      return object_->depth;
+    default:
+      return 0;
+  }
 }
 
 Value Value::function(Function function) {
@@ -121,7 +146,9 @@ Value number_from_double(double value) {
 
 }  // namespace
 
-Value Value::from_json(const nlohmann::ordered_json& json) {
+namespace {
+
+Value value_from_json(const nlohmann::ordered_json& json, size_t depth) {
   switch (json.type()) {
     case nlohmann::ordered_json::value_t::null:
       return Value::null();
@@ -135,10 +162,19 @@ Value Value::from_json(const nlohmann::ordered_json& json) {
       return number_from_double(json.get<double>());
     case nlohmann::ordered_json::value_t::string:
       return Value::string(json.get<std::string>());
+    default:
+      break;
+  }
+  // One stack frame per level: a container nested deeper than the limit is refused, not recursed
+  // into (a request's tools or chat_template_kwargs may nest tens of thousands of levels).
+  if (depth >= Value::kMaxJsonDepth) {
+    raise(ErrorCode::kInvalidArgument, "chat template input nested deeper than {} levels", Value::kMaxJsonDepth);
+  }
+  switch (json.type()) {
     case nlohmann::ordered_json::value_t::array: {
       std::vector<Value> items;
       items.reserve(json.size());
-      for (const auto& item : json) items.push_back(from_json(item));
+      for (const auto& item : json) items.push_back(value_from_json(item, depth + 1));
       return Value::array(std::move(items));
     }
     case nlohmann::ordered_json::value_t::object: {
@@ -149,10 +185,11 @@ Value Value::from_json(const nlohmann::ordered_json& json) {
         if (is_array_index_key(it.key(), index)) index_keys.emplace_back(index, &it.key());
       }
       std::sort(index_keys.begin(), index_keys.end());
-      for (const auto& [index, key] : index_keys) object.entries.emplace_back(*key, from_json(json.at(*key)));
+      for (const auto& [index, key] : index_keys)
+        object.entries.emplace_back(*key, value_from_json(json.at(*key), depth + 1));
       for (auto it = json.begin(); it != json.end(); ++it) {
         uint32_t index = 0;
-        if (!is_array_index_key(it.key(), index)) object.entries.emplace_back(it.key(), from_json(it.value()));
+        if (!is_array_index_key(it.key(), index)) object.entries.emplace_back(it.key(), value_from_json(it.value(), depth + 1));
       }
       return Value::object(std::move(object));
     }
@@ -160,6 +197,10 @@ Value Value::from_json(const nlohmann::ordered_json& json) {
       raise(ErrorCode::kInvalidArgument, "chat template: unsupported JSON value of type {}", json.type_name());
   }
 }
+
+}  // namespace
+
+Value Value::from_json(const nlohmann::ordered_json& json) { return value_from_json(json, 0); }
 
 double Value::as_number() const {
   switch (kind_) {

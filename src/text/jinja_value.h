@@ -49,8 +49,11 @@ enum class ValueKind : uint8_t {
 // An insertion-ordered string-keyed map. Linear lookup: chat objects have a handful of keys.
 struct Object {
   std::vector<std::pair<std::string, Value>> entries;
+  // Container levels below and including this one, as of the latest set() (namespaces change).
+  uint32_t depth = 1;
   const Value* find(std::string_view key) const;
   Value* find(std::string_view key);
+  // Throws kInvalidArgument when the value would nest the object deeper than Value::kMaxDepth.
   void set(std::string key, Value value);
 };
 
@@ -66,8 +69,17 @@ class Value {
   static Value object(Object object, bool is_namespace = false);
   static Value function(Function function);
   // From JSON as JSON.parse + @huggingface/jinja's conversion see it: integral numbers become
-  // integers, and objects list integer-like keys first (JavaScript property order).
+  // integers, and objects list integer-like keys first (JavaScript property order). Throws
+  // kInvalidArgument for containers nested deeper than kMaxJsonDepth.
+  static constexpr size_t kMaxJsonDepth = 128;
   static Value from_json(const nlohmann::ordered_json& json);
+
+  // Containers nest at most this deep, however a template builds them ({% set ns.x = [ns.x] %} in a
+  // loop): destroying, copying and printing a value recurse once per level. array() and object()
+  // throw kInvalidArgument beyond it.
+  static constexpr uint32_t kMaxDepth = 256;
+  // Container levels (0 for scalars).
+  uint32_t depth() const;
 
   ValueKind kind() const { return kind_; }
   bool is_undefined() const { return kind_ == ValueKind::kUndefined; }
@@ -121,6 +133,7 @@ class Value {
   std::shared_ptr<const std::vector<Value>> array_;
   std::shared_ptr<Object> object_;
   std::shared_ptr<const Function> function_;
+  uint32_t array_depth_ = 0;  // arrays: 1 + the deepest item (objects keep theirs in Object::depth)
 };
 
 // JavaScript's Number.prototype.toString for a finite or non-finite double.

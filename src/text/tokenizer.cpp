@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "core/log.h"
 #include "core/strings.h"
 #include "text/byte_level.h"
@@ -62,7 +63,9 @@ std::vector<AddedToken> parse_added_tokens(const json::Json& entries) {
       token.content = *content;
       if (!is_valid_utf8(token.content)) raise(ErrorCode::kBadFormat, "content is not valid UTF-8");
       if (const json::Json* id = json::member(entry, "id"); id != nullptr && id->is_number_integer()) {
-        token.id = id->get<int32_t>();
+        if (id->get<int64_t>() < 0 || id->get<int64_t>() >= (int64_t{1} << 24))
+          raise(ErrorCode::kBadFormat, "the id of '{}' must be in [0, 2^24)", token.content);
+        token.id = static_cast<int32_t>(id->get<int64_t>());
       }
       token.special = json::boolean(entry, "special", false);
       token.single_word = json::boolean(entry, "single_word", false);
@@ -121,15 +124,22 @@ std::vector<int32_t> template_token_ids(const json::Json& special_tokens, const 
   const json::Json* token = json::member(special_tokens, name);
   const json::Json* ids = token != nullptr ? json::member(*token, "ids") : nullptr;
   if (ids == nullptr) raise(ErrorCode::kBadFormat, "TemplateProcessing: special token '{}' is not in \"special_tokens\"", name);
-  return ids->get<std::vector<int32_t>>();
+  std::vector<int32_t> values;
+  for (const auto& id : json::array(*ids, "TemplateProcessing special token ids")) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      raise(ErrorCode::kBadFormat, "TemplateProcessing: special token '{}' has an id that is not a token id", name);
+    values.push_back(static_cast<int32_t>(id.get<int64_t>()));
+  }
+  return values;
 }
 
 int32_t processor_token_id(const json::Json& spec, const char* key) {
   const json::Json* pair = json::member(spec, key);
-  if (pair == nullptr || !pair->is_array() || pair->size() != 2 || !(*pair)[1].is_number_integer()) {
+  if (pair == nullptr || !pair->is_array() || pair->size() != 2 || !(*pair)[1].is_number_integer() ||
+      (*pair)[1].get<int64_t>() < 0 || (*pair)[1].get<int64_t>() > std::numeric_limits<int32_t>::max()) {
     raise(ErrorCode::kBadFormat, "post_processor.{} must be [token, id]", key);
   }
-  return (*pair)[1].get<int32_t>();
+  return static_cast<int32_t>((*pair)[1].get<int64_t>());
 }
 
 void parse_post_processor(const json::Json& spec, std::vector<int32_t>& prefix, std::vector<int32_t>& suffix) {
@@ -273,7 +283,21 @@ std::shared_ptr<TokenizerData> build_tokenizer_data(const json::Json& root, bool
   // alphabet and keeps the token's UTF-8 text otherwise (e.g. "<｜begin▁of▁sentence｜>").
   int64_t max_id = data->model.max_id();
   if (!added_by_id.empty()) max_id = std::max<int64_t>(max_id, added_by_id.rbegin()->first);
+  // The decoding tables are indexed by id: a stray huge id must not size them (the largest real
+  // vocabularies hold a few hundred thousand tokens).
+  constexpr int64_t kMaxVocab = int64_t{1} << 24;
+  if (max_id >= kMaxVocab)
+    raise(ErrorCode::kBadFormat, "token id {} is beyond the {} ids a vocabulary may use", max_id, kMaxVocab);
   data->vocab_size = max_id + 1;
+  // The post-processor's ids must name tokens: add_special_tokens would emit them as they are.
+  for (const auto* ids : {&data->special_prefix, &data->special_suffix}) {
+    for (const int32_t id : *ids) {
+      if (id < 0 || id >= data->vocab_size) {
+        raise(ErrorCode::kBadFormat, "post_processor: special token id {} is not in the vocabulary (ids 0 to {})", id,
+              data->vocab_size - 1);
+      }
+    }
+  }
   data->token_bytes_offsets.assign(static_cast<size_t>(data->vocab_size) + 1, 0);
   data->special.assign(static_cast<size_t>(data->vocab_size), 0);
   for (int64_t id = 0; id < data->vocab_size; ++id) {
@@ -374,16 +398,49 @@ void TokenizerData::encode_pre_tokenized(std::string_view text, std::vector<int3
 
 namespace {
 
-nlohmann::json parse_json_file(const std::filesystem::path& path) {
-  const std::string content = read_file(path);
+// tokenizer.json nests a few levels (a Sequence of normalizers, a TemplateProcessing's pieces);
+// deeper text is not a tokenizer, and nlohmann's conversions recurse once per level.
+constexpr size_t kMaxTokenizerJsonDepth = 64;
+
+nlohmann::json parse_json_text(std::string_view content, std::string_view source) {
+  if (json_nests_deeper_than(content, kMaxTokenizerJsonDepth))
+    raise(ErrorCode::kBadFormat, "{}: invalid JSON: nested deeper than {}", source, kMaxTokenizerJsonDepth);
   try {
     return nlohmann::json::parse(content);
   } catch (const nlohmann::json::exception& e) {
-    raise(ErrorCode::kBadFormat, "{}: invalid JSON: {}", path.string(), e.what());
+    raise(ErrorCode::kBadFormat, "{}: invalid JSON: {}", source, e.what());
+  }
+}
+
+// Errors name the file they come from; nlohmann's type errors (a value of an unexpected type deep
+// inside) become kBadFormat too.
+template <typename Build>
+void with_context(std::string_view source, Build&& build) {
+  try {
+    build();
+  } catch (const Error& e) {
+    rethrow_with_context(e, "{}", source);
+  } catch (const nlohmann::json::exception& e) {
+    raise(ErrorCode::kBadFormat, "{}: {}", source, e.what());
   }
 }
 
 }  // namespace
+
+Tokenizer Tokenizer::from_json_text(std::string_view tokenizer_json, std::string_view config_json,
+                                    std::string_view chat_template, std::string_view source) {
+  const std::string tokenizer_source = (std::filesystem::path(source) / "tokenizer.json").string();
+  const nlohmann::json tokenizer = parse_json_text(tokenizer_json, tokenizer_source);
+  std::shared_ptr<text::TokenizerData> data;
+  with_context(tokenizer_source, [&] { data = text::build_tokenizer_data(tokenizer); });
+  if (!config_json.empty()) {
+    const std::string config_source = (std::filesystem::path(source) / "tokenizer_config.json").string();
+    const nlohmann::json config = parse_json_text(config_json, config_source);
+    with_context(config_source, [&] { text::apply_tokenizer_config(*data, config); });
+  }
+  if (!chat_template.empty()) data->chat_template = std::string(chat_template);
+  return Tokenizer(std::move(data));
+}
 
 Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
   if (!std::filesystem::is_directory(dir)) raise(ErrorCode::kNotFound, "tokenizer directory {} does not exist", dir.string());
@@ -391,29 +448,18 @@ Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
   if (!std::filesystem::is_regular_file(tokenizer_path)) {
     raise(ErrorCode::kNotFound, "{} not found (metrale reads Hugging Face tokenizer.json files)", tokenizer_path.string());
   }
-  const nlohmann::json tokenizer_json = parse_json_file(tokenizer_path);
-  // Errors name the file they come from; nlohmann's type errors (a value of an unexpected type
-  // deep inside) become kBadFormat too.
-  const auto with_context = [](const std::filesystem::path& path, auto&& build) {
-    try {
-      build();
-    } catch (const Error& e) {
-      rethrow_with_context(e, "{}", path.string());
-    } catch (const nlohmann::json::exception& e) {
-      raise(ErrorCode::kBadFormat, "{}: {}", path.string(), e.what());
-    }
-  };
-  std::shared_ptr<text::TokenizerData> data;
-  with_context(tokenizer_path, [&] { data = text::build_tokenizer_data(tokenizer_json); });
-  const std::filesystem::path config_path = dir / "tokenizer_config.json";
-  if (std::filesystem::is_regular_file(config_path)) {
-    const nlohmann::json config = parse_json_file(config_path);
-    with_context(config_path, [&] { text::apply_tokenizer_config(*data, config); });
+  const std::string tokenizer_json = read_file(tokenizer_path);
+  std::string config_json;
+  if (const auto config_path = dir / "tokenizer_config.json"; std::filesystem::is_regular_file(config_path)) {
+    config_json = read_file(config_path);
+    // An empty file is not "no config": it is malformed JSON.
+    if (config_json.empty()) raise(ErrorCode::kBadFormat, "{}: invalid JSON: the file is empty", config_path.string());
   }
+  std::string chat_template;
   if (const auto template_path = dir / "chat_template.jinja"; std::filesystem::is_regular_file(template_path)) {
-    data->chat_template = read_file(template_path);
+    chat_template = read_file(template_path);
   }
-  return Tokenizer(std::move(data));
+  return from_json_text(tokenizer_json, config_json, chat_template, dir.string());
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {

@@ -31,6 +31,10 @@ class Tokenizer {
   // tokenizer.json is missing, kBadFormat when a file is malformed, kUnsupported for features
   // this implementation does not have.
   static Tokenizer from_dir(const std::filesystem::path& dir);
+  // The same from the contents of those files: `config_json` and `chat_template` may be empty
+  // (absent); `source` names the directory in errors. JSON nested deeper than 64 is kBadFormat.
+  static Tokenizer from_json_text(std::string_view tokenizer_json, std::string_view config_json = {},
+                                  std::string_view chat_template = {}, std::string_view source = "<memory>");
 
   // Encodes UTF-8 text; invalid UTF-8 is first repaired (each ill-formed subpart becomes U+FFFD).
   // With `add_special_tokens`, applies tokenizer.json's post_processor as HF does: a

@@ -262,6 +262,61 @@ TEST(ModelConfig, NonPositiveSizesAreRejected) {
   EXPECT_TRUE(throws_error([&] { load(dir, config); }, ErrorCode::kBadFormat, {"multiple"}));
 }
 
+// Sizes that would overflow the engine's size arithmetic (a max_position_embeddings of 2^62 used to
+// wrap the planner's block count and crash), and values no model has.
+TEST(ModelConfig, SizesBeyondTheirRangesAreRejected) {
+  TempDir dir;
+  const std::vector<std::pair<const char*, nlohmann::json>> cases = {
+      {"max_position_embeddings", int64_t{1} << 62},
+      {"max_position_embeddings", (int64_t{1} << 28) + 1},
+      {"vocab_size", int64_t{1} << 40},
+      {"hidden_size", int64_t{1} << 40},
+      {"num_hidden_layers", 100000},
+      {"head_dim", int64_t{1} << 20},
+      {"intermediate_size", -1},
+      {"intermediate_size", int64_t{1} << 40},
+  };
+  for (const auto& [key, value] : cases) {
+    nlohmann::json config = base_config();
+    config[key] = value;
+    EXPECT_TRUE(throws_error([&] { load(dir, config); }, ErrorCode::kBadFormat, {(dir / "config.json").string(), key}))
+        << key << " = " << value;
+  }
+  const std::vector<std::pair<nlohmann::json, std::string>> others = {
+      {{{"rms_norm_eps", 0}}, "rms_norm_eps"},
+      {{{"rms_norm_eps", -1e-6}}, "rms_norm_eps"},
+      {{{"rope_theta", -5}}, "rope_theta"},
+      {{{"partial_rotary_factor", 1.5}}, "partial_rotary_factor"},
+      {{{"rope_scaling", {{"rope_type", "linear"}, {"factor", 0}}}}, "factor"},
+      {{{"eos_token_id", -3}}, "eos_token_id"},
+      {{{"eos_token_id", {1, int64_t{1} << 40}}}, "eos_token_id"},
+      {{{"bos_token_id", -1}}, "bos_token_id"},
+  };
+  for (const auto& [patch, fragment] : others) {
+    nlohmann::json config = base_config();
+    config.update(patch);
+    EXPECT_TRUE(throws_error([&] { load(dir, config); }, ErrorCode::kBadFormat, {fragment})) << patch.dump();
+  }
+  nlohmann::json config = base_config();
+  config["max_position_embeddings"] = int64_t{1} << 28;
+  EXPECT_EQ(load(dir, config).max_position_embeddings, int64_t{1} << 28);
+}
+
+TEST(ModelConfig, DeeplyNestedJsonIsBadFormatNotACrash) {
+  TempDir dir;
+  write_bytes(dir / "config.json", std::string(200000, '[') + std::string(200000, ']'));
+  EXPECT_TRUE(throws_error([&] { load_model_config(dir.path()); }, ErrorCode::kBadFormat, {"nested deeper than 64"}));
+  // A huge value of the wrong type is named without being printed whole.
+  nlohmann::json config = base_config();
+  config["hidden_size"] = std::vector<int>(100000, 7);
+  try {
+    load(dir, config);
+    ADD_FAILURE() << "a list as hidden_size was accepted";
+  } catch (const Error& e) {
+    EXPECT_LT(std::string(e.what()).size(), 400u) << e.what();
+  }
+}
+
 TEST(ModelConfig, TypedGetters) {
   nlohmann::json config = base_config();
   config["layer_types"] = {"full_attention", "sliding_attention", "full_attention"};

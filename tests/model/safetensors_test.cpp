@@ -109,6 +109,32 @@ TEST(Safetensors, HandWrittenFileWithUnalignedHeaderAndUnsortedOffsets) {
   EXPECT_EQ(bf16_bits_to_f32(b_back[2]), 3.0f);
 }
 
+TEST(Safetensors, WriterLaysTensorsOutAligned) {
+  TempDir dir;
+  std::vector<uint8_t> bytes = {1, 2, 3};
+  std::vector<uint16_t> halves = {1, 2, 3};
+  std::vector<int64_t> longs = {7, 8};
+  write_safetensors(dir / "x.safetensors", {{"u8", Tensor(bytes.data(), DType::kU8, {3})},
+                                            {"f16", Tensor(halves.data(), DType::kF16, {3})},
+                                            {"i64", Tensor(longs.data(), DType::kI64, {2})}});
+  const SafetensorsFile file(dir / "x.safetensors");
+  for (const auto& [name, entry] : file.entries()) {
+    EXPECT_EQ(entry.begin % dtype_size(*entry.dtype), 0u) << name;
+  }
+  EXPECT_EQ(file.view("i64").data_as<int64_t>()[1], 8);
+  EXPECT_EQ(file.view("u8").data_as<uint8_t>()[2], 3);
+}
+
+TEST(Safetensors, HeaderParserWorksOnBytesInMemory) {
+  const std::string bytes = safetensors_bytes(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})",
+                                              std::string(16, '\x01'));
+  const SafetensorsHeader header =
+      parse_safetensors_header(std::as_bytes(std::span(bytes.data(), bytes.size())), "memory");
+  EXPECT_EQ(header.data_start, bytes.size() - 16);
+  ASSERT_EQ(header.entries.size(), 1u);
+  EXPECT_EQ(header.entries.at("w").end, 16u);
+}
+
 struct MalformedCase {
   const char* name;
   std::string bytes;
@@ -154,6 +180,26 @@ std::vector<MalformedCase> malformed_cases() {
        safetensors_bytes(entry(R"({"dtype":"F32","shape":[3],"data_offsets":[0,16]})"), four_floats), "w"},
       {"size_mismatch_dtype",
        safetensors_bytes(entry(R"({"dtype":"BF16","shape":[4],"data_offsets":[0,16]})"), four_floats), "w"},
+      {"overlap",
+       safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                         R"("b":{"dtype":"F32","shape":[3],"data_offsets":[4,16]}})",
+                         four_floats),
+       "b"},
+      {"same_bytes_twice",
+       safetensors_bytes(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                         R"("b":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})",
+                         four_floats),
+       "b"},
+      {"gap", safetensors_bytes(entry(R"({"dtype":"F32","shape":[3],"data_offsets":[4,16]})"), four_floats), "w"},
+      {"too_many_dims",
+       safetensors_bytes(entry(R"({"dtype":"U8","shape":[1,1,1,1,1,1,1,16],"data_offsets":[0,16]})"), four_floats),
+       "w"},
+      {"dim_past_int64",
+       safetensors_bytes(entry(R"({"dtype":"F32","shape":[9223372036854775808],"data_offsets":[0,16]})"), four_floats),
+       "w"},
+      {"deeply_nested_header", safetensors_bytes(std::string(10000, '[') + std::string(10000, ']'), four_floats), ""},
+      {"trailing_bytes", safetensors_bytes(entry(R"({"dtype":"F32","shape":[3],"data_offsets":[0,12]})"), four_floats),
+       ""},
       {"shape_overflow",
        safetensors_bytes(entry(R"({"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,16]})"),
                          four_floats),
@@ -190,6 +236,16 @@ TEST(Safetensors, MessagesSayWhatIsWrong) {
         "need 12");
   check("g", safetensors_bytes(R"({"w":{"dtype":"Q4_K","shape":[4],"data_offsets":[0,16]}})", std::string(16, 'x')),
         "Q4_K");
+  check("h",
+        safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                          R"("b":{"dtype":"F32","shape":[3],"data_offsets":[4,16]}})",
+                          std::string(16, 'x')),
+        "overlap those of 'a'");
+  check("i", safetensors_bytes(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[4,16]}})", std::string(16, 'x')),
+        "that no tensor describes");
+  check("j", safetensors_bytes(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}})", std::string(16, 'x')),
+        "cover 12 bytes of a data section of 16");
+  check("l", safetensors_bytes(std::string(100, '{'), ""), "nested deeper than 8");
 }
 
 TEST(Safetensors, KnownButUnsupportedDtypeLoadsButCannotBeViewed) {

@@ -9,9 +9,12 @@
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "core/error.h"
+#include "core/test_support.h"
 
 namespace metrale {
 namespace {
@@ -159,6 +162,32 @@ TEST(ThreadPool, ProcessPoolFollowsSetCpuThreads) {
   EXPECT_EQ(cpu_pool().num_threads(), 1);
   set_cpu_threads(0);
   EXPECT_GE(cpu_pool().num_threads(), 1);
+}
+
+// The system refuses the fourth thread: the constructor must fail with the count, after stopping
+// and joining the three it started (a leaked joinable std::thread would terminate the process, a
+// worker never told to stop would keep the test from ending).
+TEST(ThreadPool, ThreadCreationFailureStopsTheStartedWorkersAndSaysHowMany) {
+  std::atomic<int> started = 0;
+  std::atomic<int> finished = 0;
+  const ThreadPool::ThreadStarter refuse_fourth = [&](std::function<void()> body) {
+    if (started == 3) throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again));
+    ++started;
+    return std::thread([body = std::move(body), &finished] {
+      body();
+      ++finished;
+    });
+  };
+  EXPECT_TRUE(testing::throws_error([&] { ThreadPool pool(8, refuse_fourth); }, ErrorCode::kUnavailable,
+                                    {"cannot start CPU thread 5 of 8", "4 running"}));
+  EXPECT_EQ(started.load(), 3);
+  EXPECT_EQ(finished.load(), 3);
+}
+
+TEST(ThreadPool, ThreadCountIsBounded) {
+  EXPECT_TRUE(testing::throws_error([] { ThreadPool pool(ThreadPool::kMaxThreads + 1); }, ErrorCode::kInvalidArgument,
+                                    {"beyond the limit"}));
+  EXPECT_GE(machine_cpu_count(), 1);
 }
 
 }  // namespace

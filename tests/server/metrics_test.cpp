@@ -99,5 +99,25 @@ TEST(Metrics, EmptyEngineHasNoDivisionByZero) {
   EXPECT_EQ(values.at("metrale_prefix_cache_hit_rate"), 0);
 }
 
+// The state-slot gauges count the prefix-cache checkpoints too (the CacheManager's slots are the
+// running sequences' and the checkpoints'): their help must say so, or a dashboard reads an idle
+// server that keeps checkpoints as one with requests running.
+TEST(Metrics, StateSlotGaugesSayTheyCountCheckpoints) {
+  AsyncEngineStats stats;
+  stats.engine.state_slots_total = 9;
+  stats.engine.state_slots_used = 4;
+  const std::string text = ServerMetrics().render(stats);
+  const auto values = parse(text);
+  EXPECT_EQ(values.at("metrale_state_slots_total"), 9);
+  EXPECT_EQ(values.at("metrale_state_slots_used"), 4);
+  const auto help = [&](const std::string& name) {
+    const std::string prefix = "# HELP " + name + " ";
+    const size_t at = text.find(prefix);
+    return at == std::string::npos ? std::string() : text.substr(at, text.find('\n', at) - at);
+  };
+  EXPECT_NE(help("metrale_state_slots_used").find("checkpoint"), std::string::npos) << help("metrale_state_slots_used");
+  EXPECT_NE(help("metrale_state_slots_total").find("checkpoint"), std::string::npos) << help("metrale_state_slots_total");
+}
+
 }  // namespace
 }  // namespace metrale::server

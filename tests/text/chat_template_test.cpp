@@ -2,6 +2,7 @@
 // (as @huggingface/jinja runs it for transformers.js) renders; the oracle test compares whole
 // published templates against the reference library itself.
 #include "text/chat_template.h"
+#include "text/jinja_value.h"
 
 #include <gtest/gtest.h>
 
@@ -184,6 +185,57 @@ TEST(ChatTemplate, HostileTemplatesAreBounded) {
   std::string deep_ifs;
   for (int i = 0; i < 5000; ++i) deep_ifs += "{% if true %}";
   EXPECT_NE(error_of(deep_ifs).find("nested too deeply"), std::string::npos);
+  // Values built 300,000 levels deep used to overflow the stack when they were destroyed.
+  EXPECT_NE(error_of("{% set ns = namespace(x=[]) %}{% for i in range(300000) %}{% set ns.x = [ns.x] %}{% endfor %}"
+                     "{{ ns.x | length }}")
+                .find("nested deeper than 256"),
+            std::string::npos);
+  EXPECT_NE(error_of("{% set ns = namespace(h=none) %}{% for i in range(1000) %}{% set t = namespace(a=none) %}"
+                     "{% set t.a = ns.h %}{% set ns.h = t %}{% endfor %}")
+                .find("nested deeper than 256"),
+            std::string::npos);
+  EXPECT_EQ(render("{% set ns = namespace(x=[]) %}{% for i in range(200) %}{% set ns.x = [ns.x] %}{% endfor %}"
+                   "{{ ns.x | length }}"),
+            "1");
+}
+
+// Request values (tools, extra message fields, chat_template_kwargs) nested tens of thousands of
+// levels deep are refused with kInvalidArgument instead of overflowing the stack while the
+// template's values are built.
+TEST(ChatTemplate, DeeplyNestedInputsAreRefused) {
+  const ChatTemplate chat("{{ messages[0].content }}{{ tools | length }}", "", "");
+  // Parsed, never copied: nlohmann's parser and destructor are iterative, its copies recurse.
+  const std::string deep_text = std::string(100000, '[') + std::string(100000, ']');
+  const auto deep = [&] { return Json::parse(deep_text); };
+  const auto refused = [&](const ChatTemplateInputs& inputs) {
+    try {
+      chat.render(inputs);
+    } catch (const Error& e) {
+      return e.code() == ErrorCode::kInvalidArgument && std::string(e.what()).find("nested deeper than") != std::string::npos;
+    }
+    return false;
+  };
+  ChatTemplateInputs tools;
+  tools.messages = Json::array({{{"role", "user"}, {"content", "Hi"}}});
+  tools.tools = Json::array();
+  tools.tools.push_back(deep());
+  EXPECT_TRUE(refused(tools));
+  ChatTemplateInputs field;
+  field.messages = Json::array({{{"role", "user"}, {"content", "Hi"}}});
+  field.messages[0]["extra"] = deep();
+  EXPECT_TRUE(refused(field));
+  ChatTemplateInputs kwargs;
+  kwargs.messages = Json::array({{{"role", "user"}, {"content", "Hi"}}});
+  kwargs.extra = Json::object();
+  kwargs.extra["deep"] = deep();
+  EXPECT_TRUE(refused(kwargs));
+  // Within the limit everything renders.
+  const size_t fine = text::jinja::Value::kMaxJsonDepth - 2;
+  ChatTemplateInputs ok;
+  ok.messages = Json::array({{{"role", "user"}, {"content", "Hi"}}});
+  ok.messages[0]["extra"] = Json::parse(std::string(fine, '[') + std::string(fine, ']'));
+  ok.tools = Json::array({1, 2});
+  EXPECT_EQ(chat.render(ok), "Hi2");
 }
 
 // Rendering speed is measured by bench/chat_template_bench.cpp, not here.

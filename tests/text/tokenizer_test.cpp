@@ -202,6 +202,65 @@ TEST(TokenizerErrors, CorruptJsonNamesTheFile) {
   EXPECT_TRUE(contains(config, "tokenizer_config.json")) << config.what();
 }
 
+TEST(TokenizerErrors, DeeplyNestedJsonIsBadFormat) {
+  TempDir dir;
+  dir.write("tokenizer.json", std::string(100000, '[') + std::string(100000, ']'));
+  const Error e = load_error(dir.path());
+  EXPECT_EQ(e.code(), ErrorCode::kBadFormat);
+  EXPECT_TRUE(contains(e, "nested deeper than 64")) << e.what();
+  dir.write("tokenizer.json", tiny_tokenizer_json(false).dump());
+  dir.write("tokenizer_config.json", R"({"chat_template": )" + std::string(1000, '{'));
+  const Error config = load_error(dir.path());
+  EXPECT_EQ(config.code(), ErrorCode::kBadFormat);
+  EXPECT_TRUE(contains(config, "tokenizer_config.json")) << config.what();
+}
+
+// Found by fuzz_tokenizer: a TemplateProcessing whose special token id names no token made
+// encode() emit an id outside the vocabulary. Ids that would size the decoding tables at gigabytes
+// are refused too.
+TEST(TokenizerErrors, IdsOutsideTheVocabularyAreBadFormat) {
+  TempDir dir;
+  nlohmann::json spec = tiny_tokenizer_json(false, {{"<s>"}});
+  const int64_t size = Tokenizer::from_json_text(spec.dump()).vocab_size();
+  spec["post_processor"] = {{"type", "TemplateProcessing"},
+                            {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+                                        {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+                            {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {size}}, {"tokens", {"<s>"}}}}}}};
+  dir.write("tokenizer.json", spec.dump());
+  const Error outside = load_error(dir.path());
+  EXPECT_EQ(outside.code(), ErrorCode::kBadFormat);
+  EXPECT_TRUE(contains(outside, "not in the vocabulary")) << outside.what();
+  spec["post_processor"]["special_tokens"]["<s>"]["ids"] = {size - 1};
+  EXPECT_EQ(Tokenizer::from_json_text(spec.dump()).encode("hi", true).front(), size - 1);
+  spec["post_processor"]["special_tokens"]["<s>"]["ids"] = {int64_t{1} << 33};
+  EXPECT_THROW(Tokenizer::from_json_text(spec.dump()), Error);
+
+  nlohmann::json huge = tiny_tokenizer_json(false);
+  huge["model"]["vocab"]["zz"] = int64_t{1} << 30;
+  dir.write("tokenizer.json", huge.dump());
+  const Error big = load_error(dir.path());
+  EXPECT_EQ(big.code(), ErrorCode::kBadFormat);
+  EXPECT_TRUE(contains(big, "2^24")) << big.what();
+  nlohmann::json added = tiny_tokenizer_json(false, {{"<x>"}});
+  added["added_tokens"][0]["id"] = int64_t{1} << 40;
+  dir.write("tokenizer.json", added.dump());
+  EXPECT_EQ(load_error(dir.path()).code(), ErrorCode::kBadFormat);
+}
+
+TEST(Tokenizer, FromJsonTextEqualsFromDir) {
+  TempDir dir;
+  const std::string tokenizer_json = tiny_tokenizer_json(false, {{"<|end|>"}}).dump();
+  const std::string config = R"({"eos_token": "<|end|>", "chat_template": "{{ messages[0].content }}"})";
+  dir.write("tokenizer.json", tokenizer_json);
+  dir.write("tokenizer_config.json", config);
+  const Tokenizer from_dir = Tokenizer::from_dir(dir.path());
+  const Tokenizer from_text = Tokenizer::from_json_text(tokenizer_json, config);
+  EXPECT_EQ(from_text.encode("hello world<|end|>"), from_dir.encode("hello world<|end|>"));
+  EXPECT_EQ(from_text.eos_token_id(), from_dir.eos_token_id());
+  EXPECT_EQ(from_text.chat_template(), "{{ messages[0].content }}");
+  EXPECT_EQ(Tokenizer::from_json_text(tokenizer_json, "", "override").chat_template(), "override");
+}
+
 TEST(TokenizerErrors, MalformedSectionsAreBadFormat) {
   TempDir dir;
   auto json = tiny_tokenizer_json(false);

@@ -1,0 +1,36 @@
+# Fuzz targets (libFuzzer, tests/fuzz/fuzz_*.cpp) and their committed seed corpora
+# (tests/fuzz/corpus/<target>/, every crash found included).
+# - Every build compiles each target with a replay driver, fuzz_replay_<target>, and CTest runs it
+#   over the corpus (fuzz.replay.<target>): the corpora are regression tests, sanitized in the
+#   ASan build.
+# - With -DMETRALE_FUZZ=ON (clang; `make fuzz`, `make fuzz-ci`) each target is also a libFuzzer
+#   executable, fuzz_<target>.
+set(METRALE_FUZZ_DIR ${PROJECT_SOURCE_DIR}/tests/fuzz)
+set(METRALE_FUZZ_TARGETS request safetensors config tokenizer chat_template reasoning sse)
+
+add_library(metrale_fuzz_support STATIC
+  ${METRALE_FUZZ_DIR}/fuzz_support.cpp
+  ${PROJECT_SOURCE_DIR}/src/server/openai_protocol.cpp
+  ${PROJECT_SOURCE_DIR}/src/model/safetensors.cpp
+  ${PROJECT_SOURCE_DIR}/src/model/config.cpp)
+metrale_target_options(metrale_fuzz_support)
+target_include_directories(metrale_fuzz_support PUBLIC ${METRALE_FUZZ_DIR})
+target_link_libraries(metrale_fuzz_support PUBLIC metrale_text metrale_runtime nlohmann_json::nlohmann_json)
+
+foreach(name ${METRALE_FUZZ_TARGETS})
+  add_executable(fuzz_replay_${name} ${METRALE_FUZZ_DIR}/fuzz_${name}.cpp ${METRALE_FUZZ_DIR}/replay_main.cpp)
+  metrale_target_options(fuzz_replay_${name})
+  target_link_libraries(fuzz_replay_${name} PRIVATE metrale_fuzz_support)
+  add_test(NAME fuzz.replay.${name} COMMAND fuzz_replay_${name} ${METRALE_FUZZ_DIR}/corpus/${name})
+  set_tests_properties(fuzz.replay.${name} PROPERTIES LABELS "fuzz" TIMEOUT 300)
+  if(METRALE_FUZZ)
+    add_executable(fuzz_${name} ${METRALE_FUZZ_DIR}/fuzz_${name}.cpp)
+    metrale_target_options(fuzz_${name})
+    target_link_libraries(fuzz_${name} PRIVATE metrale_fuzz_support)
+    target_link_options(fuzz_${name} PRIVATE -fsanitize=fuzzer)
+    list(APPEND metrale_fuzzers fuzz_${name})
+  endif()
+endforeach()
+if(METRALE_FUZZ)
+  add_custom_target(fuzzers DEPENDS ${metrale_fuzzers})
+endif()
