@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 
+#include "core/checked_math.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
@@ -55,12 +57,14 @@ struct CacheSplit {
 // checkpoints give way first, then max_num_seqs, so start-up never fails for a ratio it can
 // compute. The rest goes to KV blocks, up to every sequence at full length.
 CacheSplit split_cache_budget(uint64_t budget, uint64_t per_block, uint64_t per_slot, int64_t blocks_per_seq,
-                              int64_t max_num_seqs, int64_t checkpoint_slots) {
+                              int64_t max_num_seqs, int64_t checkpoint_slots, int64_t block_size) {
   CacheSplit split{max_num_seqs, checkpoint_slots, 0};
   if (per_slot > 0) {
-    const uint64_t one_sequence_kv = static_cast<uint64_t>(std::max<int64_t>(blocks_per_seq, 1)) * per_block;
+    const uint64_t one_sequence_kv = checked_mul<uint64_t>(static_cast<uint64_t>(std::max<int64_t>(blocks_per_seq, 1)),
+                                                           per_block, "one sequence's KV bytes", ErrorCode::kOutOfMemory);
     const auto slots_bytes = [&](int64_t seqs, int64_t checkpoints) {
-      return static_cast<uint64_t>(seqs + checkpoints + 1) * per_slot;
+      return checked_mul<uint64_t>(static_cast<uint64_t>(seqs + checkpoints + 1), per_slot, "state slot bytes",
+                                   ErrorCode::kOutOfMemory);
     };
     if (slots_bytes(max_num_seqs, checkpoint_slots) + one_sequence_kv > budget) {
       const auto room = static_cast<int64_t>(budget > one_sequence_kv ? (budget - one_sequence_kv) / per_slot : 0);
@@ -75,9 +79,11 @@ CacheSplit split_cache_budget(uint64_t budget, uint64_t per_block, uint64_t per_
     }
     budget -= slots_bytes(split.max_num_seqs, split.checkpoint_slots);
   }
-  const int64_t wanted = blocks_per_seq * split.max_num_seqs;
-  const auto affordable = static_cast<int64_t>(budget / per_block);
-  split.num_kv_blocks = static_cast<int32_t>(std::clamp<int64_t>(std::min(wanted, affordable), 1, 1 << 30));
+  const int64_t wanted = checked_mul<int64_t>(blocks_per_seq, split.max_num_seqs, "KV blocks wanted");
+  const auto affordable = static_cast<int64_t>(std::min<uint64_t>(budget / per_block, uint64_t{1} << 40));
+  // Cache slots (block x block_size + offset) are int32: at most 2^31 tokens of KV.
+  const int64_t slot_limit = std::numeric_limits<int32_t>::max() / block_size;
+  split.num_kv_blocks = static_cast<int32_t>(std::clamp<int64_t>(std::min(wanted, affordable), 1, std::min<int64_t>(slot_limit, 1 << 30)));
   return split;
 }
 
@@ -141,6 +147,21 @@ void Engine::validate_config() const {
     raise(ErrorCode::kInvalidArgument, "state-checkpoint-interval must be positive, got {}", config_.state_checkpoint_interval);
   if (!(config_.gpu_memory_utilization > 0.0 && config_.gpu_memory_utilization <= 1.0))
     raise(ErrorCode::kInvalidArgument, "gpu-memory-utilization must be in (0, 1], got {}", config_.gpu_memory_utilization);
+  // Positions, cache slots (block x block_size + offset) and row counts are int32 on the device.
+  const int64_t positions = model_->config().max_position_embeddings;
+  if (config_.max_model_len < 0 || config_.max_model_len > positions) {
+    raise(ErrorCode::kInvalidArgument, "max-model-len {} is outside the model's {} positions (max_position_embeddings)",
+          config_.max_model_len, positions);
+  }
+  if (positions <= 0 || positions > std::numeric_limits<int32_t>::max()) {
+    raise(ErrorCode::kInvalidArgument, "the model's max_position_embeddings {} is outside [1, 2^31)", positions);
+  }
+  if (config_.num_kv_blocks < 0 ||
+      checked_mul<int64_t>(config_.num_kv_blocks, config_.block_size, "KV cache slots") >
+          std::numeric_limits<int32_t>::max()) {
+    raise(ErrorCode::kInvalidArgument, "{} KV blocks of {} tokens do not fit int32 cache slots", config_.num_kv_blocks,
+          config_.block_size);
+  }
 }
 
 RunnerLimits Engine::runner_limits() const {
@@ -164,7 +185,7 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
   const DType activation = device.is_cpu() ? DType::kF32 : DType::kBF16;
   const uint64_t per_block = std::max<uint64_t>(1, paged_bytes_per_block(specs, config_.block_size, activation));
   const uint64_t per_slot = slot_bytes_per_slot(specs, activation);
-  const int64_t blocks_per_seq = (plan_.max_model_len + config_.block_size - 1) / config_.block_size;
+  const int64_t blocks_per_seq = checked_ceil_div<int64_t>(plan_.max_model_len, config_.block_size, "blocks per sequence");
   uint64_t kv_budget = config_.kv_cache_bytes;
   if (device.is_cuda()) {
     // One budget: weights (already resident), then the workspace of the largest step, then the
@@ -195,7 +216,8 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
   if (config_.num_kv_blocks > 0) {
     plan_.num_kv_blocks = config_.num_kv_blocks;
   } else {
-    const CacheSplit split = split_cache_budget(kv_budget, per_block, per_slot, blocks_per_seq, max_seqs, checkpoint_slots);
+    const CacheSplit split = split_cache_budget(kv_budget, per_block, per_slot, blocks_per_seq, max_seqs, checkpoint_slots,
+                                                config_.block_size);
     if (split.checkpoint_slots < checkpoint_slots) {
       METRALE_LOG_INFO("memory: {} state checkpoint slots instead of {} ({} per slot, budget {})", split.checkpoint_slots,
                        checkpoint_slots, format_bytes(per_slot), format_bytes(kv_budget));

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 
+#include "core/checked_math.h"
 #include "engine/runner.h"
 #include "runtime/buffer.h"
 #if METRALE_WITH_CUDA
@@ -41,7 +42,7 @@ struct Runner::VerifyGraphs {
 };
 
 inline int64_t max_blocks_per_seq(const RunnerLimits& limits) {
-  return (limits.max_model_len + limits.block_size - 1) / limits.block_size;
+  return checked_ceil_div<int64_t>(limits.max_model_len, limits.block_size, "blocks per sequence");
 }
 
 }  // namespace metrale

@@ -1,5 +1,6 @@
 #include "model/cache_spec.h"
 
+#include "core/checked_math.h"
 #include "core/error.h"
 
 namespace metrale {
@@ -31,7 +32,8 @@ CacheTensorSpec CacheTensorSpec::per_slot(std::string name, std::vector<int64_t>
 
 uint64_t CacheTensorSpec::elements_per_unit() const {
   uint64_t elements = 1;
-  for (const int64_t dim : shape) elements *= static_cast<uint64_t>(dim);
+  for (const int64_t dim : shape)
+    elements = checked_mul<uint64_t>(elements, static_cast<uint64_t>(dim), "cache tensor '" + name + "' elements");
   return elements;
 }
 
@@ -102,8 +104,11 @@ uint64_t paged_bytes_per_block(std::span<const CacheSpec> specs, int64_t block_s
   for (const auto& spec : specs) {
     for (const auto& tensor : spec.tensors) {
       if (!tensor.paged()) continue;
-      bytes += static_cast<uint64_t>(tensor.rows_per_block(block_size)) * tensor.elements_per_unit() *
-               dtype_size(tensor.dtype_or(activation));
+      bytes = checked_add(bytes,
+                          checked_product<uint64_t>("bytes per KV block", ErrorCode::kInvalidArgument,
+                                                    static_cast<uint64_t>(tensor.rows_per_block(block_size)),
+                                                    tensor.elements_per_unit(), dtype_size(tensor.dtype_or(activation))),
+                          "bytes per KV block");
     }
   }
   return bytes;
@@ -114,7 +119,10 @@ uint64_t slot_bytes_per_slot(std::span<const CacheSpec> specs, DType activation)
   for (const auto& spec : specs) {
     for (const auto& tensor : spec.tensors) {
       if (tensor.paged()) continue;
-      bytes += tensor.elements_per_unit() * dtype_size(tensor.dtype_or(activation));
+      bytes = checked_add(bytes,
+                          checked_mul<uint64_t>(tensor.elements_per_unit(), dtype_size(tensor.dtype_or(activation)),
+                                                "bytes per state slot"),
+                          "bytes per state slot");
     }
   }
   return bytes;

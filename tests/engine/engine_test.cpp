@@ -193,6 +193,29 @@ TEST(Engine, RejectsInvalidRequests) {
   EXPECT_FALSE(engine->has_unfinished());
 }
 
+TEST(Engine, RejectsConfigurationsOutsideTheModelAndTheCacheSlots) {
+  const auto dir = write_tiny_qwen3({}, "invalid_config");
+  const auto expect_invalid = [&](EngineConfig config, const char* what) {
+    try {
+      make_engine(dir, config);
+      ADD_FAILURE() << "accepted " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << what << ": " << e.what();
+    }
+  };
+  const int64_t positions = load_model_config(dir).max_position_embeddings;
+  EngineConfig too_long;
+  too_long.max_model_len = positions + 1;
+  expect_invalid(too_long, "a max_model_len beyond the model's positions");
+  EngineConfig too_many_blocks;
+  too_many_blocks.num_kv_blocks = (1 << 30) + 1;  // x 16 tokens: past int32 cache slots
+  expect_invalid(too_many_blocks, "KV blocks whose cache slots overflow int32");
+  EngineConfig exact;
+  exact.max_model_len = positions;
+  exact.num_kv_blocks = 8;
+  EXPECT_NO_THROW(make_engine(dir, exact));
+}
+
 TEST(Engine, PromptLogitsDoNotDependOnChunking) {
   const auto dir = write_tiny_qwen3({}, "prompt_logits");
   std::vector<float> reference;
