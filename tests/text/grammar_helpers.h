@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -67,17 +68,32 @@ inline std::string random_walk(GrammarMatcher& matcher, std::mt19937& random, in
     }
     EXPECT_FALSE(allowed.empty()) << "no token allowed after \"" << text << "\"";
     if (allowed.empty()) return text;
-    // Lean towards closing and stopping as the walk gets long, so that most walks finish.
-    int32_t token = allowed[random() % allowed.size()];
+    // Mostly avoid tokens that are only whitespace (a large vocabulary has hundreds, and JSON allows
+    // whitespace almost everywhere), and lean towards closing and stopping as the walk gets long, so
+    // that most walks finish.
+    std::vector<int32_t> visible;
+    for (int32_t id : allowed) {
+      const std::string_view bytes = vocabulary.token_bytes(id);
+      if (bytes.find_first_not_of(" \t\n\r") != std::string_view::npos || bytes.empty()) visible.push_back(id);
+    }
+    const std::vector<int32_t>& pool = visible.empty() || random() % 8 == 0 ? allowed : visible;
+    int32_t token = pool[random() % pool.size()];
     const bool late = static_cast<int>(random() % static_cast<unsigned>(max_tokens)) < 2 * step;
     if (late) {
-      std::vector<int32_t> closing;
-      for (int32_t id : allowed) {
-        const std::string_view bytes = vocabulary.token_bytes(id);
-        if (bytes.size() == 1 && (bytes[0] == '"' || bytes[0] == '}' || bytes[0] == ']' || bytes[0] == '>'))
-          closing.push_back(id);
+      // Head for the end: of a sample of the allowed tokens, the one after which the fewest bytes
+      // complete the output.
+      int32_t best = std::numeric_limits<int32_t>::max();
+      for (int sample = 0; sample < 64; ++sample) {
+        const int32_t candidate = allowed[random() % allowed.size()];
+        if (candidate == vocabulary.stop_token_ids()[0]) continue;
+        GrammarMatcher copy(matcher);
+        if (!copy.accept_token(candidate)) continue;
+        const int32_t remaining = copy.min_remaining_bytes();
+        if (remaining < best) {
+          best = remaining;
+          token = candidate;
+        }
       }
-      if (!closing.empty()) token = closing[random() % closing.size()];
     }
     if (matcher.can_terminate() && late) token = vocabulary.stop_token_ids()[0];
     EXPECT_TRUE(matcher.accept_token(token)) << "token " << token << " after \"" << text << "\"";

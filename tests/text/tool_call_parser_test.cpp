@@ -12,7 +12,7 @@
 namespace metrale {
 namespace {
 
-using Json = nlohmann::json;
+using Json = nlohmann::ordered_json;
 
 std::vector<ToolDefinition> weather_tools() {
   return tool_definitions_from_openai(Json::parse(R"([

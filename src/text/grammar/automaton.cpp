@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <limits>
 #include <numeric>
 #include <unordered_map>
 
@@ -526,6 +527,38 @@ CompiledRules compile_rules(const Grammar& grammar, const AutomatonLimits& limit
     compiled.rules.push_back(canonicalize(trimmed, /*max_rounds=*/4096));
   }
   check_left_recursion(compiled.rules, grammar);
+  // Shortest completions, to a fixed point (every rule is productive, so all are finite).
+  constexpr int32_t kInfinite = std::numeric_limits<int32_t>::max() / 4;
+  compiled.completion.resize(num_rules);
+  for (size_t r = 0; r < num_rules; ++r) {
+    const RuleAutomaton& dfa = compiled.rules[r];
+    compiled.completion[r].assign(static_cast<size_t>(dfa.num_states), kInfinite);
+    for (int32_t s = 0; s < dfa.num_states; ++s) {
+      if (dfa.is_final(s)) compiled.completion[r][static_cast<size_t>(s)] = 0;
+    }
+  }
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = 0; r < num_rules; ++r) {
+      const RuleAutomaton& dfa = compiled.rules[r];
+      std::vector<int32_t>& best = compiled.completion[r];
+      for (int32_t s = 0; s < dfa.num_states; ++s) {
+        int32_t value = best[static_cast<size_t>(s)];
+        for (int32_t c = 0; c < dfa.num_classes; ++c) {
+          const int32_t t = dfa.next[static_cast<size_t>(s) * dfa.num_classes + c];
+          if (t >= 0) value = std::min(value, 1 + best[static_cast<size_t>(t)]);
+        }
+        for (const RefEdge& ref : dfa.refs_of(s)) {
+          value = std::min(
+              value, compiled.completion[static_cast<size_t>(ref.rule)][0] + best[static_cast<size_t>(ref.target)]);
+        }
+        if (value < best[static_cast<size_t>(s)]) {
+          best[static_cast<size_t>(s)] = value;
+          changed = true;
+        }
+      }
+    }
+  }
   return compiled;
 }
 

@@ -52,6 +52,9 @@ struct AutomatonLimits {
 struct CompiledRules {
   std::vector<RuleAutomaton> rules;
   RuleId root = -1;
+  // completion[r][s]: the fewest bytes that take state s of rule r to the rule's end (the rules it
+  // references included). Used to steer random walks in tests and to explain states.
+  std::vector<std::vector<int32_t>> completion;
   int64_t total_states() const;
 };
 

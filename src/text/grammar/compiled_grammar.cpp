@@ -8,15 +8,12 @@
 
 namespace metrale::grammar {
 
-size_t PositionMask::memory_bytes() const {
-  return accepted_bits.size() * sizeof(uint32_t) + accepted_ids.size() * sizeof(int32_t) + uncertain.memory_bytes();
-}
-
 bool CompiledGrammar::allows_special(int32_t id) const {
   return std::binary_search(allowed_special_ids_.begin(), allowed_special_ids_.end(), id);
 }
 
 const PositionMask& CompiledGrammar::mask_at(RuleId rule, int32_t state) const {
+  if (const auto& masks = rule_masks_[static_cast<size_t>(rule)]) return (*masks)[static_cast<size_t>(state)];
   const auto at = static_cast<size_t>(position(rule, state));
   std::call_once(mask_once_[at], [&] { masks_[at] = std::make_unique<PositionMask>(compute_mask(rule, state)); });
   return *masks_[at];
@@ -25,8 +22,8 @@ const PositionMask& CompiledGrammar::mask_at(RuleId rule, int32_t state) const {
 namespace {
 
 // The walk's state after the bytes of the current trie node's string. A level is "simple" when one
-// thread sits inside the rule itself at a state that only moves on bytes (the common case: string
-// contents, literals), and general otherwise.
+// thread sits inside the rule itself at a state without reference edges (the common case: string
+// contents, literals, numbers), and general otherwise.
 struct Level {
   int32_t simple_state = -1;  // -1: no simple thread
   bool general = false;
@@ -64,8 +61,10 @@ PositionMask CompiledGrammar::compute_mask(RuleId rule, int32_t state) const {
       const int32_t next = dfa.step(previous.simple_state, byte);
       if (next >= 0) {
         alive = true;
-        if (dfa.flags[static_cast<size_t>(next)] == RuleAutomaton::kHasBytes) {
-          level.simple_state = next;
+        if (!dfa.has_refs(next)) {
+          // Still one thread in the rule itself; where the rule may end, it may also exit.
+          if (dfa.has_bytes(next)) level.simple_state = next;
+          level.exit_here = dfa.is_final(next);
         } else {
           level.general = true;
           level.set.clear();
@@ -109,20 +108,53 @@ PositionMask CompiledGrammar::compute_mask(RuleId rule, int32_t state) const {
   return mask;
 }
 
+// Everything a rule's masks depend on: its automaton and those of the rules it reaches (numbered in
+// the order first reached), the special tokens allowed and the nesting bound.
+std::string CompiledGrammar::fingerprint(RuleId rule) const {
+  std::string key;
+  const auto put = [&](int32_t value) { key.append(reinterpret_cast<const char*>(&value), sizeof(value)); };
+  std::vector<RuleId> order{rule};
+  std::vector<int32_t> local(rules_.rules.size(), -1);
+  local[static_cast<size_t>(rule)] = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const RuleAutomaton& dfa = rules_.rules[static_cast<size_t>(order[i])];
+    put(dfa.num_states);
+    put(dfa.num_classes);
+    key.append(reinterpret_cast<const char*>(dfa.byte_class.data()), dfa.byte_class.size());
+    key.append(reinterpret_cast<const char*>(dfa.next.data()), dfa.next.size() * sizeof(int32_t));
+    key.append(reinterpret_cast<const char*>(dfa.flags.data()), dfa.flags.size());
+    key.append(reinterpret_cast<const char*>(dfa.ref_offsets.data()), dfa.ref_offsets.size() * sizeof(int32_t));
+    for (const RefEdge& ref : dfa.refs) {
+      if (local[static_cast<size_t>(ref.rule)] < 0) {
+        local[static_cast<size_t>(ref.rule)] = static_cast<int32_t>(order.size());
+        order.push_back(ref.rule);
+      }
+      put(local[static_cast<size_t>(ref.rule)]);
+      put(ref.target);
+    }
+  }
+  put(-1);
+  for (int32_t id : allowed_special_ids_) put(id);
+  put(max_stack_depth_);
+  return key;
+}
+
 CompiledGrammar::Stats CompiledGrammar::stats() const {
   Stats stats;
   stats.num_rules = static_cast<int32_t>(rules_.rules.size());
   stats.num_states = rules_.total_states();
   stats.compile_ms = compile_ms_;
+  stats.cached_rules = cached_rules_;
   for (size_t r = 0; r < rules_.rules.size(); ++r) {
     const RuleAutomaton& dfa = rules_.rules[r];
     for (int32_t s = 0; s < dfa.num_states; ++s) {
       if (!dfa.has_bytes(s)) continue;
       ++stats.num_positions;
-      const auto& mask = masks_[static_cast<size_t>(position(static_cast<RuleId>(r), s))];
-      if (mask) {
-        stats.num_uncertain += mask->num_uncertain;
-        stats.mask_bytes += mask->memory_bytes();
+      // Only precomputed masks are read: a lazy one may be in the making on another thread.
+      if (rule_masks_[r]) {
+        const PositionMask& mask = (*rule_masks_[r])[static_cast<size_t>(s)];
+        stats.num_uncertain += mask.num_uncertain;
+        stats.mask_bytes += mask.memory_bytes();
       }
     }
   }
@@ -151,12 +183,26 @@ std::shared_ptr<const CompiledGrammar> compile_grammar(const Grammar& grammar,
   }
   compiled->masks_.resize(static_cast<size_t>(positions));
   compiled->mask_once_ = std::make_unique<std::once_flag[]>(static_cast<size_t>(positions));
+  compiled->rule_masks_.resize(compiled->rules_.rules.size());
   if (options.precompute) {
+    RuleMaskCache& cache = compiled->tokenizer_->mask_cache();
     for (size_t r = 0; r < compiled->rules_.rules.size(); ++r) {
-      const RuleAutomaton& dfa = compiled->rules_.rules[r];
-      for (int32_t s = 0; s < dfa.num_states; ++s) {
-        if (dfa.has_bytes(s)) compiled->mask_at(static_cast<RuleId>(r), s);
+      const auto rule = static_cast<RuleId>(r);
+      const std::string key = options.use_cache ? compiled->fingerprint(rule) : std::string();
+      if (options.use_cache) {
+        if (std::shared_ptr<const RuleMasks> hit = cache.find(key)) {
+          compiled->rule_masks_[r] = std::move(hit);
+          ++compiled->cached_rules_;
+          continue;
+        }
       }
+      const RuleAutomaton& dfa = compiled->rules_.rules[r];
+      auto masks = std::make_shared<RuleMasks>(static_cast<size_t>(dfa.num_states));
+      for (int32_t s = 0; s < dfa.num_states; ++s) {
+        if (dfa.has_bytes(s)) (*masks)[static_cast<size_t>(s)] = compiled->compute_mask(rule, s);
+      }
+      if (options.use_cache) cache.insert(key, masks);
+      compiled->rule_masks_[r] = std::move(masks);
     }
   }
   compiled->compile_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();

@@ -21,17 +21,9 @@
 
 namespace metrale::grammar {
 
-struct PositionMask {
-  std::vector<uint32_t> accepted_bits;  // [bitmask words] when many tokens are accepted, else empty
-  std::vector<int32_t> accepted_ids;    // sorted, when few are
-  PrefixTree uncertain;                 // remainders; values are token ids
-  int32_t num_accepted = 0;
-  int32_t num_uncertain = 0;
-  size_t memory_bytes() const;
-};
-
 struct GrammarCompileOptions {
   bool precompute = true;         // build every position's mask now (else on first use)
+  bool use_cache = true;          // reuse (and store) rule masks in the tokenizer's RuleMaskCache
   int32_t max_stack_depth = 128;  // nesting bound for recursive rules (JSON depth)
   AutomatonLimits limits;
 };
@@ -40,6 +32,7 @@ class CompiledGrammar {
  public:
   struct Stats {
     int32_t num_rules = 0;
+    int32_t cached_rules = 0;  // rules whose masks came from the tokenizer's cache
     int64_t num_states = 0;
     int32_t num_positions = 0;
     int64_t num_uncertain = 0;  // summed over the positions computed
@@ -65,6 +58,7 @@ class CompiledGrammar {
                                                                 const GrammarCompileOptions&);
   CompiledGrammar() = default;
   PositionMask compute_mask(RuleId rule, int32_t state) const;
+  std::string fingerprint(RuleId rule) const;
   int32_t position(RuleId rule, int32_t state) const { return position_offset_[static_cast<size_t>(rule)] + state; }
 
   std::shared_ptr<const TokenizerInfo> tokenizer_;
@@ -72,8 +66,12 @@ class CompiledGrammar {
   int32_t max_stack_depth_ = 128;
   std::vector<int32_t> allowed_special_ids_;
   std::vector<int32_t> position_offset_;  // [rules]: position of (rule, state) = offset + state
+  // Precomputed rules: all their masks at once (possibly shared with other grammars). Otherwise
+  // each position's mask is made on first use.
+  std::vector<std::shared_ptr<const RuleMasks>> rule_masks_;  // [rules]
   mutable std::vector<std::unique_ptr<PositionMask>> masks_;
   mutable std::unique_ptr<std::once_flag[]> mask_once_;
+  int32_t cached_rules_ = 0;
   double compile_ms_ = 0;
 };
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "core/error.h"
 
@@ -200,6 +201,21 @@ void GrammarMatcher::fill_next_token_bitmask(std::span<uint32_t> bitmask) const 
     add_uncertain(mask, node.parent, bitmask);
   }
   if (current().completed) set_stop_tokens();
+}
+
+int32_t GrammarMatcher::min_remaining_bytes() const {
+  if (current().completed || is_terminated()) return 0;
+  const auto& completion = grammar_->rules().completion;
+  int32_t best = std::numeric_limits<int32_t>::max();
+  for (int32_t top : current_tops()) {
+    int64_t total = 0;
+    for (int32_t n = top; n >= 0; n = nodes_[static_cast<size_t>(n)].parent) {
+      const StackNode& node = nodes_[static_cast<size_t>(n)];
+      total += completion[static_cast<size_t>(node.rule)][static_cast<size_t>(node.state)];
+    }
+    best = static_cast<int32_t>(std::min<int64_t>(best, total));
+  }
+  return best;
 }
 
 std::string GrammarMatcher::describe() const {

@@ -60,6 +60,9 @@ class GrammarMatcher {
   // Nothing but a stop token can follow (the output is complete and cannot be extended).
   bool is_complete() const { return current().completed && current().count == 0; }
 
+  // The fewest bytes that would complete the output from here (0 when it may end now).
+  int32_t min_remaining_bytes() const;
+
   const CompiledGrammar& grammar() const { return *grammar_; }
   std::string describe() const;  // the live stacks, for debugging
 

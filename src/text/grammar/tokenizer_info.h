@@ -11,31 +11,14 @@
 #include <utility>
 #include <vector>
 
+#include "text/grammar/mask_cache.h"
+#include "text/grammar/prefix_tree.h"
+
 namespace metrale {
 class Tokenizer;
 }
 
 namespace metrale::grammar {
-
-// A trie of byte strings stored in depth-first preorder, so that a walk is a forward scan that skips
-// whole subtrees: node i is reached by appending byte[i] to the string of its parent (the node at
-// depth[i] - 1 most recently visited); its subtree is [i, end[i]). The root (the empty string) is
-// implicit.
-struct PrefixTree {
-  std::vector<uint8_t> byte;           // [n]
-  std::vector<uint16_t> depth;         // [n], >= 1
-  std::vector<int32_t> end;            // [n]
-  std::vector<int32_t> values_offset;  // [n + 1]: the values of the strings ending at node i
-  std::vector<int32_t> values;
-
-  // `entries` need not be sorted; equal strings share a node. Strings must be at most 65535 bytes.
-  static PrefixTree build(std::vector<std::pair<std::string, int32_t>> entries);
-  int32_t size() const { return static_cast<int32_t>(byte.size()); }
-  int32_t max_depth() const { return max_depth_; }
-  size_t memory_bytes() const;
-
-  int32_t max_depth_ = 0;
-};
 
 class TokenizerInfo {
  public:
@@ -65,6 +48,10 @@ class TokenizerInfo {
   const PrefixTree& trie() const { return trie_; }
   size_t memory_bytes() const;
 
+  // Token classes of rules already computed for this tokenizer, shared by every grammar compiled
+  // for it (thread-safe).
+  RuleMaskCache& mask_cache() const { return *mask_cache_; }
+
  private:
   TokenizerInfo() = default;
   void finish();
@@ -74,6 +61,7 @@ class TokenizerInfo {
   std::vector<uint8_t> special_;
   std::vector<int32_t> stop_ids_;
   PrefixTree trie_;
+  std::unique_ptr<RuleMaskCache> mask_cache_ = std::make_unique<RuleMaskCache>();
 };
 
 }  // namespace metrale::grammar

@@ -5,7 +5,7 @@
 namespace metrale::text::tool_calls {
 namespace {
 
-using Json = nlohmann::json;
+using Json = nlohmann::ordered_json;
 using OrderedJson = nlohmann::ordered_json;
 
 // Bounds the $ref chains and nesting followed (a recursive schema ends in kTypeAny).
@@ -124,7 +124,7 @@ OrderedJson typed_value(std::string_view text, uint8_t types) {
 }
 
 std::string dump_compact(const OrderedJson& value) {
-  return value.dump(-1, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace);
+  return value.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace);
 }
 
 }  // namespace metrale::text::tool_calls

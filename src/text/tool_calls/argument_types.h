@@ -20,7 +20,7 @@ inline constexpr uint8_t kTypeAny = 127;
 
 // The types `schema` admits, following type / enum / const / anyOf / oneOf / allOf and $ref into
 // `root`'s $defs or definitions; kTypeAny when the schema does not say.
-uint8_t schema_types(const nlohmann::json& schema, const nlohmann::json& root);
+uint8_t schema_types(const nlohmann::ordered_json& schema, const nlohmann::ordered_json& root);
 
 // The value a parameter written as `text` stands for. Only strings (or nothing known, kTypeAny):
 // the text itself. Otherwise the text parsed as JSON when that gives an admitted type (True/False

@@ -7,7 +7,6 @@
 namespace metrale::text::tool_calls {
 namespace {
 
-using Json = nlohmann::json;
 using OrderedJson = nlohmann::ordered_json;
 
 // The markers as the models' tokenizers spell them (fullwidth bars U+FF5C, U+2581 for spaces).

@@ -66,12 +66,12 @@ std::optional<ToolCallFormat> select_tool_call_format(std::string_view model_typ
 // A function tool as the request declares it.
 struct ToolDefinition {
   std::string name;
-  nlohmann::json parameters = nlohmann::json::object();  // its JSON schema ({} when absent)
+  nlohmann::ordered_json parameters = nlohmann::ordered_json::object();  // its JSON schema ({} when absent)
 };
 
 // The function tools of an OpenAI `tools` array ([{type: "function", function: {name, parameters}}]);
 // kInvalidArgument naming the entry when one is malformed. Tools of other types are skipped.
-std::vector<ToolDefinition> tool_definitions_from_openai(const nlohmann::json& tools);
+std::vector<ToolDefinition> tool_definitions_from_openai(const nlohmann::ordered_json& tools);
 
 struct ToolCall {
   std::string id;

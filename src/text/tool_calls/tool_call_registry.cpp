@@ -93,11 +93,11 @@ std::optional<ToolCallFormat> select_tool_call_format(std::string_view model_typ
   return format_of_model_type(model_type);
 }
 
-std::vector<ToolDefinition> tool_definitions_from_openai(const nlohmann::json& tools) {
+std::vector<ToolDefinition> tool_definitions_from_openai(const nlohmann::ordered_json& tools) {
   if (!tools.is_array()) raise(ErrorCode::kInvalidArgument, "tools must be a list");
   std::vector<ToolDefinition> definitions;
   for (size_t i = 0; i < tools.size(); ++i) {
-    const nlohmann::json& tool = tools[i];
+    const nlohmann::ordered_json& tool = tools[i];
     if (!tool.is_object()) raise(ErrorCode::kInvalidArgument, "tools[{}] must be an object", i);
     const auto type = tool.find("type");
     if (type != tool.end() && (!type->is_string() || type->get<std::string>() != "function")) continue;
@@ -130,7 +130,7 @@ int fuzz_tool_call_parser(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data + 2), size - 2);
   static const std::vector<ToolDefinition> tools{ToolDefinition{
       std::string("f"),
-      nlohmann::json::parse(
+      nlohmann::ordered_json::parse(
           R"({"type":"object","properties":{"s":{"type":"string"},"n":{"type":"integer"},"o":{"type":"object"}}})")}};
   const ToolParseResult whole = parse_tool_calls(format, tools, text);
   ToolCallParser parser(format, tools);
