@@ -5,7 +5,8 @@
 //
 // For each tokenizer (the Qwen3 vocabulary of models/default, 151,643 tokens + added ones, masks of
 // 151,936 bits; the demo model's 8,190) and each schema (a flat object, nested objects with arrays
-// and enums, a tool call in the Qwen3 JSON and Qwen3.5 XML formats):
+// and enums, any JSON object (response_format json_object), a tool call in the Qwen3 JSON and Qwen3.5
+// XML formats):
 //   Compile/...  JSON schema -> grammar -> automata -> every position's token classes (no cache);
 //   CompileCached/...  the same with the tokenizer's rule cache warm (the same schema or tools again,
 //                or another grammar sharing rules with it);
@@ -104,6 +105,10 @@ const std::vector<Workload>& workloads() {
          R"({"order_id": "A-1029", "status": "shipped", "customer": {"name": "Grace Hopper", "address": )"
          R"({"street": "1 Navy Way", "city": "Arlington", "zip": "22201"}}, "items": [{"sku": "KB-01", )"
          R"("quantity": 2, "tags": ["gift"]}, {"sku": "MS-7", "quantity": 1, "tags": ["fragile", "bulk"]}]})"});
+    list.push_back(
+        {"json_object", [] { return metrale::grammar::json_object_grammar(); },
+         R"({"id": 7, "tags": ["a", "b"], "meta": {"score": 0.93, "nested": {"ok": true, "list": [1, 2, {"x": null}]}}, )"
+         R"("text": "The quick brown fox jumps over the lazy dog."})"});
     list.push_back({"tool_call_qwen3_json",
                     [] { return metrale::grammar::tool_call_grammar(ToolCallFormat::kHermes, tools(), {}); },
                     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"San Francisco\", \"unit\": "

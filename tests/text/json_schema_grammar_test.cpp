@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <iostream>
 
 #include "core/error.h"
 #include "text/grammar/compiled_grammar.h"
+#include "text/grammar/fuzz.h"
 #include "text/grammar/json_schema.h"
 #include "text/grammar/matcher.h"
 #include "text/grammar_helpers.h"
@@ -255,6 +257,52 @@ TEST(JsonSchemaGrammar, QwenTokenizerWalks) {
       EXPECT_EQ(validator.check(value), "") << name << ": " << text;
     }
     EXPECT_GT(finished, 0) << name;
+  }
+}
+
+}  // namespace
+}  // namespace metrale::grammar
+
+namespace metrale::grammar {
+namespace {
+
+// Random schemas stitched from fragments, with random walks, through the fuzzing entry point (which
+// aborts on a broken invariant; an exception other than metrale::Error escapes and fails the test).
+TEST(JsonSchemaGrammar, FuzzEntryPointOnRandomSchemas) {
+  const std::vector<std::string> leaves = {R"({"type": "string"})",
+                                           R"({"type": "integer", "minimum": -3, "maximum": 40})",
+                                           R"({"type": "number"})",
+                                           R"({"enum": ["a", 1, null, {"k": [true]}]})",
+                                           R"({"const": "c"})",
+                                           R"({"type": "boolean"})",
+                                           R"({})",
+                                           R"(true)",
+                                           R"({"type": "string", "maxLength": 3})",
+                                           R"({"type": "string", "pattern": "^[a-c]+x?$"})",
+                                           R"({"$ref": "#"})",
+                                           R"({"type": ["string", "null"]})",
+                                           R"({"type": "string", "format": "date"})",
+                                           R"({"not": {}})",
+                                           R"({"type": 7})",
+                                           R"({"$ref": "#/$defs/d"})",
+                                           R"({"$ref": "#/items/99999999999999999999"})",
+                                           R"({"minimum": "x"})"};
+  std::mt19937 random(99);
+  std::function<std::string(int)> schema = [&](int depth) -> std::string {
+    const uint32_t pick = random() % (depth > 2 ? 2 : 5);
+    if (pick < 2) return leaves[random() % leaves.size()];
+    if (pick == 2) {
+      return R"({"type": "object", "properties": {"p": )" + schema(depth + 1) + R"(, "q": )" + schema(depth + 1) +
+             R"(}, "required": ["p"], "$defs": {"d": )" + leaves[random() % 6] + "}}";
+    }
+    if (pick == 3) return R"({"type": "array", "items": )" + schema(depth + 1) + R"(, "maxItems": 3})";
+    return R"({"anyOf": [)" + schema(depth + 1) + ", " + schema(depth + 1) + "]}";
+  };
+  for (int round = 0; round < 300; ++round) {
+    std::string input = schema(0);
+    input.push_back('\0');
+    for (int i = 0; i < 60; ++i) input.push_back(static_cast<char>(random()));
+    EXPECT_EQ(fuzz_json_schema_grammar(reinterpret_cast<const uint8_t*>(input.data()), input.size()), 0);
   }
 }
 

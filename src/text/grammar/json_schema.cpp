@@ -337,7 +337,8 @@ const Json& JsonSchemaCompiler::resolve(const std::string& ref, const std::strin
     }
     if (at->is_object() && at->contains(token)) {
       at = &(*at)[token];
-    } else if (at->is_array() && !token.empty() && std::all_of(token.begin(), token.end(), ::isdigit) &&
+    } else if (at->is_array() && !token.empty() && token.size() <= 9 &&
+               std::all_of(token.begin(), token.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
                std::stoul(token) < at->size()) {
       at = &(*at)[std::stoul(token)];
     } else {
