@@ -84,6 +84,13 @@ TEST(Grammar, RollbackAndFork) {
   EXPECT_FALSE(fork.can_terminate());
   EXPECT_TRUE(fork.accept_string("zz}"));
   EXPECT_THROW(fork.rollback(5), Error);
+  // A stop token ends the matcher; rolling it back reopens it.
+  ASSERT_TRUE(fork.accept_token(0));
+  EXPECT_TRUE(fork.is_terminated());
+  EXPECT_FALSE(fork.accept_string("}"));
+  fork.rollback(1);
+  EXPECT_FALSE(fork.is_terminated());
+  EXPECT_TRUE(fork.can_terminate());
   // Moving a matcher keeps it working.
   GrammarMatcher moved = std::move(fork);
   EXPECT_TRUE(moved.can_terminate());

@@ -30,7 +30,7 @@ using RuleMasks = std::vector<PositionMask>;
 
 class RuleMaskCache {
  public:
-  explicit RuleMaskCache(size_t max_bytes = size_t{512} << 20) : max_bytes_(max_bytes) {}
+  explicit RuleMaskCache(size_t max_bytes = size_t{256} << 20) : max_bytes_(max_bytes) {}
 
   // The masks stored under `key` (a rule's fingerprint), or nullptr.
   std::shared_ptr<const RuleMasks> find(const std::string& key);
