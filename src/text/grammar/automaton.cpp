@@ -129,16 +129,13 @@ class Nfa {
   std::vector<ByteSet> sets_;
 };
 
-// --- Subset construction ---
-
-// A DFA before trimming: the same layout as RuleAutomaton.
-RuleAutomaton determinize(const Nfa& nfa, int32_t start, int32_t end, std::string name, int64_t& budget) {
-  RuleAutomaton dfa;
-  dfa.name = std::move(name);
-  // Byte classes: bytes that every set either contains or does not.
+// Byte classes: bytes that every set either contains or does not share a class. Returns the number
+// of classes; set_classes[i] lists the classes set i covers.
+int32_t byte_classes(const std::vector<ByteSet>& sets, std::array<uint8_t, 256>& byte_class,
+                     std::vector<std::vector<int32_t>>& set_classes) {
   std::array<int32_t, 256> cls{};
   int32_t num_classes = 1;
-  for (const ByteSet& set : nfa.sets()) {
+  for (const ByteSet& set : sets) {
     std::unordered_map<int64_t, int32_t> split;
     int32_t count = 0;
     std::array<int32_t, 256> next_cls{};
@@ -151,18 +148,29 @@ RuleAutomaton determinize(const Nfa& nfa, int32_t start, int32_t end, std::strin
     cls = next_cls;
     num_classes = count;
   }
-  dfa.num_classes = num_classes;
-  for (int b = 0; b < 256; ++b) dfa.byte_class[b] = static_cast<uint8_t>(cls[b]);
-  std::vector<std::vector<int32_t>> set_classes(nfa.sets().size());
-  for (size_t i = 0; i < nfa.sets().size(); ++i) {
+  for (int b = 0; b < 256; ++b) byte_class[b] = static_cast<uint8_t>(cls[b]);
+  set_classes.assign(sets.size(), {});
+  for (size_t i = 0; i < sets.size(); ++i) {
     std::vector<uint8_t> seen(static_cast<size_t>(num_classes), 0);
     for (int b = 0; b < 256; ++b) {
-      if (nfa.sets()[i].has(static_cast<uint8_t>(b)) && !seen[cls[b]]) {
+      if (sets[i].has(static_cast<uint8_t>(b)) && !seen[cls[b]]) {
         seen[cls[b]] = 1;
         set_classes[i].push_back(cls[b]);
       }
     }
   }
+  return num_classes;
+}
+
+// --- Subset construction ---
+
+// A DFA before trimming: the same layout as RuleAutomaton.
+RuleAutomaton determinize(const Nfa& nfa, int32_t start, int32_t end, std::string name, int64_t& budget) {
+  RuleAutomaton dfa;
+  dfa.name = std::move(name);
+  std::vector<std::vector<int32_t>> set_classes;
+  dfa.num_classes = byte_classes(nfa.sets(), dfa.byte_class, set_classes);
+  const int32_t num_classes = dfa.num_classes;
 
   const auto& states = nfa.states();
   std::vector<uint32_t> mark(states.size(), 0);
@@ -466,6 +474,41 @@ void check_left_recursion(const std::vector<RuleAutomaton>& rules, const Grammar
   }
 }
 
+// completion[r][s]: the fewest bytes from state s of rule r to its end, to a fixed point (every rule
+// is productive, so all are finite).
+std::vector<std::vector<int32_t>> shortest_completions(const std::vector<RuleAutomaton>& rules) {
+  constexpr int32_t kInfinite = std::numeric_limits<int32_t>::max() / 4;
+  std::vector<std::vector<int32_t>> completion(rules.size());
+  for (size_t r = 0; r < rules.size(); ++r) {
+    completion[r].assign(static_cast<size_t>(rules[r].num_states), kInfinite);
+    for (int32_t s = 0; s < rules[r].num_states; ++s) {
+      if (rules[r].is_final(s)) completion[r][static_cast<size_t>(s)] = 0;
+    }
+  }
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = 0; r < rules.size(); ++r) {
+      const RuleAutomaton& dfa = rules[r];
+      std::vector<int32_t>& best = completion[r];
+      for (int32_t s = 0; s < dfa.num_states; ++s) {
+        int32_t value = best[static_cast<size_t>(s)];
+        for (int32_t c = 0; c < dfa.num_classes; ++c) {
+          const int32_t t = dfa.next[static_cast<size_t>(s) * dfa.num_classes + c];
+          if (t >= 0) value = std::min(value, 1 + best[static_cast<size_t>(t)]);
+        }
+        for (const RefEdge& ref : dfa.refs_of(s)) {
+          value = std::min(value, completion[static_cast<size_t>(ref.rule)][0] + best[static_cast<size_t>(ref.target)]);
+        }
+        if (value < best[static_cast<size_t>(s)]) {
+          best[static_cast<size_t>(s)] = value;
+          changed = true;
+        }
+      }
+    }
+  }
+  return completion;
+}
+
 }  // namespace
 
 int64_t CompiledRules::total_states() const {
@@ -527,38 +570,7 @@ CompiledRules compile_rules(const Grammar& grammar, const AutomatonLimits& limit
     compiled.rules.push_back(canonicalize(trimmed, /*max_rounds=*/4096));
   }
   check_left_recursion(compiled.rules, grammar);
-  // Shortest completions, to a fixed point (every rule is productive, so all are finite).
-  constexpr int32_t kInfinite = std::numeric_limits<int32_t>::max() / 4;
-  compiled.completion.resize(num_rules);
-  for (size_t r = 0; r < num_rules; ++r) {
-    const RuleAutomaton& dfa = compiled.rules[r];
-    compiled.completion[r].assign(static_cast<size_t>(dfa.num_states), kInfinite);
-    for (int32_t s = 0; s < dfa.num_states; ++s) {
-      if (dfa.is_final(s)) compiled.completion[r][static_cast<size_t>(s)] = 0;
-    }
-  }
-  for (bool changed = true; changed;) {
-    changed = false;
-    for (size_t r = 0; r < num_rules; ++r) {
-      const RuleAutomaton& dfa = compiled.rules[r];
-      std::vector<int32_t>& best = compiled.completion[r];
-      for (int32_t s = 0; s < dfa.num_states; ++s) {
-        int32_t value = best[static_cast<size_t>(s)];
-        for (int32_t c = 0; c < dfa.num_classes; ++c) {
-          const int32_t t = dfa.next[static_cast<size_t>(s) * dfa.num_classes + c];
-          if (t >= 0) value = std::min(value, 1 + best[static_cast<size_t>(t)]);
-        }
-        for (const RefEdge& ref : dfa.refs_of(s)) {
-          value = std::min(
-              value, compiled.completion[static_cast<size_t>(ref.rule)][0] + best[static_cast<size_t>(ref.target)]);
-        }
-        if (value < best[static_cast<size_t>(s)]) {
-          best[static_cast<size_t>(s)] = value;
-          changed = true;
-        }
-      }
-    }
-  }
+  compiled.completion = shortest_completions(compiled.rules);
   return compiled;
 }
 

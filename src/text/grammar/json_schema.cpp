@@ -7,11 +7,16 @@
 #include <set>
 
 #include "core/error.h"
+#include "text/grammar/json_schema_util.h"
+#include "text/grammar/number_ranges.h"
 #include "text/grammar/pattern.h"
 #include "text/tool_calls/argument_types.h"
 
 namespace metrale::grammar {
 namespace {
+
+using detail::count_member;
+using detail::where;
 
 using Json = nlohmann::ordered_json;
 
@@ -70,9 +75,6 @@ constexpr int32_t kMaxNesting = 256;
 std::string child_path(const std::string& path, std::string_view key) {
   return path + "/" + std::string(key);
 }
-std::string where(const std::string& path) {
-  return path.empty() ? "the root" : path;
-}
 
 bool is_annotation(std::string_view key) {
   return kAnnotations.contains(key) || key.starts_with("x-");
@@ -128,89 +130,6 @@ std::optional<double> number_member(const Json& schema, std::string_view key, co
   return it->get<double>();
 }
 
-std::optional<int64_t> count_member(const Json& schema, std::string_view key, const std::string& path, int32_t limit) {
-  const auto it = schema.find(key);
-  if (it == schema.end()) return std::nullopt;
-  if (!it->is_number_integer() && !it->is_number_unsigned() &&
-      !(it->is_number_float() && std::floor(it->get<double>()) == it->get<double>())) {
-    raise(ErrorCode::kInvalidArgument, "'{}' at {} must be a non-negative integer", key, where(path));
-  }
-  const double value = it->get<double>();
-  if (value < 0) raise(ErrorCode::kInvalidArgument, "'{}' at {} must be a non-negative integer", key, where(path));
-  if (value > limit)
-    raise(ErrorCode::kUnsupported, "'{}' at {} is above {}, the largest count supported", key, where(path), limit);
-  return static_cast<int64_t>(value);
-}
-
-// --- Integer ranges as digit strings ---
-
-std::string digits_of(uint64_t value) {
-  return std::to_string(value);
-}
-
-// Same-length decimal strings x <= y: every string between them.
-ExprId digit_range(Grammar& g, std::string_view x, std::string_view y) {
-  if (x.empty()) return g.empty();
-  if (x == y) return g.literal(x);
-  const size_t rest = x.size() - 1;
-  if (x[0] == y[0]) return g.seq({g.byte(static_cast<uint8_t>(x[0])), digit_range(g, x.substr(1), y.substr(1))});
-  const std::string nines(rest, '9');
-  const std::string zeros(rest, '0');
-  const ExprId any_rest =
-      g.repeat(g.bytes(ByteSet::range('0', '9')), static_cast<int32_t>(rest), static_cast<int32_t>(rest));
-  if (x.substr(1) == zeros && y.substr(1) == nines) {
-    return g.seq({g.bytes(ByteSet::range(static_cast<uint8_t>(x[0]), static_cast<uint8_t>(y[0]))), any_rest});
-  }
-  std::vector<ExprId> branches;
-  branches.push_back(g.seq({g.byte(static_cast<uint8_t>(x[0])), digit_range(g, x.substr(1), nines)}));
-  if (x[0] + 1 <= y[0] - 1) {
-    branches.push_back(
-        g.seq({g.bytes(ByteSet::range(static_cast<uint8_t>(x[0] + 1), static_cast<uint8_t>(y[0] - 1))), any_rest}));
-  }
-  branches.push_back(g.seq({g.byte(static_cast<uint8_t>(y[0])), digit_range(g, zeros, y.substr(1))}));
-  return g.alt(std::move(branches));
-}
-
-// Decimal numerals (no leading zeros) of the integers in [a, b], a >= 1; b absent: unbounded.
-ExprId positive_range(Grammar& g, uint64_t a, std::optional<uint64_t> b) {
-  std::vector<ExprId> branches;
-  const size_t first = digits_of(a).size();
-  const size_t last = b ? digits_of(*b).size() : first;
-  uint64_t power = 1;
-  for (size_t i = 1; i < first; ++i) power *= 10;  // 10^(first-1)
-  for (size_t length = first; length <= last; ++length) {
-    const uint64_t lo = std::max(a, power);
-    const uint64_t top = length >= 20 ? std::numeric_limits<uint64_t>::max() : power * 10 - 1;
-    const uint64_t hi = b ? std::min(*b, top) : top;
-    if (lo <= hi) branches.push_back(digit_range(g, digits_of(lo), digits_of(hi)));
-    if (length < 20) power *= 10;
-  }
-  if (!b) {
-    // Every numeral with more digits than a's.
-    branches.push_back(g.seq({g.bytes(ByteSet::range('1', '9')),
-                              g.repeat(g.bytes(ByteSet::range('0', '9')), static_cast<int32_t>(first), -1)}));
-  }
-  return g.alt(std::move(branches));
-}
-
-ExprId integer_range(Grammar& g, std::optional<int64_t> lo, std::optional<int64_t> hi) {
-  std::vector<ExprId> branches;
-  // Negative integers: -n for n in [max(1, -hi), -lo].
-  if (!lo || *lo < 0) {
-    const uint64_t n_lo = hi && *hi < 0 ? static_cast<uint64_t>(-(*hi + 1)) + 1 : 1;
-    const std::optional<uint64_t> n_hi =
-        lo ? std::optional<uint64_t>(static_cast<uint64_t>(-(*lo + 1)) + 1) : std::nullopt;
-    if (!n_hi || n_lo <= *n_hi) branches.push_back(g.seq({g.byte('-'), positive_range(g, n_lo, n_hi)}));
-  }
-  if ((!lo || *lo <= 0) && (!hi || *hi >= 0)) branches.push_back(g.byte('0'));
-  if (!hi || *hi >= 1) {
-    const uint64_t p_lo = lo && *lo > 1 ? static_cast<uint64_t>(*lo) : 1;
-    const std::optional<uint64_t> p_hi = hi ? std::optional<uint64_t>(static_cast<uint64_t>(*hi)) : std::nullopt;
-    if (!p_hi || p_lo <= *p_hi) branches.push_back(positive_range(g, p_lo, p_hi));
-  }
-  return g.alt(std::move(branches));
-}
-
 // A rough size of an expression once instantiated (capped), to decide what to share as a rule.
 int64_t expr_size(const Grammar& g, ExprId id, int64_t cap) {
   const ExprNode& node = g.node(id);
@@ -241,6 +160,28 @@ int64_t expr_size(const Grammar& g, ExprId id, int64_t cap) {
 
 }  // namespace
 
+namespace detail {
+
+std::string where(const std::string& path) {
+  return path.empty() ? "the root" : path;
+}
+
+std::optional<int64_t> count_member(const Json& schema, std::string_view key, const std::string& path, int32_t limit) {
+  const auto it = schema.find(key);
+  if (it == schema.end()) return std::nullopt;
+  if (!it->is_number_integer() && !it->is_number_unsigned() &&
+      !(it->is_number_float() && std::floor(it->get<double>()) == it->get<double>())) {
+    raise(ErrorCode::kInvalidArgument, "'{}' at {} must be a non-negative integer", key, where(path));
+  }
+  const double value = it->get<double>();
+  if (value < 0) raise(ErrorCode::kInvalidArgument, "'{}' at {} must be a non-negative integer", key, where(path));
+  if (value > limit)
+    raise(ErrorCode::kUnsupported, "'{}' at {} is above {}, the largest count supported", key, where(path), limit);
+  return static_cast<int64_t>(value);
+}
+
+}  // namespace detail
+
 JsonSchemaCompiler::JsonSchemaCompiler(Grammar& grammar, JsonSchemaOptions options)
     : grammar_(grammar), options_(options) {}
 
@@ -261,23 +202,6 @@ ExprId JsonSchemaCompiler::separated(ExprId item) {
 
 CharSet JsonSchemaCompiler::constrained_chars() const {
   return options_.forbidden_in_strings.empty() ? CharSet::all() : CharSet::all().minus(CharSet::of('<'));
-}
-
-ExprId JsonSchemaCompiler::quoted_string() {
-  Grammar& g = grammar_;
-  if (options_.forbidden_in_strings.empty()) {
-    return g.seq({g.byte('"'), g.star(encoded_char(g, CharSet::all(), StringEncoding::kJson)), g.byte('"')});
-  }
-  // The avoiding automaton has tens of states that accept almost every token: one shared rule keeps
-  // their masks computed once instead of once per string of the schemas. The closing quote belongs
-  // to the rule, so the rule ends only there (the tokens that run on past it are few).
-  if (string_rule_ < 0) {
-    const std::vector<std::string_view> forbidden(options_.forbidden_in_strings.begin(),
-                                                  options_.forbidden_in_strings.end());
-    string_rule_ = g.add_rule("string");
-    g.set_body(string_rule_, g.seq({g.byte('"'), text_avoiding(g, forbidden, StringEncoding::kJson), g.byte('"')}));
-  }
-  return g.ref(string_rule_);
 }
 
 ExprId JsonSchemaCompiler::literal_value(const Json& value) {
@@ -402,6 +326,28 @@ ExprId JsonSchemaCompiler::value_at(const Json& schema, const std::string& path)
     for (const Json& value : *values) branches.push_back(literal_value(value));
     return g.alt(std::move(branches));
   }
+  if (const ExprId combined = combination(schema, members, path); combined >= 0) return combined;
+  std::vector<ExprId> branches;
+  for (const std::string& type : types_of(schema, path)) branches.push_back(typed(type, schema, path));
+  if (branches.empty()) return any_value();
+  return g.alt(std::move(branches));
+}
+
+// allOf, anyOf, oneOf; -1 when the schema has none. allOf merges first (what remains may still be a
+// choice); the keywords beside a choice go into each branch.
+ExprId JsonSchemaCompiler::combination(const Json& schema, const Json& members, const std::string& path) {
+  if (const auto all = schema.find("allOf"); all != schema.end()) {
+    if (!all->is_array() || all->empty()) {
+      raise(ErrorCode::kInvalidArgument, "'allOf' at {} must be a non-empty list", where(path));
+    }
+    Json merged = members;
+    merged.erase("allOf");
+    for (size_t i = 0; i < all->size(); ++i) {
+      const std::string part_path = child_path(path, "allOf") + "/" + std::to_string(i);
+      merged = merge(merged, inline_ref((*all)[i], part_path), part_path, "allOf");
+    }
+    return value_at(merged, path);
+  }
   for (const char* combinator : {"anyOf", "oneOf"}) {
     const auto branches = schema.find(combinator);
     if (branches == schema.end()) continue;
@@ -409,46 +355,32 @@ ExprId JsonSchemaCompiler::value_at(const Json& schema, const std::string& path)
       raise(ErrorCode::kInvalidArgument, "'{}' at {} must be a non-empty list", combinator, where(path));
     }
     Json siblings = members;
-    siblings.erase("anyOf");
-    siblings.erase("oneOf");
-    siblings.erase("allOf");
+    siblings.erase(combinator);
     std::vector<ExprId> alternatives;
     for (size_t i = 0; i < branches->size(); ++i) {
       const std::string branch_path = child_path(path, combinator) + "/" + std::to_string(i);
       const Json& branch = (*branches)[i];
-      if (siblings.empty()) {
-        alternatives.push_back(value_at(branch, branch_path));
-        continue;
-      }
-      Json resolved = branch;
-      if (branch.is_object() && branch.contains("$ref") && branch["$ref"].is_string()) {
-        // Sibling keywords go into the referenced schema (non-recursive use only).
-        Json rest = validation_members(branch);
-        rest.erase("$ref");
-        resolved = merge(resolve(branch["$ref"].get<std::string>(), branch_path), rest, branch_path, combinator);
-      }
-      alternatives.push_back(value_at(merge(resolved, siblings, branch_path, combinator), branch_path));
+      alternatives.push_back(
+          siblings.empty()
+              ? value_at(branch, branch_path)
+              : value_at(merge(inline_ref(branch, branch_path), siblings, branch_path, combinator), branch_path));
     }
-    return g.alt(std::move(alternatives));
+    return grammar_.alt(std::move(alternatives));
   }
-  if (const auto all = schema.find("allOf"); all != schema.end()) {
-    if (!all->is_array() || all->empty())
-      raise(ErrorCode::kInvalidArgument, "'allOf' at {} must be a non-empty list", where(path));
-    Json merged = members;
-    merged.erase("allOf");
-    for (size_t i = 0; i < all->size(); ++i) {
-      Json part = (*all)[i];
-      const std::string part_path = child_path(path, "allOf") + "/" + std::to_string(i);
-      if (part.is_object() && part.contains("$ref") && part["$ref"].is_string()) {
-        Json rest = validation_members(part);
-        rest.erase("$ref");
-        part = merge(resolve(part["$ref"].get<std::string>(), part_path), rest, part_path, "allOf");
-      }
-      merged = merge(merged, part, part_path, "allOf");
-    }
-    return value_at(merged, path);
-  }
-  // The types, given or implied by the keywords present.
+  return -1;
+}
+
+// A schema that is a $ref (with keywords beside it) as the referenced schema with those keywords
+// merged in, for merging with other schemas (non-recursive use only).
+Json JsonSchemaCompiler::inline_ref(const Json& schema, const std::string& path) const {
+  if (!schema.is_object() || !schema.contains("$ref") || !schema["$ref"].is_string()) return schema;
+  Json rest = validation_members(schema);
+  rest.erase("$ref");
+  return merge(resolve(schema["$ref"].get<std::string>(), path), rest, path, "$ref");
+}
+
+// The types `schema` names, or those its keywords imply; empty: any value.
+std::vector<std::string> JsonSchemaCompiler::types_of(const Json& schema, const std::string& path) const {
   std::vector<std::string> types;
   if (const auto type = schema.find("type"); type != schema.end()) {
     if (type->is_string()) {
@@ -469,15 +401,13 @@ ExprId JsonSchemaCompiler::value_at(const Json& schema, const std::string& path)
     if (has_any({"items", "prefixItems", "additionalItems", "minItems", "maxItems"})) types.emplace_back("array");
     if (has_any({"minLength", "maxLength", "pattern", "format"})) types.emplace_back("string");
     if (has_any({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})) types.emplace_back("number");
-    if (types.empty()) return any_value();
+    if (types.empty()) return types;
   }
   if (schema.contains("nullable") && schema["nullable"] == Json(true) &&
       std::find(types.begin(), types.end(), "null") == types.end()) {
     types.emplace_back("null");
   }
-  std::vector<ExprId> branches;
-  for (const std::string& type : types) branches.push_back(typed(type, schema, path));
-  return g.alt(std::move(branches));
+  return types;
 }
 
 ExprId JsonSchemaCompiler::typed(const std::string& type, const Json& schema, const std::string& path) {
@@ -490,81 +420,6 @@ ExprId JsonSchemaCompiler::typed(const std::string& type, const Json& schema, co
   if (type == "boolean") return g.alt({g.literal("true"), g.literal("false")});
   if (type == "null") return g.literal("null");
   raise(ErrorCode::kInvalidArgument, "unknown type '{}' at {}", type, where(path));
-}
-
-ExprId JsonSchemaCompiler::key_not_in(const std::vector<std::string>& names) {
-  Grammar& g = grammar_;
-  const ExprId json_char = encoded_char(g, constrained_chars(), StringEncoding::kJson);
-  // Names that JSON writes as they are (printable ASCII, no quote or backslash) are excluded byte by
-  // byte through a trie; others are not excluded.
-  std::vector<std::string> plain;
-  for (const std::string& name : names) {
-    if (std::all_of(name.begin(), name.end(), [](char c) { return c >= 0x20 && c < 0x7f && c != '"' && c != '\\'; })) {
-      plain.push_back(name);
-    }
-  }
-  if (plain.empty()) return quoted_string();
-  // Trie nodes 0..n-1 (0: nothing after the quote), then `free` (no name can match any more) and `end`.
-  struct TrieNode {
-    std::vector<std::pair<uint8_t, int32_t>> children;
-    bool terminal = false;
-  };
-  std::vector<TrieNode> trie(1);
-  for (const std::string& name : plain) {
-    int32_t at = 0;
-    for (char c : name) {
-      auto& children = trie[static_cast<size_t>(at)].children;
-      const auto it = std::find_if(children.begin(), children.end(),
-                                   [&](const auto& e) { return e.first == static_cast<uint8_t>(c); });
-      if (it != children.end()) {
-        at = it->second;
-      } else {
-        trie.emplace_back();
-        const auto child = static_cast<int32_t>(trie.size() - 1);
-        trie[static_cast<size_t>(at)].children.emplace_back(static_cast<uint8_t>(c), child);
-        at = child;
-      }
-    }
-    trie[static_cast<size_t>(at)].terminal = true;
-  }
-  const auto n = static_cast<int32_t>(trie.size());
-  const int32_t start = n;
-  const int32_t free_node = n + 1;
-  const int32_t end = n + 2;
-  std::vector<GraphEdge> edges;
-  edges.push_back(GraphEdge{start, 0, g.byte('"')});
-  const ExprId escape = g.alt(
-      {g.seq({g.byte('\\'), g.bytes(ByteSet::of_chars("\"\\/bfnrt"))}), g.seq({g.literal("\\u"), g.repeat(g.bytes([] {
-                                                                                 ByteSet hex = ByteSet::range('0', '9');
-                                                                                 hex.add(ByteSet::range('a', 'f'));
-                                                                                 hex.add(ByteSet::range('A', 'F'));
-                                                                                 return hex;
-                                                                               }()),
-                                                                                                          4, 4)})});
-  const ExprId multibyte = utf8_chars(g, CharSet::range(0x80, CharSet::kMax));
-  for (int32_t t = 0; t < n; ++t) {
-    ByteSet other = ByteSet::range(0x20, 0x7e);
-    other.remove('"');
-    other.remove('\\');
-    if (!options_.forbidden_in_strings.empty()) other.remove('<');
-    for (const auto& [byte, child] : trie[static_cast<size_t>(t)].children) {
-      edges.push_back(GraphEdge{t, child, g.byte(byte)});
-      other.remove(byte);
-    }
-    if (!other.empty()) edges.push_back(GraphEdge{t, free_node, g.bytes(other)});
-    edges.push_back(GraphEdge{t, free_node, escape});
-    edges.push_back(GraphEdge{t, free_node, multibyte});
-    if (!trie[static_cast<size_t>(t)].terminal) edges.push_back(GraphEdge{t, end, g.byte('"')});
-  }
-  edges.push_back(GraphEdge{free_node, free_node, json_char});
-  edges.push_back(GraphEdge{free_node, end, g.byte('"')});
-  // The start node must be node 0 of a graph: renumber by putting `start` first.
-  for (GraphEdge& edge : edges) {
-    const auto renumber = [&](int32_t node) { return node == start ? 0 : node < start ? node + 1 : node; };
-    edge.from = renumber(edge.from);
-    edge.to = renumber(edge.to);
-  }
-  return g.graph(n + 3, std::move(edges), {end});
 }
 
 ExprId JsonSchemaCompiler::object(const Json& schema, const std::string& path) {
@@ -714,48 +569,6 @@ ExprId JsonSchemaCompiler::array(const Json& schema, const std::string& path) {
   return g.seq({g.byte('['), whitespace(), elements, whitespace(), g.byte(']')});
 }
 
-ExprId JsonSchemaCompiler::string(const Json& schema, const std::string& path, StringEncoding encoding) {
-  Grammar& g = grammar_;
-  const CharSet allowed =
-      encoding == StringEncoding::kRaw ? CharSet::all().minus(CharSet::of('<')) : constrained_chars();
-  const auto min = count_member(schema, "minLength", path, options_.max_repetition);
-  const auto max = count_member(schema, "maxLength", path, options_.max_repetition);
-  const auto pattern = schema.find("pattern");
-  const auto format = schema.find("format");
-  ExprId content = -1;
-  if (format != schema.end() || pattern != schema.end()) {
-    if (min || max) {
-      raise(ErrorCode::kUnsupported, "'{}' together with minLength/maxLength at {}",
-            format != schema.end() ? "format" : "pattern", where(path));
-    }
-    if (format != schema.end() && pattern != schema.end()) {
-      raise(ErrorCode::kUnsupported, "'format' together with 'pattern' at {}", where(path));
-    }
-    std::string regex;
-    if (format != schema.end()) {
-      if (!format->is_string()) raise(ErrorCode::kInvalidArgument, "'format' at {} must be a string", where(path));
-      regex = std::string(format_pattern(format->get<std::string>()));
-      if (regex.empty())
-        raise(ErrorCode::kUnsupported, "unsupported string format '{}' at {}", format->get<std::string>(), where(path));
-    } else {
-      if (!pattern->is_string()) raise(ErrorCode::kInvalidArgument, "'pattern' at {} must be a string", where(path));
-      regex = pattern->get<std::string>();
-    }
-    try {
-      content = pattern_expr(g, regex, encoding, allowed);
-    } catch (const Error& e) {
-      rethrow_with_context(e, "at {}", where(path));
-    }
-  } else {
-    if (min && max && *max < *min) raise(ErrorCode::kUnsupported, "maxLength < minLength at {}", where(path));
-    if (!min && !max && encoding == StringEncoding::kJson) return quoted_string();
-    content = g.repeat(encoded_char(g, allowed, encoding), static_cast<int32_t>(min.value_or(0)),
-                       max ? static_cast<int32_t>(*max) : -1);
-  }
-  if (encoding == StringEncoding::kRaw) return content;
-  return g.seq({g.byte('"'), content, g.byte('"')});
-}
-
 ExprId JsonSchemaCompiler::integer(const Json& schema, const std::string& path) {
   std::optional<double> lo = number_member(schema, "minimum", path);
   std::optional<double> hi = number_member(schema, "maximum", path);
@@ -828,57 +641,6 @@ ExprId JsonSchemaCompiler::number(const Json& schema, const std::string& path) {
       g.seq({g.bytes(ByteSet::of_chars("eE")), g.optional(g.bytes(ByteSet::of_chars("+-"))), g.repeat(digit, 1, 2)}));
   if (non_negative) return g.seq({integral, fraction, exponent});
   return g.seq({g.optional(g.byte('-')), integral, fraction, exponent});
-}
-
-bool JsonSchemaCompiler::is_string_only(const Json& schema) {
-  return text::tool_calls::schema_types(schema, root_ != nullptr ? *root_ : schema) == text::tool_calls::kTypeString;
-}
-
-ExprId JsonSchemaCompiler::raw_string(const Json& schema, const std::string& path,
-                                      const std::vector<std::string_view>& forbidden, std::string_view suffix) {
-  Grammar& g = grammar_;
-  const Json* at = &schema;
-  for (int hops = 0; at->is_object() && at->contains("$ref") && (*at)["$ref"].is_string(); ++hops) {
-    if (hops > 32) raise(ErrorCode::kUnsupported, "a $ref chain that does not end at {}", where(path));
-    at = &resolve((*at)["$ref"].get<std::string>(), path);
-  }
-  if (!at->is_object()) return raw_text(forbidden, suffix);
-  check_keywords(*at, path);
-  const auto literal = [&](const Json& value) {
-    if (!value.is_string())
-      raise(ErrorCode::kUnsupported, "a non-string enum value for a string parameter at {}", where(path));
-    const std::string text = value.get<std::string>();
-    for (std::string_view marker : forbidden) {
-      if (text.find(marker) != std::string::npos) {
-        raise(ErrorCode::kUnsupported, "an enum value at {} contains the markup '{}'", where(path), marker);
-      }
-    }
-    return g.literal(text + std::string(suffix));
-  };
-  if (at->contains("const")) return literal((*at)["const"]);
-  if (const auto values = at->find("enum"); values != at->end() && values->is_array() && !values->empty()) {
-    std::vector<ExprId> branches;
-    for (const Json& value : *values) branches.push_back(literal(value));
-    return g.alt(std::move(branches));
-  }
-  if (at->contains("pattern") || at->contains("format") || at->contains("minLength") || at->contains("maxLength")) {
-    return g.seq({string(*at, path, StringEncoding::kRaw), g.literal(suffix)});
-  }
-  return raw_text(forbidden, suffix);
-}
-
-ExprId JsonSchemaCompiler::raw_text(const std::vector<std::string_view>& forbidden, std::string_view suffix) {
-  std::string key(suffix);
-  for (std::string_view marker : forbidden) key.append(1, '\0').append(marker);
-  auto it = raw_text_rules_.find(key);
-  if (it == raw_text_rules_.end()) {
-    // Shared by every parameter, and ending with the closing markup, like quoted_string().
-    const RuleId rule = grammar_.add_rule("raw_text");
-    grammar_.set_body(
-        rule, grammar_.seq({text_avoiding(grammar_, forbidden, StringEncoding::kRaw), grammar_.literal(suffix)}));
-    it = raw_text_rules_.emplace(key, rule).first;
-  }
-  return grammar_.ref(it->second);
 }
 
 Grammar json_schema_grammar(const Json& schema, const JsonSchemaOptions& options) {

@@ -77,6 +77,10 @@ class JsonSchemaCompiler {
 
  private:
   ExprId value_at(const nlohmann::ordered_json& schema, const std::string& path);
+  ExprId combination(const nlohmann::ordered_json& schema, const nlohmann::ordered_json& members,
+                     const std::string& path);
+  nlohmann::ordered_json inline_ref(const nlohmann::ordered_json& schema, const std::string& path) const;
+  std::vector<std::string> types_of(const nlohmann::ordered_json& schema, const std::string& path) const;
   ExprId typed(const std::string& type, const nlohmann::ordered_json& schema, const std::string& path);
   ExprId object(const nlohmann::ordered_json& schema, const std::string& path);
   ExprId array(const nlohmann::ordered_json& schema, const std::string& path);
