@@ -158,3 +158,34 @@ TEST(Grammar, LazyMasksEqualPrecomputed) {
 
 }  // namespace
 }  // namespace metrale::grammar
+
+namespace metrale::grammar {
+namespace {
+
+// A rule with more positions than the precompute budget is built on first use, with the same masks.
+TEST(Grammar, RulesOverTheBudgetAreLazy) {
+  Grammar g;
+  const RuleId root = g.add_rule("root");
+  g.set_body(root, g.seq({g.literal("\""), g.repeat(g.bytes(ByteSet::range('a', 'z')), 0, 40), g.literal("\"")}));
+  g.set_root(root);
+  GrammarCompileOptions small;
+  small.max_precomputed_positions = 10;
+  const auto lazy = compile_grammar(g, small_vocabulary(), small);
+  EXPECT_EQ(lazy->stats().lazy_rules, 1);
+  const auto eager = compile_grammar(g, small_vocabulary());
+  EXPECT_EQ(eager->stats().lazy_rules, 0);
+  GrammarMatcher a(lazy);
+  GrammarMatcher b(eager);
+  std::vector<uint32_t> mask_a(static_cast<size_t>(a.bitmask_words()));
+  std::vector<uint32_t> mask_b(mask_a.size());
+  for (std::string_view piece : {"\"", "abc", "name", "z"}) {
+    a.fill_next_token_bitmask(mask_a);
+    b.fill_next_token_bitmask(mask_b);
+    EXPECT_EQ(mask_a, mask_b) << piece;
+    ASSERT_TRUE(a.accept_string(piece));
+    ASSERT_TRUE(b.accept_string(piece));
+  }
+}
+
+}  // namespace
+}  // namespace metrale::grammar

@@ -4,11 +4,14 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include "core/error.h"
 #include "text/grammar/compiled_grammar.h"
 #include "text/grammar/matcher.h"
 #include "text/grammar_helpers.h"
 #include "text/json_schema_validator.h"
+#include "text/tokenizer.h"
 
 namespace metrale::grammar {
 namespace {
@@ -220,6 +223,45 @@ TEST(ToolCallGrammar, Errors) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
     EXPECT_NE(std::string(e.what()).find("tool 'f'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace metrale::grammar
+
+namespace metrale::grammar {
+namespace {
+
+// The real Qwen3 vocabulary, where <tool_call> is one added token and whitespace comes in runs: walks
+// of the Qwen3 JSON and Qwen3.5 XML grammars still parse back as valid calls.
+TEST(ToolCallGrammar, QwenTokenizerWalksParseBack) {
+  const std::filesystem::path dir = std::filesystem::path(METRALE_SOURCE_DIR) / "models/default";
+  if (!std::filesystem::exists(dir / "tokenizer.json")) GTEST_SKIP() << "models/default/tokenizer.json is missing";
+  const Tokenizer tokenizer = Tokenizer::from_dir(dir);
+  const auto vocabulary = TokenizerInfo::from_tokenizer(tokenizer, 151936);
+  const std::vector<ToolDefinition> declared = tools();
+  for (ToolCallFormat format : {ToolCallFormat::kHermes, ToolCallFormat::kQwen3Coder}) {
+    const auto grammar = compile_grammar(tool_call_grammar(format, declared), vocabulary);
+    // The single <tool_call> token is allowed first.
+    GrammarMatcher start(grammar, {*tokenizer.eos_token_id()});
+    EXPECT_TRUE(start.is_allowed(*tokenizer.token_to_id("<tool_call>")));
+    std::mt19937 random(static_cast<uint32_t>(format) + 41);
+    int finished = 0;
+    for (int walk = 0; walk < 8; ++walk) {
+      GrammarMatcher matcher(grammar, {*tokenizer.eos_token_id()});
+      bool terminated = false;
+      const std::string text = random_walk(matcher, random, 150, /*check_masks=*/false, &terminated);
+      if (!terminated) continue;
+      ++finished;
+      const ToolParseResult parsed = parse_tool_calls(format, declared, text);
+      EXPECT_EQ(parsed.content, "") << text;
+      ASSERT_GE(parsed.tool_calls.size(), 1u) << text;
+      for (const ToolCall& call : parsed.tool_calls) {
+        const ToolDefinition* tool = call.name == "search" ? &declared[1] : &declared[0];
+        EXPECT_EQ(SchemaValidator(tool->parameters).check(Json::parse(call.arguments)), "") << text;
+      }
+    }
+    EXPECT_GT(finished, 0) << tool_call_format_name(format);
   }
 }
 

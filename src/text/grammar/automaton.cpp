@@ -176,6 +176,10 @@ RuleAutomaton determinize(const Nfa& nfa, int32_t start, int32_t end, std::strin
   std::vector<uint32_t> mark(states.size(), 0);
   uint32_t generation = 0;
   std::vector<int32_t> stack;
+  // A subset keeps only the NFA states that matter for what follows (those with byte or reference
+  // edges, and the end): states reached by different edges that only lead on by epsilon would
+  // otherwise make equal subsets look different (a character class's branches, say).
+  const auto important = [&](int32_t s) { return s == end || !states[s].bytes.empty() || !states[s].refs.empty(); };
   const auto closure = [&](std::vector<int32_t>& set) {
     ++generation;
     stack.assign(set.begin(), set.end());
@@ -185,7 +189,7 @@ RuleAutomaton determinize(const Nfa& nfa, int32_t start, int32_t end, std::strin
       stack.pop_back();
       if (mark[s] == generation) continue;
       mark[s] = generation;
-      set.push_back(s);
+      if (important(s)) set.push_back(s);
       for (int32_t t : states[s].eps) stack.push_back(t);
     }
     std::sort(set.begin(), set.end());
@@ -567,7 +571,10 @@ CompiledRules compile_rules(const Grammar& grammar, const AutomatonLimits& limit
       if (live[s]) keep[s] = kept++;
     }
     const RuleAutomaton trimmed = rebuild(dfas[r], keep, kept, &productive);
-    compiled.rules.push_back(canonicalize(trimmed, /*max_rounds=*/4096));
+    // Moore's refinement takes as many rounds as the longest distinguishing path, which for the long
+    // counted chains of big automata (maxLength, maxItems) costs far more than the few merges it
+    // finds there: large automata are only renumbered.
+    compiled.rules.push_back(canonicalize(trimmed, trimmed.num_states <= 1024 ? trimmed.num_states + 1 : 0));
   }
   check_left_recursion(compiled.rules, grammar);
   compiled.completion = shortest_completions(compiled.rules);

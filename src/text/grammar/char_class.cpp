@@ -78,24 +78,6 @@ void utf8_sequences(char32_t lo, char32_t hi, std::vector<std::vector<ByteRange>
   out.push_back(std::move(sequence));
 }
 
-ExprId hex_digit(Grammar& grammar) {
-  ByteSet set = ByteSet::range('0', '9');
-  set.add(ByteSet::range('a', 'f'));
-  set.add(ByteSet::range('A', 'F'));
-  return grammar.bytes(set);
-}
-
-// \u00XX for a control character, in either case.
-ExprId unicode_escape(Grammar& grammar, char32_t c) {
-  const auto digit = [&](int value) {
-    static constexpr std::string_view kDigits = "0123456789abcdef";
-    ByteSet set = ByteSet::of(static_cast<uint8_t>(kDigits[value]));
-    if (value >= 10) set.add(static_cast<uint8_t>(kDigits[value] - 'a' + 'A'));
-    return grammar.bytes(set);
-  };
-  return grammar.seq({grammar.literal("\\u00"), digit(static_cast<int>(c >> 4)), digit(static_cast<int>(c & 15))});
-}
-
 }  // namespace
 
 CharSet CharSet::all() {
@@ -167,44 +149,144 @@ bool CharSet::contains(char32_t c) const {
   return false;
 }
 
+namespace {
+
+// A character's encodings as sequences of byte sets (one set per byte).
+using Sequence = std::vector<ByteSet>;
+
+void add_utf8(const CharSet& set, std::vector<Sequence>& out) {
+  std::vector<std::vector<ByteRange>> ranges;
+  for (const auto& [lo, hi] : set.ranges()) utf8_sequences(lo, hi, ranges);
+  for (const auto& sequence : ranges) {
+    Sequence bytes;
+    for (const auto& [lo, hi] : sequence) bytes.push_back(ByteSet::range(lo, hi));
+    out.push_back(std::move(bytes));
+  }
+}
+
+ByteSet hex_digits() {
+  ByteSet set = ByteSet::range('0', '9');
+  set.add(ByteSet::range('a', 'f'));
+  set.add(ByteSet::range('A', 'F'));
+  return set;
+}
+
+// The sequences as one minimal automaton: a trie of the sets (the sequences of a character class
+// have, position by position, sets that are equal or disjoint), with equal suffixes merged. This
+// keeps a character at the dozen states it needs, which matters when a counted string repeats it
+// hundreds of times. Falls back to a plain alternative if the sets are not equal-or-disjoint.
+ExprId sequences_expr(Grammar& grammar, const std::vector<Sequence>& sequences) {
+  struct Node {
+    std::vector<std::pair<ByteSet, int32_t>> children;
+    bool final = false;
+  };
+  std::vector<Node> nodes(1);
+  bool deterministic = true;
+  for (const Sequence& sequence : sequences) {
+    int32_t at = 0;
+    for (const ByteSet& set : sequence) {
+      int32_t next = -1;
+      for (const auto& [child_set, child] : nodes[static_cast<size_t>(at)].children) {
+        if (child_set == set) {
+          next = child;
+        } else if (!child_set.intersect(set).empty()) {
+          deterministic = false;
+        }
+      }
+      if (next < 0) {
+        next = static_cast<int32_t>(nodes.size());
+        nodes[static_cast<size_t>(at)].children.emplace_back(set, next);
+        nodes.emplace_back();
+      }
+      at = next;
+    }
+    nodes[static_cast<size_t>(at)].final = true;
+  }
+  if (!deterministic) {
+    std::vector<ExprId> branches;
+    for (const Sequence& sequence : sequences) {
+      std::vector<ExprId> bytes;
+      for (const ByteSet& set : sequence) bytes.push_back(grammar.bytes(set));
+      branches.push_back(grammar.seq(std::move(bytes)));
+    }
+    return grammar.alt(std::move(branches));
+  }
+  // Merge equal suffixes: children always have larger numbers, so canonical ids come bottom up.
+  std::vector<int32_t> canonical(nodes.size(), -1);
+  std::map<std::vector<uint64_t>, int32_t> ids;
+  for (size_t n = nodes.size(); n-- > 0;) {
+    std::vector<std::pair<std::array<uint64_t, 4>, int32_t>> edges;
+    for (const auto& [set, child] : nodes[n].children)
+      edges.emplace_back(set.words(), canonical[static_cast<size_t>(child)]);
+    std::sort(edges.begin(), edges.end());
+    std::vector<uint64_t> key{nodes[n].final ? 1u : 0u};
+    for (const auto& [words, child] : edges) {
+      key.insert(key.end(), words.begin(), words.end());
+      key.push_back(static_cast<uint64_t>(child));
+    }
+    canonical[n] = ids.emplace(std::move(key), static_cast<int32_t>(ids.size())).first->second;
+  }
+  // Graph nodes: the canonical ones, numbered so that the root is 0.
+  const auto count = static_cast<int32_t>(ids.size());
+  const int32_t root = canonical.at(0);
+  const auto number = [&](int32_t id) { return id == root ? 0 : id == 0 ? root : id; };
+  std::vector<uint8_t> done(static_cast<size_t>(count), 0);
+  std::vector<GraphEdge> edges;
+  std::vector<int32_t> finals;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    const int32_t id = canonical[n];
+    if (done[static_cast<size_t>(id)]) continue;
+    done[static_cast<size_t>(id)] = 1;
+    if (nodes[n].final) finals.push_back(number(id));
+    for (const auto& [set, child] : nodes[n].children) {
+      edges.push_back(GraphEdge{number(id), number(canonical[static_cast<size_t>(child)]), grammar.bytes(set)});
+    }
+  }
+  return grammar.graph(count, std::move(edges), std::move(finals));
+}
+
+}  // namespace
+
 ExprId utf8_chars(Grammar& grammar, const CharSet& set) {
   METRALE_CHECK(!set.empty(), "utf8_chars needs a non-empty set");
-  std::vector<std::vector<ByteRange>> sequences;
-  for (const auto& [lo, hi] : set.ranges()) utf8_sequences(lo, hi, sequences);
-  std::vector<ExprId> branches;
-  for (const auto& sequence : sequences) {
-    std::vector<ExprId> bytes;
-    for (const auto& [lo, hi] : sequence) bytes.push_back(grammar.bytes(ByteSet::range(lo, hi)));
-    branches.push_back(grammar.seq(std::move(bytes)));
-  }
-  return grammar.alt(std::move(branches));
+  std::vector<Sequence> sequences;
+  add_utf8(set, sequences);
+  return sequences_expr(grammar, sequences);
 }
 
 ExprId encoded_char(Grammar& grammar, const CharSet& set, StringEncoding encoding) {
   METRALE_CHECK(!set.empty(), "encoded_char needs a non-empty set");
   if (encoding == StringEncoding::kRaw) return utf8_chars(grammar, set);
-  std::vector<ExprId> branches;
-  CharSet plain = set.minus(CharSet::range(0, 0x1F));
-  plain = plain.minus(CharSet::of('"')).minus(CharSet::of('\\'));
-  if (!plain.empty()) branches.push_back(utf8_chars(grammar, plain));
-  const bool everything = set.complement().empty();
-  if (everything) {
+  std::vector<Sequence> sequences;
+  const CharSet plain = set.minus(CharSet::range(0, 0x1F)).minus(CharSet::of('"')).minus(CharSet::of('\\'));
+  add_utf8(plain, sequences);
+  const ByteSet backslash = ByteSet::of('\\');
+  if (set.complement().empty()) {
     // Any escape JSON has, \uXXXX of any code unit included.
-    branches.push_back(grammar.seq({grammar.byte('\\'), grammar.bytes(ByteSet::of_chars("\"\\/bfnrt"))}));
-    branches.push_back(grammar.seq(
-        {grammar.literal("\\u"), hex_digit(grammar), hex_digit(grammar), hex_digit(grammar), hex_digit(grammar)}));
-    return grammar.alt(std::move(branches));
+    sequences.push_back({backslash, ByteSet::of_chars("\"\\/bfnrt")});
+    sequences.push_back({backslash, ByteSet::of('u'), hex_digits(), hex_digits(), hex_digits(), hex_digits()});
+    return sequences_expr(grammar, sequences);
   }
+  ByteSet letters;
   static constexpr std::pair<char32_t, char> kShort[] = {{'"', '"'},  {'\\', '\\'}, {'/', '/'},  {'\b', 'b'},
                                                          {'\f', 'f'}, {'\n', 'n'},  {'\r', 'r'}, {'\t', 't'}};
   for (const auto& [c, letter] : kShort) {
-    if (set.contains(c))
-      branches.push_back(grammar.seq({grammar.byte('\\'), grammar.byte(static_cast<uint8_t>(letter))}));
+    if (set.contains(c)) letters.add(static_cast<uint8_t>(letter));
   }
+  if (!letters.empty()) sequences.push_back({backslash, letters});
   for (char32_t c = 0; c < 0x20; ++c) {
-    if (set.contains(c)) branches.push_back(unicode_escape(grammar, c));
+    if (!set.contains(c)) continue;
+    // \u00XX in either case.
+    static constexpr std::string_view kDigits = "0123456789abcdef";
+    const auto digit = [](char d) {
+      ByteSet both = ByteSet::of(static_cast<uint8_t>(d));
+      if (d >= 'a') both.add(static_cast<uint8_t>(d - 'a' + 'A'));
+      return both;
+    };
+    sequences.push_back({backslash, ByteSet::of('u'), ByteSet::of('0'), ByteSet::of('0'), digit(kDigits[c >> 4]),
+                         digit(kDigits[c & 15])});
   }
-  return grammar.alt(std::move(branches));
+  return sequences_expr(grammar, sequences);
 }
 
 ExprId encoded_literal(Grammar& grammar, std::string_view utf8, StringEncoding encoding) {

@@ -145,6 +145,7 @@ CompiledGrammar::Stats CompiledGrammar::stats() const {
   stats.num_states = rules_.total_states();
   stats.compile_ms = compile_ms_;
   stats.cached_rules = cached_rules_;
+  stats.lazy_rules = lazy_rules_;
   for (size_t r = 0; r < rules_.rules.size(); ++r) {
     const RuleAutomaton& dfa = rules_.rules[r];
     for (int32_t s = 0; s < dfa.num_states; ++s) {
@@ -186,8 +187,18 @@ std::shared_ptr<const CompiledGrammar> compile_grammar(const Grammar& grammar,
   compiled->rule_masks_.resize(compiled->rules_.rules.size());
   if (options.precompute) {
     RuleMaskCache& cache = compiled->tokenizer_->mask_cache();
+    int64_t budget = options.max_precomputed_positions;
     for (size_t r = 0; r < compiled->rules_.rules.size(); ++r) {
       const auto rule = static_cast<RuleId>(r);
+      const RuleAutomaton& automaton = compiled->rules_.rules[r];
+      const int64_t rule_positions = std::count_if(automaton.flags.begin(), automaton.flags.end(), [](uint8_t flags) {
+        return (flags & RuleAutomaton::kHasBytes) != 0;
+      });
+      if (rule_positions > budget) {
+        ++compiled->lazy_rules_;  // built on first use, position by position
+        continue;
+      }
+      budget -= rule_positions;
       const std::string key = options.use_cache ? compiled->fingerprint(rule) : std::string();
       if (options.use_cache) {
         if (std::shared_ptr<const RuleMasks> hit = cache.find(key)) {

@@ -22,7 +22,11 @@
 namespace metrale::grammar {
 
 struct GrammarCompileOptions {
-  bool precompute = true;         // build every position's mask now (else on first use)
+  bool precompute = true;  // build every position's mask now (else on first use)
+  // With precompute, rules are precomputed while their positions fit this budget; the positions of
+  // the rest (long bounded repetitions: maxLength 300 is about 4,000 positions) are built on first
+  // use, a few milliseconds each on the Qwen3 vocabulary.
+  int32_t max_precomputed_positions = 4096;
   bool use_cache = true;          // reuse (and store) rule masks in the tokenizer's RuleMaskCache
   int32_t max_stack_depth = 128;  // nesting bound for recursive rules (JSON depth)
   AutomatonLimits limits;
@@ -33,6 +37,7 @@ class CompiledGrammar {
   struct Stats {
     int32_t num_rules = 0;
     int32_t cached_rules = 0;  // rules whose masks came from the tokenizer's cache
+    int32_t lazy_rules = 0;    // rules whose masks are built on first use
     int64_t num_states = 0;
     int32_t num_positions = 0;
     int64_t num_uncertain = 0;  // summed over the positions computed
@@ -72,6 +77,7 @@ class CompiledGrammar {
   mutable std::vector<std::unique_ptr<PositionMask>> masks_;
   mutable std::unique_ptr<std::once_flag[]> mask_once_;
   int32_t cached_rules_ = 0;
+  int32_t lazy_rules_ = 0;
   double compile_ms_ = 0;
 };
 

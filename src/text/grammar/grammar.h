@@ -48,6 +48,12 @@ class ByteSet {
     for (int i = 0; i < 4; ++i) set.words_[i] = ~words_[i];
     return set;
   }
+  ByteSet intersect(const ByteSet& other) const {
+    ByteSet set;
+    for (int i = 0; i < 4; ++i) set.words_[i] = words_[i] & other.words_[i];
+    return set;
+  }
+  const std::array<uint64_t, 4>& words() const { return words_; }
   bool operator==(const ByteSet&) const = default;
 
  private:

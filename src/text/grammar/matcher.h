@@ -48,7 +48,7 @@ class GrammarMatcher {
   bool accept_token(int32_t token);
   // Advances by raw bytes (a forced prefix, tests); false and unchanged when not allowed.
   bool accept_string(std::string_view bytes);
-  bool is_allowed(int32_t token) const;
+  bool is_allowed(int32_t token) const;  // on a copy of the matcher: for checks, not per step
 
   // Undoes the last `num_tokens` accepted tokens (or strings); at most num_accepted() of them.
   void rollback(int32_t num_tokens);
