@@ -165,7 +165,7 @@ void bench_qsa(Bench& bench, int64_t batch, int64_t ctx) {
   kernels::qsa_topk(*scores, *d.cu_q, *d.kv_lens, *selected, params);
   const OwnedTensor workspace(
       DType::kU8,
-      {static_cast<int64_t>(std::max<size_t>(16, kernels::qsa_attention_workspace_bytes(batch, kHeads, kKvHeads, kHeadDim)))},
+      {static_cast<int64_t>(std::max<size_t>(16, kernels::qsa_attention_workspace_bytes(batch, kHeads, kKvHeads, kHeadDim, kTopk, kCompress)))},
       Device::cuda());
   kernels::QsaAttentionParams attention;
   attention.scale = 1.0f / 16.0f;

@@ -87,9 +87,11 @@ struct QsaAttentionParams {
   Tensor workspace;
 };
 
-// Bytes of QsaAttentionParams::workspace the CUDA kernels need for a batch within these bounds
-// (0 without CUDA).
-size_t qsa_attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+// Bytes of QsaAttentionParams::workspace the CUDA kernels need for a batch of at most num_tokens
+// query rows (0 without CUDA): 8.7 MB for head_dim 256 on 132 SMs, 0 when the batch alone fills the
+// GPU; also needed at any batch size when block_topk is above ~1000 (at c 4).
+size_t qsa_attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t block_topk, int64_t compress_ratio);
 
 // q [T, n_heads, head_dim] (strided views, head_dim contiguous; partial RoPE already applied);
 // k_cache, v_cache [num_blocks, block_size, n_kv_heads, head_dim]; cu_q, kv_lens, block_tables as in

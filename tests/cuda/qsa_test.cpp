@@ -58,15 +58,27 @@ OwnedTensor host_tensor(const std::vector<T>& values, DType dtype, Shape shape) 
 struct Batch {
   int64_t block_size = 16, table_width = 0, num_blocks = 0;
   std::vector<int32_t> cu_q{0}, kv_lens, tables, positions, slots;
-  Batch(const std::vector<std::pair<int32_t, int32_t>>& seqs, uint64_t seed) {  // (q_len, ctx)
-    int64_t max_len = 1;
-    for (const auto& [q, ctx] : seqs) max_len = std::max<int64_t>(max_len, q + ctx);
+  Batch(const std::vector<std::pair<int32_t, int32_t>>& seqs, uint64_t seed) {
+    int64_t max_len = 1, needed = 0;
+    for (const auto& [q, ctx] : seqs) {
+      max_len = std::max<int64_t>(max_len, q + ctx);
+      needed += (q + ctx + block_size - 1) / block_size;
+    }
     table_width = (max_len + block_size - 1) / block_size;
-    num_blocks = static_cast<int64_t>(seqs.size()) * table_width + 5;
+    num_blocks = needed + 5;
     std::vector<int32_t> pool(static_cast<size_t>(num_blocks));
     std::iota(pool.begin(), pool.end(), 0);
     std::shuffle(pool.begin(), pool.end(), std::mt19937_64(seed));
-    tables.assign(pool.begin(), pool.begin() + static_cast<int64_t>(seqs.size()) * table_width);
+    // Each sequence's table holds its own blocks; entries past its length repeat its first block
+    // (never read).
+    size_t next = 0;
+    for (const auto& [q, ctx] : seqs) {
+      const int64_t own = (q + ctx + block_size - 1) / block_size;
+      for (int64_t i = 0; i < table_width; ++i) {
+        tables.push_back(i < own ? pool[next + static_cast<size_t>(i)] : pool[next]);
+      }
+      next += static_cast<size_t>(std::max<int64_t>(own, 1));
+    }
     for (size_t s = 0; s < seqs.size(); ++s) {
       const auto [q, ctx] = seqs[s];
       cu_q.push_back(cu_q.back() + q);
@@ -170,7 +182,9 @@ void check_indexer(const std::vector<std::pair<int32_t, int32_t>>& seqs, int64_t
     testing::poison(*scores);
     const OwnedTensor d_scores = to_device(*scores);
     kernels::qsa_scores(q_view(*fused), *keys, *m.cu, *m.lens, *m.tables, *scores, p);
-    kernels::qsa_scores(q_view(*d_fused), *d_keys, *m.d_cu, *m.d_lens, *m.d_tables, *d_scores, p);
+    // The GPU scores the CPU's queries and block keys (the two sides' may differ by a bf16 flip).
+    const OwnedTensor cpu_fused = to_device(*fused);
+    kernels::qsa_scores(q_view(*cpu_fused), *to_device(*keys), *m.d_cu, *m.d_lens, *m.d_tables, *d_scores, p);
     EXPECT_TRUE(same_written(*to_host(*d_scores), *scores, 2e-6)) << "scores";
   }
 }
@@ -276,7 +290,7 @@ void check_attention(const AttentionCase& c, uint64_t seed) {
   params.max_q_len = b.max_q();
   params.max_kv_len = b.max_kv();
   kernels::qsa_attention(q_view(*q_rows), *k_cache, *v_cache, *m.cu, *m.lens, *m.tables, *selected, *out, params);
-  const size_t bytes = kernels::qsa_attention_workspace_bytes(b.tokens(), c.heads, c.kv_heads, c.head_dim);
+  const size_t bytes = kernels::qsa_attention_workspace_bytes(b.tokens(), c.heads, c.kv_heads, c.head_dim, c.topk, c.c);
   const OwnedTensor workspace(DType::kU8, {static_cast<int64_t>(std::max<size_t>(bytes, 16))}, Device::cuda());
   if (c.workspace) params.workspace = *workspace;
   const OwnedTensor d_q = to_device(*q_rows);
@@ -297,7 +311,7 @@ TEST(CudaQsaAttention, MatchesCpuTwin) {
   check_attention({mixed, 40, 2, 64, 100, 4}, 24);    // G = 20: two row chunks
   check_attention({mixed, 4, 1, 32, 16, 8}, 25);      // generic path
   std::vector<std::pair<int32_t, int32_t>> decode;
-  for (int i = 0; i < 128; ++i) decode.push_back({1, 1000 + 211 * i});
+  for (int i = 0; i < 128; ++i) decode.push_back({1, 200 + 37 * i});  // sparse from i = 50 on
   check_attention({decode, 16, 2, 256, 512, 4}, 26);
   check_attention({{{1, 30000}}, 16, 2, 256, 512, 4}, 27);  // batch 1: many splits
 }
@@ -325,7 +339,7 @@ TEST(CudaQsa, ReplaysInsideCudaGraph) {
   const OwnedTensor q = to_device(*testing::random_tensor(DType::kBF16, {b.tokens(), heads, head_dim}, rng));
   const OwnedTensor out(DType::kBF16, {b.tokens(), heads, head_dim}, Device::cuda());
   const OwnedTensor workspace(
-      DType::kU8, {static_cast<int64_t>(std::max<size_t>(16, kernels::qsa_attention_workspace_bytes(b.tokens(), heads, kv_heads, head_dim)))},
+      DType::kU8, {static_cast<int64_t>(std::max<size_t>(16, kernels::qsa_attention_workspace_bytes(b.tokens(), heads, kv_heads, head_dim, topk, c)))},
       Device::cuda());
   QsaAttentionParams attention;
   attention.scale = 1.0f / 16.0f;

@@ -342,7 +342,7 @@ namespace metrale::kernels {
 // Builds without CUDA run QSA on the CPU only, which needs no scratch (CUDA builds define this in
 // kernels/cuda/qsa_attention.cu).
 size_t qsa_attention_workspace_bytes(int64_t /*num_tokens*/, int64_t /*num_heads*/, int64_t /*num_kv_heads*/,
-                                     int64_t /*head_dim*/) {
+                                     int64_t /*head_dim*/, int64_t /*block_topk*/, int64_t /*compress_ratio*/) {
   return 0;
 }
 

@@ -6,15 +6,18 @@
 //    head's row is normalised in registers, staged in shared memory for RoPE's channel pairs.
 //  * block keys: a warp per block key: the fp32 sum of its c raw keys (paged reads), the norm, RoPE
 //    at the block's first position, one store. Grid (S, y): y strides over the blocks to write.
-//  * scores: grid (T, W / 64): a CTA scores 64 blocks of one query row. L lanes per block key (L = 4,
-//    8, 16 or 32 for d_idx up to 8L), 8 channels per lane (one 16-byte load for bf16), the query's
-//    heads in registers; per-head segment reductions; lane 0 of a segment writes the fp32 score.
+//  * scores: grid (T, W / 64): a CTA scores 64 blocks of one query row. L lanes per block key
+//    (L = 4, 8, 16 or 32 for d_idx up to 8L), 8 channels per lane (one 16-byte load for bf16), the
+//    query's heads in registers; per-head segment reductions; lane 0 of a segment writes the fp32
+//    score. (Loading all of a CTA's keys before the first use, or 256 blocks per CTA, measured
+//    slower at batch 128 and no faster at batch 1 on the H200.)
 //    Memory-bound: it reads each block key once per query row (d_idx * 2 bytes).
-//  * top-k: one CTA of 512 threads per query row. A radix select over the scores' order-preserving
-//    32-bit keys (4 passes of 8 bits, histograms in shared memory, a parallel suffix sum to pick the
-//    digit) finds the k-th largest key t and how many entries equal to t are taken; a last pass
-//    compacts, in index order, the entries above t and the first of those equal to t (ballot scans),
-//    so the output is ascending and ties go to the lower index.
+//  * top-k: one CTA of 512 threads per query row, its scores staged in shared memory when they fit
+//    (up to 160 KB, 40960 blocks). A radix select over the scores' order-preserving
+//    32-bit keys (4 passes of 8 bits, histograms in shared memory with warp-aggregated atomics, a
+//    parallel suffix sum to pick the digit) finds the k-th largest key t and how many entries equal
+//    to t are taken; a last pass compacts, in index order, the entries above t and the first of those
+//    equal to t (block prefix sums), so the output is ascending and ties go to the lower index.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -293,6 +296,7 @@ __global__ void __launch_bounds__(32 * kScoreWarps) scores_kernel(ScoreArgs a) {
 // ---- top-k ----
 
 constexpr int kTopkThreads = 512;
+constexpr size_t kMaxStagedBytes = 160u * 1024u;  // 40960 blocks: 160K tokens at c = 4
 constexpr int kTopkWarps = kTopkThreads / 32;
 
 // Order-preserving key of an fp32 score (-0 maps with +0; NaN scores are not expected).
@@ -311,27 +315,35 @@ struct TopkArgs {
   int num_seqs, c, k;
 };
 
-// Exclusive prefix (in thread order) of `flag` over the CTA, and the CTA's total; `warp_counts`
-// holds kTopkWarps ints. Contains barriers: every thread must call it.
-__device__ __forceinline__ int block_exclusive_count(bool flag, int* warp_counts, int* total) {
+// Exclusive prefix sum (in thread order) of `value` over the CTA, and the CTA's total;
+// `warp_sums` holds kTopkWarps ints. Contains barriers: every thread must call it.
+__device__ __forceinline__ int block_exclusive_sum(int value, int* warp_sums, int* total) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
-  __syncthreads();
-  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  int inclusive = value;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += other;
+  }
+  __syncthreads();  // warp_sums may still be read by the previous call
+  if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
   int before = 0, sum = 0;
 #pragma unroll
   for (int w = 0; w < kTopkWarps; ++w) {
-    const int count = warp_counts[w];
+    const int count = warp_sums[w];
     before += w < warp ? count : 0;
     sum += count;
   }
   *total = sum;
-  return before + in_warp;
+  return before + inclusive - value;
 }
 
+// kStaged: the row's scores are first copied into dynamic shared memory (one coalesced read from
+// global memory), and every pass reads them from there.
+template <bool kStaged>
 __global__ void __launch_bounds__(kTopkThreads) topk_kernel(TopkArgs a) {
+  extern __shared__ float staged[];
   __shared__ int histogram[256];
   __shared__ int warp_counts[kTopkWarps];
   __shared__ int inclusive_scan[256];
@@ -349,14 +361,38 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(TopkArgs a) {
     return;
   }
   const float* row = a.scores + t * a.score_row;
+  if constexpr (kStaged) {
+    // 8 loads in flight per thread before the first store (a plain loop would wait for each).
+    constexpr int kBatch = 8;
+    for (int base = 0; base < nb; base += kTopkThreads * kBatch) {
+      float values[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = base + u * kTopkThreads + threadIdx.x;
+        values[u] = j < nb ? row[j] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = base + u * kTopkThreads + threadIdx.x;
+        if (j < nb) staged[j] = values[u];
+      }
+    }
+    __syncthreads();
+    row = staged;
+  }
   uint32_t prefix = 0, mask = 0;
   int remaining = a.k;  // entries still to take at or below the current prefix
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += kTopkThreads) histogram[i] = 0;
     __syncthreads();
-    for (int j = threadIdx.x; j < nb; j += kTopkThreads) {
-      const uint32_t key = order_key(row[j]);
-      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1);
+    // Scores of one row share their high bits: lanes with the same digit add once per warp, so
+    // the shared-memory atomics do not serialise on one bin. `base` is uniform over the warp.
+    for (int base = 0; base < nb; base += kTopkThreads) {
+      const int j = base + threadIdx.x;
+      const uint32_t key = j < nb ? order_key(row[j]) : 0u;
+      const unsigned digit = j < nb && (key & mask) == prefix ? (key >> shift) & 255u : 256u;
+      const unsigned peers = __match_any_sync(0xffffffffu, digit);
+      if (digit < 256u && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&histogram[digit], __popc(peers));
     }
     __syncthreads();
     // Suffix sums over the digits: thread i holds digit 255 - i; an inclusive scan in thread order.
@@ -390,17 +426,35 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(TopkArgs a) {
     __syncthreads();
   }
   // prefix is the k-th largest key; `remaining` entries equal to it are taken, lowest indices first.
+  // Each thread takes 4 consecutive entries of a 2048-entry tile, so thread order is index order.
+  constexpr int kPerThread = 4;
   int taken_equal = 0, written = 0;
-  for (int base = 0; base < nb; base += kTopkThreads) {
-    const int j = base + threadIdx.x;
-    const uint32_t key = j < nb ? order_key(row[j]) : 0u;
-    const bool equal = j < nb && key == prefix;
+  for (int base = 0; base < nb; base += kTopkThreads * kPerThread) {
+    const int first = base + threadIdx.x * kPerThread;
+    uint32_t keys[kPerThread];
+    int equal_count = 0;
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) {
+      keys[e] = first + e < nb ? order_key(row[first + e]) : 0u;
+      equal_count += first + e < nb && keys[e] == prefix;
+    }
     int equal_total = 0;
-    const int equal_rank = block_exclusive_count(equal, warp_counts, &equal_total);
-    const bool take = j < nb && (key > prefix || (equal && taken_equal + equal_rank < remaining));
+    int equal_seen = taken_equal + block_exclusive_sum(equal_count, warp_counts, &equal_total);
+    bool take[kPerThread];
+    int take_count = 0;
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) {
+      const bool valid = first + e < nb, equal = valid && keys[e] == prefix;
+      take[e] = valid && (keys[e] > prefix || (equal && equal_seen < remaining));
+      equal_seen += equal;
+      take_count += take[e];
+    }
     int take_total = 0;
-    const int position = block_exclusive_count(take, warp_counts, &take_total);
-    if (take) out[written + position] = j;
+    int position = written + block_exclusive_sum(take_count, warp_counts, &take_total);
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) {
+      if (take[e]) out[position++] = first + e;
+    }
     taken_equal += equal_total;
     written += take_total;
   }
@@ -629,7 +683,17 @@ void qsa_topk(const Tensor& scores, const Tensor& cu_q, const Tensor& kv_lens, c
   a.num_seqs = static_cast<int>(kv_lens.numel());
   a.c = params.compress_ratio;
   a.k = params.block_topk;
-  topk_kernel<<<static_cast<unsigned>(tokens), kTopkThreads, 0, stream_of(selected)>>>(a);
+  // Stage rows in shared memory when the widest row fits (8192 blocks = 32K context: 32 KB).
+  const size_t staged_bytes = static_cast<size_t>(scores.size(1)) * sizeof(float);
+  if (staged_bytes <= kMaxStagedBytes) {
+    if (staged_bytes > 48u * 1024u) {
+      METRALE_CUDA_CHECK(cudaFuncSetAttribute(topk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(kMaxStagedBytes)));
+    }
+    topk_kernel<true><<<static_cast<unsigned>(tokens), kTopkThreads, staged_bytes, stream_of(selected)>>>(a);
+  } else {
+    topk_kernel<false><<<static_cast<unsigned>(tokens), kTopkThreads, 0, stream_of(selected)>>>(a);
+  }
   METRALE_CHECK_LAUNCH("qsa_topk");
 }
 

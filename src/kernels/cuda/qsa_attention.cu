@@ -8,9 +8,11 @@
 // Tensor-core kernel (head_dim 64, 128, 256), the split-KV layout of attention.cu's decode kernel
 // with list positions in place of key positions: a CTA takes one query token, one KV head and up
 // to 16 of its G query heads (one m16 fragment; the rows of a CTA share the token's list, so every
-// gathered K/V row serves all of them), and one split of the list in whole 64-key tiles. Keys are
-// gathered through the selection and the page table with 16-byte cp.async copies into a 3-stage
-// pipeline; S = QK^T and O += PV by mma.sync m16n8k16 (bf16 in, fp32 accumulate, P rounded to bf16),
+// gathered K/V row serves all of them), and one split of the list in whole 64-key tiles. The list
+// is made of groups of c consecutive keys of one page (a selected block, the tail, or a run of a
+// dense row), so a split first resolves its groups to cache slots in shared memory (block ids and
+// page table read once, in parallel); the K/V rows then stream with 16-byte cp.async copies into a
+// 3-stage pipeline whose loads depend on shared memory only; S = QK^T and O += PV by mma.sync m16n8k16 (bf16 in, fp32 accumulate, P rounded to bf16),
 // online softmax in fp32 in the exp2 domain. Several splits write normalised fp32 partials and
 // log2-sum-exps to the workspace, merged by a second kernel. Grid (T, n_kv, chunks * splits): no
 // per-sequence bound, the token index comes straight from the grid.
@@ -61,6 +63,9 @@ constexpr int kKeysPerTile = 64;  // list entries per pipeline stage; 16 per war
 constexpr int kStages = 3;
 constexpr int kMinKeysPerSplit = 128;
 constexpr int kCtasPerSmTarget = 2;
+// Entry groups (of c keys) one split resolves to cache slots up front; plan_splits keeps a split's
+// entries within kMaxGroups * c - 64.
+constexpr int kMaxGroups = 1024;
 
 struct SparseArgs {
   const bf16* q;  // [T, n_heads, D]
@@ -143,23 +148,24 @@ __device__ __forceinline__ int key_slot(const SparseArgs& a, const int32_t* tabl
 
 // Gathers list entries [start, start + 64) of one KV head into swizzled shared tiles [64, D];
 // entries outside [start, end) (and bad slots) are zero-filled so that masked rows stay finite.
+// group_slots[g - group0] is the cache slot of the first key of entry group g (entries g c ..
+// g c + c - 1 are c consecutive keys of one page: a selected block, the tail, or a dense run).
 template <int kHeadDim>
-__device__ __forceinline__ void load_tile(const SparseArgs& a, const KeyList& list, int kv_head, int start, int end,
-                                          bf16* k_tile, bf16* v_tile) {
+__device__ __forceinline__ void load_tile(const SparseArgs& a, const int* group_slots, int group0, int kv_head,
+                                          int start, int end, bf16* k_tile, bf16* v_tile) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
   constexpr int kPasses = kKeysPerTile / kRowsPerPass;
   const int chunk = threadIdx.x % kChunks;
   const int first_row = static_cast<int>(threadIdx.x) / kChunks;
-  int slots[kPasses];
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int r = start + first_row + pass * kRowsPerPass;
-    slots[pass] = r < end ? key_slot(a, list.table, list.key(r, a.c)) : -1;
-  }
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int slot = slots[pass];
+    int slot = -1;
+    if (r < end) {
+      const int base = group_slots[r / a.c - group0];
+      slot = base < 0 ? -1 : base + r % a.c;
+    }
     const int dst = swizzled_offset<kHeadDim>(first_row + pass * kRowsPerPass, chunk);
     const int64_t src = (static_cast<int64_t>(slot < 0 ? 0 : slot) * a.num_kv_heads + kv_head) * kHeadDim + chunk * 8;
     cp_async_16(smem_address(k_tile + dst), a.k_cache + src, slot >= 0);
@@ -275,9 +281,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_split_kernel(const SparseA
   const int range_end = min(list.length, range_begin + per_split);
   const int num_tiles = range_end > range_begin ? (range_end - range_begin + kKeysPerTile - 1) / kKeysPerTile : 0;
 
+  // Resolve the split's entry groups to cache slots once (block ids and page table read in
+  // parallel), so that the pipeline's loads depend on shared memory only.
+  __shared__ int group_slots[kMaxGroups];
+  const int group0 = range_begin / a.c;
+  const int group_end = min((range_end + a.c - 1) / a.c, group0 + kMaxGroups);
+  for (int g = group0 + static_cast<int>(threadIdx.x); g < group_end; g += kThreads) {
+    group_slots[g - group0] = key_slot(a, list.table, list.key(g * a.c, a.c));
+  }
+  __syncthreads();
   const auto load_stage = [&](int tile) {
     const int stage = tile % kStages;
-    load_tile<kHeadDim>(a, list, kv_head, range_begin + tile * kKeysPerTile, range_end,
+    load_tile<kHeadDim>(a, group_slots, group0, kv_head, range_begin + tile * kKeysPerTile, range_end,
                         k_tiles + stage * Config::kStageElems, v_tiles + stage * Config::kStageElems);
   };
 #pragma unroll
@@ -546,9 +561,12 @@ void allow_dynamic_smem(const void* kernel, size_t bytes) {
 
 // Splits of a row's list (whole 64-entry tiles, >= kMinKeysPerSplit entries each) until the grid
 // has about kCtasPerSmTarget CTAs per SM; base * splits < 2 * target (the workspace bound).
-int plan_splits(int64_t base, int64_t max_list, int num_sms) {
+int plan_splits(int64_t base, int64_t max_list, int64_t list_cap, int c, int num_sms) {
   const int64_t target = static_cast<int64_t>(kCtasPerSmTarget) * num_sms;
   const int64_t length = std::max<int64_t>(max_list, 1);
+  // A split's entries must fit kMaxGroups groups whatever the row's true length (<= list_cap).
+  const int64_t entries_cap = static_cast<int64_t>(kMaxGroups) * c - kKeysPerTile - 2 * c;
+  const int64_t min_splits = (std::max<int64_t>(list_cap, 1) + entries_cap - 1) / entries_cap;
   int64_t splits = 1;
   if (base < target) {
     const int64_t wanted = (target + base - 1) / base;
@@ -557,7 +575,7 @@ int plan_splits(int64_t base, int64_t max_list, int num_sms) {
   }
   int64_t per = (length + splits - 1) / splits;
   per = (per + kKeysPerTile - 1) / kKeysPerTile * kKeysPerTile;
-  return static_cast<int>((length + per - 1) / per);
+  return static_cast<int>(std::max<int64_t>(min_splits, (length + per - 1) / per));
 }
 
 size_t split_workspace_bytes(int64_t ctas, int64_t head_dim) {
@@ -667,10 +685,15 @@ void qsa_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache
   const int64_t kv_bound = params.max_kv_len > 0 ? std::min(params.max_kv_len, capacity) : capacity;
   const int64_t max_list = std::min<int64_t>(kv_bound, static_cast<int64_t>(a.topk + 1) * a.c - 1);
   const int64_t base = tokens * kv_heads * a.row_chunks;
-  a.num_splits = plan_splits(base, max_list, sm_count(out.device().index));
+  const int64_t list_cap = static_cast<int64_t>(a.topk + 1) * a.c - 1;  // any row's list, whatever the bounds
+  a.num_splits = plan_splits(base, max_list, list_cap, a.c, sm_count(out.device().index));
   if (a.num_splits > 1) {
     const size_t needed = split_workspace_bytes(base * a.num_splits, head_dim);
     if (params.workspace.empty()) {
+      // No scratch: one split per row, unless its list needs more groups than a split resolves.
+      if (list_cap > static_cast<int64_t>(kMaxGroups) * a.c - kKeysPerTile - 2 * a.c) {
+        unsupported("block_topk " + std::to_string(a.topk) + " needs a workspace (qsa_attention_workspace_bytes)");
+      }
       a.num_splits = 1;
     } else {
       if (!params.workspace.device().is_cuda() || !aligned16(params.workspace.data()) ||
@@ -692,16 +715,22 @@ void qsa_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache
 
 }  // namespace cuda
 
-// For each of at most 2 * kCtasPerSmTarget * SMs CTAs, 16 rows of head_dim fp32 partials and one
-// fp32 log2-sum-exp: 2 * 2 * 132 * 16 * 257 * 4 bytes = 8.7 MB for head_dim 256 on 132 SMs; 0 when
-// the batch alone fills the target (no split happens).
-size_t qsa_attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+// For each CTA of the largest split plan, 16 rows of head_dim fp32 partials and one fp32
+// log2-sum-exp. Splits for occupancy keep the CTAs below 2 * kCtasPerSmTarget * SMs (8.7 MB for
+// head_dim 256 on 132 SMs); a block_topk too large for one split's slot table (above ~1000 blocks at
+// c 4) forces splits at any batch size. 0 when no split can happen.
+size_t qsa_attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t block_topk, int64_t compress_ratio) {
   const int64_t target = static_cast<int64_t>(cuda::kCtasPerSmTarget) * cuda::planning_sm_count();
   const int64_t group = num_kv_heads > 0 ? num_heads / num_kv_heads : 1;
   const int64_t base = std::max<int64_t>(num_tokens, 1) * std::max<int64_t>(num_kv_heads, 1) *
                        ((group + cuda::kRows - 1) / cuda::kRows);
-  if (base >= target) return 0;
-  return cuda::split_workspace_bytes(2 * target, head_dim);
+  const int64_t c = std::max<int64_t>(compress_ratio, 1);
+  const int64_t list_cap = (std::max<int64_t>(block_topk, 1) + 1) * c - 1;
+  const int64_t entries_cap = static_cast<int64_t>(cuda::kMaxGroups) * c - cuda::kKeysPerTile - 2 * c;
+  const int64_t min_splits = (list_cap + entries_cap - 1) / entries_cap;
+  if (base >= target && min_splits == 1) return 0;
+  return cuda::split_workspace_bytes(std::max(2 * target, base * min_splits), head_dim);
 }
 
 }  // namespace metrale::kernels
