@@ -41,8 +41,15 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
   METRALE_CHECK(weight.is_contiguous() && weight.size(0) == channels && weight.numel() % channels == 0,
                 "causal_conv1d: weight {} for {} channels", weight.describe(), channels);
   const int64_t kernel = weight.numel() / channels;
-  const int64_t history = kernel - 1;
-  METRALE_CHECK(kernel >= 1, "causal_conv1d: empty kernel");
+  const int64_t dilation = params.dilation;
+  METRALE_CHECK(kernel >= 1 && dilation >= 1, "causal_conv1d: kernel {} dilation {}", kernel, dilation);
+  const int64_t history = (kernel - 1) * dilation;
+  const bool with_residual = !params.residual.empty();
+  if (with_residual) {
+    const Tensor& r = params.residual;
+    METRALE_CHECK(r.ndim() == 2 && r.size(0) == tokens && r.size(1) == channels && r.stride(1) == 1,
+                  "causal_conv1d: residual {} for x {}", r.describe(), x.describe());
+  }
   METRALE_CHECK(conv_state.ndim() == 3 && conv_state.is_contiguous() && conv_state.size(1) == history &&
                     conv_state.size(2) == channels,
                 "causal_conv1d: conv_state {} must be [slots, {}, {}]", conv_state.describe(), history, channels);
@@ -87,9 +94,10 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
       const bool fresh = lens[s] == q_len || slots[s] < 0;
       char* slot_base = static_cast<char*>(conv_state.data()) + static_cast<int64_t>(std::max(slots[s], 0)) * history *
                                                                     channels * static_cast<int64_t>(state_size);
-      // window [K-1 + 1][width]: the K-1 previous inputs (oldest first), then the current row.
-      float* window = scratch_a(kernel * width);
-      float* result = scratch_b(width);
+      // window [L + 1][width]: the L = (K-1)*d previous inputs (oldest first), then the current row.
+      float* window = scratch_a((history + 1) * width);
+      float* result = scratch_b(2 * width);
+      float* extra = result + width;
       for (int64_t j = 0; j < history; ++j) {
         float* row = window + j * width;
         if (fresh) {
@@ -107,7 +115,7 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
         std::fill_n(result, width, 0.0f);
         for (int64_t j = 0; j < kernel; ++j) {
           const float* tap = taps.data() + j * channels + c0;
-          const float* in = window + j * width;
+          const float* in = window + j * dilation * width;
           for (int64_t c = 0; c < width; ++c) result[c] += tap[c] * in[c];
         }
         // Rounded to the activation dtype after the convolution, then again (by the store) after the activation.
@@ -115,12 +123,19 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
           round_in_place(act_dtype, result, width);
           for (int64_t c = 0; c < width; ++c) result[c] = silu(result[c]);
         }
+        if (with_residual) {
+          round_in_place(act_dtype, result, width);
+          const Tensor& r = params.residual;
+          convert_to_f32(r.dtype(), static_cast<const char*>(row_ptr(r, t)) + c0 * static_cast<int64_t>(r.element_size()),
+                         extra, static_cast<size_t>(width));
+          for (int64_t c = 0; c < width; ++c) result[c] += extra[c];
+        }
         store_f32(act_dtype, result,
                   static_cast<char*>(row_ptr_mut(out, t)) + c0 * static_cast<int64_t>(out.element_size()), width);
         // Shift the window by one row.
-        std::copy(window + width, window + kernel * width, window);
+        std::copy(window + width, window + (history + 1) * width, window);
       }
-      // The window's first K-1 rows are now the last K-1 inputs of the sequence (zero-padded on the left when
+      // The window's first L rows are now the last L inputs of the sequence (zero-padded on the left when
       // fewer were seen).
       for (int64_t j = 0; j < history && params.write_state && slots[s] >= 0; ++j) {
         store_f32(state_dtype, window + j * width, slot_base + (j * channels + c0) * static_cast<int64_t>(state_size),

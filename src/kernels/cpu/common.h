@@ -30,6 +30,16 @@ inline void store_f32(DType dtype, const float* src, void* dst, int64_t count) {
   convert_from_f32(dtype, src, dst, static_cast<size_t>(count));
 }
 
+// D(value): `value` rounded to a float storage dtype (the identity for f32), for the rounding points
+// of transformers' bf16 path that the CPU reproduces when given bf16 activations.
+inline float round_as(DType dtype, float value) {
+  switch (dtype) {
+    case DType::kBF16: return round_to_bf16(value);
+    case DType::kF16: return f16_bits_to_f32(f32_to_f16_bits(value));
+    default: return value;
+  }
+}
+
 // Dot product with 16 independent fp32 accumulators: the compiler can keep them in SIMD lanes
 // without reassociating (no -ffast-math needed), and the summation order is fixed.
 inline float dot_f32(const float* a, const float* b, int64_t n) {

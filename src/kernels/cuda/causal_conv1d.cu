@@ -4,10 +4,11 @@
 //  1. conv_kernel: each thread takes a group of channels (8 bf16 = 16 bytes when rows allow) for a
 //     run of consecutive rows of the flattened batch (32 rows for prefill, 1 for decode-sized
 //     batches so that the state loads of many sequences run in parallel). It slides a window of the
-//     K-1 previous inputs in registers; the window of a sequence's first rows comes from its slot
-//     (or zeros when it has no cached tokens). The slots are only read here.
-//  2. state_kernel: one thread per (sequence, channel group) reads the sequence's new last K-1
-//     inputs (old slot rows when q_len < K-1) and then overwrites the slot, so no thread reads a slot
+//     L = (K-1)*d previous inputs in registers (d the dilation, a template parameter so that the
+//     window stays in registers); the window of a sequence's first rows comes from its slot (or
+//     zeros when it has no cached tokens). The slots are only read here.
+//  2. state_kernel: one thread per (sequence, channel group) reads the sequence's new last L
+//     inputs (old slot rows when q_len < L) and then overwrites the slot, so no thread reads a slot
 //     row that another thread of the same launch writes.
 // Batch metadata is read on the device only (graph-capturable); grids come from tensor shapes.
 #include <algorithm>
@@ -30,7 +31,9 @@ struct ConvArgs {
   int64_t out_row;
   const void* weight;  // [C, K] contiguous
   WeightType weight_type;
-  void* conv_state;  // [slots, K-1, C] contiguous
+  void* conv_state;  // [slots, (K-1)*d, C] contiguous
+  const void* residual;  // [T, C] rows strided, or null
+  int64_t residual_row;
   const int32_t* cu_q;
   const int32_t* kv_lens;
   const int32_t* slots;
@@ -72,8 +75,8 @@ __device__ __forceinline__ int sequence_of(const int32_t* cu_q, int num_seqs, in
 }
 
 // Input `pos` (relative to the sequence's first row of this step; negative = history) of channels
-// c..c+N-1 of sequence s.
-template <typename T, int K, int N>
+// c..c+N-1 of sequence s. The slot holds the L = (K-1)*d inputs before the step.
+template <typename T, int L, int N>
 __device__ __forceinline__ void fetch_input(const ConvArgs& a, int seq_begin, bool fresh, int slot, int pos, int c,
                                             float (&dst)[N]) {
   if (pos >= 0) {
@@ -82,14 +85,14 @@ __device__ __forceinline__ void fetch_input(const ConvArgs& a, int seq_begin, bo
 #pragma unroll
     for (int e = 0; e < N; ++e) dst[e] = 0.0f;
   } else {
-    load_vec<T, N>(static_cast<const T*>(a.conv_state) +
-                       (static_cast<int64_t>(slot) * (K - 1) + (K - 1 + pos)) * a.channels + c,
+    load_vec<T, N>(static_cast<const T*>(a.conv_state) + (static_cast<int64_t>(slot) * L + (L + pos)) * a.channels + c,
                    dst);
   }
 }
 
-template <typename T, int K, int N>
+template <typename T, int K, int kDil, int N>
 __global__ void __launch_bounds__(kThreads) conv_kernel(ConvArgs a) {
+  constexpr int L = (K - 1) * kDil;
   const int c = (blockIdx.y * kThreads + threadIdx.x) * N;
   if (c >= a.channels) return;
   const int64_t total = a.cu_q[a.num_seqs];
@@ -106,7 +109,7 @@ __global__ void __launch_bounds__(kThreads) conv_kernel(ConvArgs a) {
 
   int s = sequence_of(a.cu_q, a.num_seqs, row_begin);
   int seq_begin = a.cu_q[s], seq_end = a.cu_q[s + 1];
-  float window[K > 1 ? K - 1 : 1][N];  // inputs pos-K+1 .. pos-1, oldest first
+  float window[L > 0 ? L : 1][N];  // inputs pos-L .. pos-1, oldest first
   bool window_valid = false;
   for (int64_t row = row_begin; row < row_end; ++row) {
     while (row >= seq_end) {  // next non-empty sequence
@@ -120,39 +123,43 @@ __global__ void __launch_bounds__(kThreads) conv_kernel(ConvArgs a) {
       const bool fresh = a.kv_lens[s] == seq_end - seq_begin || a.slots[s] < 0;
       const int slot = a.slots[s];
 #pragma unroll
-      for (int j = 0; j < K - 1; ++j) fetch_input<T, K, N>(a, seq_begin, fresh, slot, pos - (K - 1) + j, c, window[j]);
+      for (int j = 0; j < L; ++j) fetch_input<T, L, N>(a, seq_begin, fresh, slot, pos - L + j, c, window[j]);
       window_valid = true;
     }
     float current[N];
     load_vec<T, N>(static_cast<const T*>(a.x) + row * a.x_row + c, current);
+    float added[N];
+    if (a.residual != nullptr) load_vec<T, N>(static_cast<const T*>(a.residual) + row * a.residual_row + c, added);
     float result[N];
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       float sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < K - 1; ++j) sum = fmaf(w[j][e], window[j][e], sum);
+      for (int j = 0; j < K - 1; ++j) sum = fmaf(w[j][e], window[j * kDil][e], sum);
       sum = fmaf(w[K - 1][e], current[e], sum);
-      // Rounded to the activation dtype after the convolution, then again after the activation.
+      // Rounded to the activation dtype after the convolution, then again after the activation (and
+      // after the residual's add).
       if (a.silu) {
         const float y = to_f32(from_f32<T>(sum));
         sum = y / (1.0f + expf(-y));
       }
+      if (a.residual != nullptr) sum = to_f32(from_f32<T>(sum)) + added[e];
       result[e] = sum;
     }
     store_vec<T, N>(static_cast<T*>(a.out) + row * a.out_row + c, result);
 #pragma unroll
-    for (int j = 0; j + 1 < K - 1; ++j) {
+    for (int j = 0; j + 1 < L; ++j) {
 #pragma unroll
       for (int e = 0; e < N; ++e) window[j][e] = window[j + 1][e];
     }
-    if constexpr (K > 1) {
+    if constexpr (L > 0) {
 #pragma unroll
-      for (int e = 0; e < N; ++e) window[K - 2][e] = current[e];
+      for (int e = 0; e < N; ++e) window[L - 1][e] = current[e];
     }
   }
 }
 
-template <typename T, int K, int N>
+template <typename T, int L, int N>
 __global__ void __launch_bounds__(kThreads) state_kernel(ConvArgs a) {
   const int c = (blockIdx.y * kThreads + threadIdx.x) * N;
   const int s = blockIdx.x;
@@ -161,39 +168,52 @@ __global__ void __launch_bounds__(kThreads) state_kernel(ConvArgs a) {
   if (q_len == 0 || a.slots[s] < 0) return;  // nothing new, or no slot to keep it in
   const bool fresh = a.kv_lens[s] == q_len;
   const int slot = a.slots[s];
-  float rows[K > 1 ? K - 1 : 1][N];
+  float rows[L > 0 ? L : 1][N];
 #pragma unroll
-  for (int j = 0; j < K - 1; ++j) fetch_input<T, K, N>(a, seq_begin, fresh, slot, q_len - (K - 1) + j, c, rows[j]);
+  for (int j = 0; j < L; ++j) fetch_input<T, L, N>(a, seq_begin, fresh, slot, q_len - L + j, c, rows[j]);
 #pragma unroll
-  for (int j = 0; j < K - 1; ++j) {
-    store_vec<T, N>(static_cast<T*>(a.conv_state) + (static_cast<int64_t>(slot) * (K - 1) + j) * a.channels + c,
-                    rows[j]);
+  for (int j = 0; j < L; ++j) {
+    store_vec<T, N>(static_cast<T*>(a.conv_state) + (static_cast<int64_t>(slot) * L + j) * a.channels + c, rows[j]);
   }
 }
 
-template <typename T, int K, int N>
+template <typename T, int K, int kDil, int N>
 void launch(const ConvArgs& a, cudaStream_t stream) {
+  constexpr int L = (K - 1) * kDil;
   const auto channel_blocks = static_cast<unsigned>((a.channels / N + kThreads - 1) / kThreads);
   const auto row_blocks = static_cast<unsigned>((a.tokens + a.rows_per_thread - 1) / a.rows_per_thread);
-  if (row_blocks > 0) conv_kernel<T, K, N><<<dim3(row_blocks, channel_blocks), kThreads, 0, stream>>>(a);
-  if constexpr (K > 1) {
+  if (row_blocks > 0) conv_kernel<T, K, kDil, N><<<dim3(row_blocks, channel_blocks), kThreads, 0, stream>>>(a);
+  if constexpr (L > 0) {
     if (a.write_state)
-      state_kernel<T, K, N><<<dim3(static_cast<unsigned>(a.num_seqs), channel_blocks), kThreads, 0, stream>>>(a);
+      state_kernel<T, L, N><<<dim3(static_cast<unsigned>(a.num_seqs), channel_blocks), kThreads, 0, stream>>>(a);
   }
+}
+
+template <typename T, int K, int kDil>
+void launch_vectorised(const ConvArgs& a, bool vectorised, cudaStream_t stream) {
+  constexpr int kVector = 16 / static_cast<int>(sizeof(T));
+  vectorised ? launch<T, K, kDil, kVector>(a, stream) : launch<T, K, kDil, 1>(a, stream);
 }
 
 template <typename T, int K>
-void launch_vectorised(const ConvArgs& a, bool vectorised, cudaStream_t stream) {
-  constexpr int kVector = 16 / static_cast<int>(sizeof(T));
-  vectorised ? launch<T, K, kVector>(a, stream) : launch<T, K, 1>(a, stream);
+void launch_dilation(const ConvArgs& a, int dilation, bool vectorised, cudaStream_t stream) {
+  switch (dilation) {
+    case 1: return launch_vectorised<T, K, 1>(a, vectorised, stream);
+    case 2: return launch_vectorised<T, K, 2>(a, vectorised, stream);
+    case 3: return launch_vectorised<T, K, 3>(a, vectorised, stream);
+    case 4: return launch_vectorised<T, K, 4>(a, vectorised, stream);
+    default:
+      raise_message(ErrorCode::kUnsupported,
+                    "causal_conv1d: CUDA supports dilations 1 to 4, got " + std::to_string(dilation));
+  }
 }
 
 template <typename T>
-void launch_kernel_size(const ConvArgs& a, int kernel_size, bool vectorised, cudaStream_t stream) {
+void launch_kernel_size(const ConvArgs& a, int kernel_size, int dilation, bool vectorised, cudaStream_t stream) {
   switch (kernel_size) {
-    case 2: return launch_vectorised<T, 2>(a, vectorised, stream);
-    case 3: return launch_vectorised<T, 3>(a, vectorised, stream);
-    case 4: return launch_vectorised<T, 4>(a, vectorised, stream);
+    case 2: return launch_dilation<T, 2>(a, dilation, vectorised, stream);
+    case 3: return launch_dilation<T, 3>(a, dilation, vectorised, stream);
+    case 4: return launch_dilation<T, 4>(a, dilation, vectorised, stream);
     default:
       raise_message(ErrorCode::kUnsupported,
                     "causal_conv1d: CUDA supports kernel sizes 2 to 4, got " + std::to_string(kernel_size));
@@ -216,9 +236,16 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
   METRALE_EXPECT(weight.is_contiguous() && weight.size(0) == channels && channels > 0 && weight.numel() % channels == 0,
                  "causal_conv1d: weight " + weight.describe());
   const int64_t kernel_size = weight.numel() / channels;
-  METRALE_EXPECT(conv_state.ndim() == 3 && conv_state.is_contiguous() && conv_state.size(1) == kernel_size - 1 &&
-                     conv_state.size(2) == channels,
+  METRALE_EXPECT(params.dilation >= 1, "causal_conv1d: dilation " + std::to_string(params.dilation));
+  METRALE_EXPECT(conv_state.ndim() == 3 && conv_state.is_contiguous() &&
+                     conv_state.size(1) == (kernel_size - 1) * params.dilation && conv_state.size(2) == channels,
                  "causal_conv1d: conv_state " + conv_state.describe());
+  const Tensor& residual = params.residual;
+  if (!residual.empty()) {
+    METRALE_EXPECT(residual.device().is_cuda() && residual.ndim() == 2 && residual.size(0) == tokens &&
+                       residual.size(1) == channels && residual.stride(1) == 1 && residual.dtype() == x.dtype(),
+                   "causal_conv1d: residual " + residual.describe() + " for x " + x.describe());
+  }
   const int64_t num_seqs = kv_lens.numel();
   METRALE_EXPECT(cu_q.numel() == num_seqs + 1 && state_slots.numel() == num_seqs && cu_q.dtype() == DType::kI32 &&
                      kv_lens.dtype() == DType::kI32 && state_slots.dtype() == DType::kI32,
@@ -233,6 +260,8 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
   a.weight = weight.data();
   a.weight_type = weight_type_of(weight, "causal_conv1d");
   a.conv_state = conv_state.data();
+  a.residual = residual.empty() ? nullptr : residual.data();
+  a.residual_row = residual.empty() ? 0 : residual.stride(0);
   a.cu_q = cu_q.data_as<const int32_t>();
   a.kv_lens = kv_lens.data_as<const int32_t>();
   a.slots = state_slots.data_as<const int32_t>();
@@ -250,12 +279,14 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
   const bool vectorised = channels % vector == 0 && reinterpret_cast<uintptr_t>(x.data()) % 16 == 0 &&
                           reinterpret_cast<uintptr_t>(out.data()) % 16 == 0 &&
                           reinterpret_cast<uintptr_t>(conv_state.data()) % 16 == 0 && (x.stride(0) * element) % 16 == 0 &&
-                          (out.stride(0) * element) % 16 == 0;
+                          (out.stride(0) * element) % 16 == 0 &&
+                          (residual.empty() || (reinterpret_cast<uintptr_t>(residual.data()) % 16 == 0 &&
+                                                (residual.stride(0) * element) % 16 == 0));
   const cudaStream_t stream = stream_of(out);
   const int k = static_cast<int>(kernel_size);
   switch (x.dtype()) {
-    case DType::kBF16: launch_kernel_size<__nv_bfloat16>(a, k, vectorised, stream); break;
-    case DType::kF32: launch_kernel_size<float>(a, k, vectorised, stream); break;
+    case DType::kBF16: launch_kernel_size<__nv_bfloat16>(a, k, params.dilation, vectorised, stream); break;
+    case DType::kF32: launch_kernel_size<float>(a, k, params.dilation, vectorised, stream); break;
     default:
       raise_message(ErrorCode::kUnsupported,
                     "causal_conv1d: dtype " + std::string(dtype_name(x.dtype())) + " is not supported on CUDA");
