@@ -20,6 +20,10 @@ struct CausalConv1dParams {
   int64_t max_q_len = 0;  // host upper bound of q_len over the batch (0: not given), for planning
   // false: the slots are read, never updated (a speculative verify keeps them for its commit).
   bool write_state = true;
+  // true: the fp32 sum is rounded to the activation dtype before the activation (Qwen's conv, whose
+  // weights are in the activation dtype); false: the activation runs on the fp32 sum and only its
+  // result is rounded (KDA's fp32 conv, glm_deepseek.md §2.5). No effect without silu.
+  bool round_conv = true;
 };
 
 // x [T, C] activations (rows may be strided, channels contiguous); weight [C, K] (conv1d.weight
@@ -27,7 +31,8 @@ struct CausalConv1dParams {
 // contiguous; cu_q [S+1], kv_lens [S], state_slots [S] i32 on x's device; out [T, C] activation dtype,
 // must not alias x.
 // Rounding (qwen.md §6.2): the convolution accumulates in fp32 and is rounded to the activation dtype
-// once, then the activation is applied and rounded again. The CPU (f32 activations) is the reference.
+// once, then the activation is applied and rounded again (with round_conv false: rounded once, after
+// the activation). The CPU (f32 activations) is the reference.
 // CUDA: bf16 x/out/conv_state; metadata read on the device only (graph-capturable).
 METRALE_DECLARE_OP_IMPLS(causal_conv1d, (const Tensor& x, const Tensor& weight, const Tensor& conv_state,
                                          const Tensor& cu_q, const Tensor& kv_lens, const Tensor& state_slots,

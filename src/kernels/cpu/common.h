@@ -30,6 +30,17 @@ inline void store_f32(DType dtype, const float* src, void* dst, int64_t count) {
   convert_from_f32(dtype, src, dst, static_cast<size_t>(count));
 }
 
+// `value` rounded to `dtype` and widened back (a no-op for f32): the rounding points of the
+// reference in its activation dtype.
+inline float round_as(DType dtype, float value) {
+  if (dtype == DType::kF32) return value;
+  uint16_t bits = 0;
+  convert_from_f32(dtype, &value, &bits, 1);
+  float rounded = 0.0f;
+  convert_to_f32(dtype, &bits, &rounded, 1);
+  return rounded;
+}
+
 // Dot product with 16 independent fp32 accumulators: the compiler can keep them in SIMD lanes
 // without reassociating (no -ffast-math needed), and the summation order is fixed.
 inline float dot_f32(const float* a, const float* b, int64_t n) {
