@@ -72,7 +72,8 @@ struct DsaSelectParams {
 // (weights_proj output, any float dtype, rows may be strided); pool_cache as above; cu_q [S+1],
 // kv_lens [S], block_tables [S, max_blocks] i32; selected [T, K] i32: the selected pools of each
 // query in ascending order, padded with -1 (the tail is implied, see the header comment).
-// CUDA: the scores and the top-k run on the device (graph-capturable); d_I 64 or 128, H_I <= 64.
+// CUDA: the scores and the top-k run on the device (graph-capturable); H_I <= 64; bf16 with d_I 64
+// or 128 on tensor cores, other shapes on CUDA cores.
 METRALE_DECLARE_OP_IMPLS(dsa_select, (const Tensor& q_index, const Tensor& weights, const Tensor& pool_cache,
                                       const Tensor& cu_q, const Tensor& kv_lens, const Tensor& block_tables,
                                       const Tensor& selected, const DsaSelectParams& params))
@@ -94,7 +95,8 @@ struct DsaAttentionParams {
 // q [T, H, r] activations (the absorbed queries; rows may be strided, r contiguous); latent_cache as
 // above; selected [T, K] i32 from dsa_select; cu_q, kv_lens, block_tables as for dsa_select;
 // out [T, H, r] activation dtype (o~, rows may be strided). Softmax in fp32, outputs rounded once.
-// CUDA: r a multiple of 64 up to 512, any H; bf16 on tensor cores, f32 on a simple path.
+// CUDA: bf16 with r in {64, 128, 256, 512} and kp dividing 64 on tensor cores, any H; other shapes
+// and f32 on a simple path (at most 12288 attended tokens per row).
 METRALE_DECLARE_OP_IMPLS(dsa_attention, (const Tensor& q, const Tensor& latent_cache, const Tensor& selected,
                                          const Tensor& cu_q, const Tensor& kv_lens, const Tensor& block_tables,
                                          const Tensor& out, const DsaAttentionParams& params))
