@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "kernels/dsa.h"
-#include "kernels/hyper_connection.h"
+#include "kernels/mhc.h"
 #include "kernels/kda.h"
 #include "kernels/linear.h"
 #include "kernels/random_fill.h"
@@ -210,7 +210,7 @@ void bench_kda_prefill(Bench& bench, const std::string& label, const std::vector
 // ---- mHC ----
 
 void bench_hc(Bench& bench, int64_t tokens) {
-  const std::string pre_name = "hc_pre T" + std::to_string(tokens), post_name = "hc_post T" + std::to_string(tokens);
+  const std::string pre_name = "mhc_pre T" + std::to_string(tokens), post_name = "mhc_post T" + std::to_string(tokens);
   if (!bench.wants(pre_name) && !bench.wants(post_name)) return;
   const int64_t mix = (2 + kStreams) * kStreams;
   const OwnedTensor X = random_device(DType::kBF16, {tokens, kStreams, kHidden}, 300);
@@ -221,13 +221,13 @@ void bench_hc(Bench& bench, int64_t tokens) {
   const OwnedTensor comb(DType::kF32, {tokens, kStreams, kStreams}, Device::cuda());
   const OwnedTensor h(DType::kBF16, {tokens, kHidden}, Device::cuda());
   const OwnedTensor ws =
-      zeros_device(static_cast<int64_t>(kernels::hc_pre_workspace_bytes(Device::cuda(), tokens, kStreams, kHidden)));
-  kernels::HyperConnectionParams params;
+      zeros_device(static_cast<int64_t>(kernels::mhc_pre_workspace_bytes(Device::cuda(), tokens, kStreams, kHidden)));
+  kernels::MhcParams params;
   params.workspace = *ws;
   const double pre_bytes = static_cast<double>(X->nbytes() + fn->nbytes() + h->nbytes());
-  bench.add(pre_name, pre_bytes, [&] { kernels::hc_pre(*X, *fn, *base, *scale, *post, *comb, *h, params); });
+  bench.add(pre_name, pre_bytes, [&] { kernels::mhc_pre(*X, *fn, *base, *scale, *post, *comb, *h, params); });
   bench.add(post_name, 2.0 * static_cast<double>(X->nbytes()) + static_cast<double>(h->nbytes()),
-            [&] { kernels::hc_post(*X, *h, *post, *comb, *X); });
+            [&] { kernels::mhc_post(*X, *h, *post, *comb, *X); });
 }
 
 // ---- DSA ----

@@ -1,6 +1,6 @@
 // CUDA kernels of glm5_next beside KDA against their CPU twins on the same inputs: the mHC maps
-// (hc_pre on tensor cores with one and with many K-slices, its generic path, hc_post in place,
-// hc_mean), DSA (cache writes with the pool keys, the pool selection with the radix top-k and exact
+// (mhc_pre on tensor cores with one and with many K-slices, its generic path, mhc_post in place,
+// mhc_mean), DSA (cache writes with the pool keys, the pool selection with the radix top-k and exact
 // ties, the sparse absorbed attention with and without key splits, mla_absorb on both paths), and
 // the glm5 MoE pieces (sigmoid router with bias and groups, clamped SwiGLU in silu_mul and the
 // routed experts, the ungated shared expert in moe_combine).
@@ -17,7 +17,7 @@
 #include "cuda/cuda_test_helpers.h"
 #include "kernels/activation.h"
 #include "kernels/dsa.h"
-#include "kernels/hyper_connection.h"
+#include "kernels/mhc.h"
 #include "kernels/kernel_helpers.h"
 #include "kernels/moe.h"
 #include "kernels/ragged_batch.h"
@@ -52,18 +52,18 @@ void check_hc_pre(int64_t tokens, int64_t n, int64_t D, DType dtype, Random& rng
   const OwnedTensor fn = testing::random_tensor(dtype, {mix, n * D}, rng, -0.05f, 0.05f);
   const OwnedTensor base = testing::random_tensor(dtype, {mix}, rng, -1.0f, 1.0f);
   const OwnedTensor scale = testing::random_tensor(dtype, {3}, rng, 0.5f, 2.0f);
-  kernels::HyperConnectionParams params;
+  kernels::MhcParams params;
   OwnedTensor post(DType::kF32, {tokens, n}), comb(DType::kF32, {tokens, n, n}), h(DType::kF32, {tokens, D});
-  kernels::hc_pre(*X, *fn, *base, *scale, *post, *comb, *h, params);
+  kernels::mhc_pre(*X, *fn, *base, *scale, *post, *comb, *h, params);
   const OwnedTensor Xd = to_device(*X), fnd = to_device(*fn), based = to_device(*base), scaled = to_device(*scale);
   OwnedTensor postd(DType::kF32, {tokens, n}, Device::cuda()), combd(DType::kF32, {tokens, n, n}, Device::cuda());
   OwnedTensor hh(dtype, {tokens, D});
   testing::poison(*hh);
   OwnedTensor hd = to_device(*hh);
-  OwnedTensor ws = zeroed_device(static_cast<int64_t>(kernels::hc_pre_workspace_bytes(Device::cuda(), tokens, n, D)));
+  OwnedTensor ws = zeroed_device(static_cast<int64_t>(kernels::mhc_pre_workspace_bytes(Device::cuda(), tokens, n, D)));
   params.workspace = *ws;
   for (int repeat = 0; repeat < 2; ++repeat) {  // the arrival counters reset themselves
-    kernels::hc_pre(*Xd, *fnd, *based, *scaled, *postd, *combd, *hd, params);
+    kernels::mhc_pre(*Xd, *fnd, *based, *scaled, *postd, *combd, *hd, params);
     const double h_tolerance = dtype == DType::kBF16 ? 5e-3 : 1e-5;
     EXPECT_TRUE(testing::close_rel_l2(*to_host(*postd), testing::to_doubles(*post), 1e-5)) << tokens << " post";
     EXPECT_TRUE(testing::close_rel_l2(*to_host(*combd), testing::to_doubles(*comb), 1e-5)) << tokens << " comb";
@@ -71,7 +71,7 @@ void check_hc_pre(int64_t tokens, int64_t n, int64_t D, DType dtype, Random& rng
   }
 }
 
-TEST(CudaHyperConnection, PreMatchesCpuOnTensorCoresAndGeneric) {
+TEST(CudaMhc, PreMatchesCpuOnTensorCoresAndGeneric) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   Random rng(401);
   for (const int64_t tokens : {1, 5, 40, 300}) check_hc_pre(tokens, 4, 4096, DType::kBF16, rng);  // 64 .. 1 slices
@@ -80,7 +80,7 @@ TEST(CudaHyperConnection, PreMatchesCpuOnTensorCoresAndGeneric) {
   check_hc_pre(4, 3, 256, DType::kBF16, rng);  // 3 streams: 15 maps
 }
 
-TEST(CudaHyperConnection, PostAndMeanMatchCpu) {
+TEST(CudaMhc, PostAndMeanMatchCpu) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   Random rng(402);
   for (const DType dtype : {DType::kBF16, DType::kF32}) {
@@ -90,13 +90,13 @@ TEST(CudaHyperConnection, PostAndMeanMatchCpu) {
     const OwnedTensor post = testing::random_tensor(DType::kF32, {tokens, n}, rng, 0.0f, 2.0f);
     const OwnedTensor comb = testing::random_tensor(DType::kF32, {tokens, n, n}, rng, 0.0f, 1.0f);
     OwnedTensor out(dtype, {tokens, n, D}), mean(dtype, {tokens, D});
-    kernels::hc_post(*X, *y, *post, *comb, *out);
-    kernels::hc_mean(*X, *mean);
+    kernels::mhc_post(*X, *y, *post, *comb, *out);
+    kernels::mhc_mean(*X, *mean);
     OwnedTensor Xd = to_device(*X);
     const OwnedTensor yd = to_device(*y), postd = to_device(*post), combd = to_device(*comb);
     OwnedTensor meand(dtype, {tokens, D}, Device::cuda());
-    kernels::hc_mean(*Xd, *meand);
-    kernels::hc_post(*Xd, *yd, *postd, *combd, *Xd);  // in place
+    kernels::mhc_mean(*Xd, *meand);
+    kernels::mhc_post(*Xd, *yd, *postd, *combd, *Xd);  // in place
     // Same rounding points on both sides: bf16 results differ at most by an ulp from summation order.
     EXPECT_TRUE(testing::close_rel_l2(*to_host(*Xd), testing::to_doubles(*out), dtype == DType::kBF16 ? 2e-3 : 1e-6));
     EXPECT_TRUE(testing::close_rel_l2(*to_host(*meand), testing::to_doubles(*mean), dtype == DType::kBF16 ? 2e-3 : 1e-6));

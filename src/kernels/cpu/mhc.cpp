@@ -1,6 +1,6 @@
 // CPU mHC maps (fp32, glm_deepseek.md §2.4): one token per task; the reference the CUDA kernels are
 // tested against.
-#include "kernels/hyper_connection.h"
+#include "kernels/mhc.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,20 +29,20 @@ float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 }  // namespace
 
-void hc_pre(const Tensor& X, const Tensor& fn, const Tensor& base, const Tensor& scale, const Tensor& post,
-            const Tensor& comb, const Tensor& h, const HyperConnectionParams& params) {
-  const StreamShape shape = check_streams("hc_pre", X);
+void mhc_pre(const Tensor& X, const Tensor& fn, const Tensor& base, const Tensor& scale, const Tensor& post,
+            const Tensor& comb, const Tensor& h, const MhcParams& params) {
+  const StreamShape shape = check_streams("mhc_pre", X);
   const int64_t n = shape.streams, D = shape.width, flat = n * D, mix = (2 + n) * n;
   METRALE_CHECK(fn.ndim() == 2 && fn.size(0) == mix && fn.size(1) == flat && fn.is_contiguous(),
-                "hc_pre: fn {} must be [{}, {}]", fn.describe(), mix, flat);
+                "mhc_pre: fn {} must be [{}, {}]", fn.describe(), mix, flat);
   METRALE_CHECK(base.numel() == mix && scale.numel() == 3 && base.is_contiguous() && scale.is_contiguous(),
-                "hc_pre: base {} scale {}", base.describe(), scale.describe());
+                "mhc_pre: base {} scale {}", base.describe(), scale.describe());
   METRALE_CHECK(post.dtype() == DType::kF32 && post.is_contiguous() && post.numel() == shape.tokens * n &&
                     comb.dtype() == DType::kF32 && comb.is_contiguous() && comb.numel() == shape.tokens * n * n,
-                "hc_pre: post {} comb {} must be f32 [T, n] and [T, n, n]", post.describe(), comb.describe());
-  METRALE_CHECK(h.ndim() == 2 && h.size(0) == shape.tokens && h.size(1) == D && h.stride(1) == 1, "hc_pre: h {}",
+                "mhc_pre: post {} comb {} must be f32 [T, n] and [T, n, n]", post.describe(), comb.describe());
+  METRALE_CHECK(h.ndim() == 2 && h.size(0) == shape.tokens && h.size(1) == D && h.stride(1) == 1, "mhc_pre: h {}",
                 h.describe());
-  METRALE_CHECK(params.sinkhorn_iters >= 1, "hc_pre: {} Sinkhorn iterations", params.sinkhorn_iters);
+  METRALE_CHECK(params.sinkhorn_iters >= 1, "mhc_pre: {} Sinkhorn iterations", params.sinkhorn_iters);
   std::vector<float> weights(static_cast<size_t>(mix * flat)), bias(static_cast<size_t>(mix)), scales(3);
   convert_to_f32(fn.dtype(), fn.data(), weights.data(), weights.size());
   convert_to_f32(base.dtype(), base.data(), bias.data(), bias.size());
@@ -102,17 +102,17 @@ void hc_pre(const Tensor& X, const Tensor& fn, const Tensor& base, const Tensor&
   });
 }
 
-void hc_post(const Tensor& X, const Tensor& y, const Tensor& post, const Tensor& comb, const Tensor& out) {
-  const StreamShape shape = check_streams("hc_post", X);
+void mhc_post(const Tensor& X, const Tensor& y, const Tensor& post, const Tensor& comb, const Tensor& out) {
+  const StreamShape shape = check_streams("mhc_post", X);
   const int64_t n = shape.streams, D = shape.width;
   METRALE_CHECK(out.ndim() == 3 && out.size(0) == shape.tokens && out.size(1) == n && out.size(2) == D &&
                     out.stride(2) == 1 && out.stride(1) == D && out.dtype() == X.dtype(),
-                "hc_post: out {} for X {}", out.describe(), X.describe());
-  METRALE_CHECK(y.ndim() == 2 && y.size(0) == shape.tokens && y.size(1) == D && y.stride(1) == 1, "hc_post: y {}",
+                "mhc_post: out {} for X {}", out.describe(), X.describe());
+  METRALE_CHECK(y.ndim() == 2 && y.size(0) == shape.tokens && y.size(1) == D && y.stride(1) == 1, "mhc_post: y {}",
                 y.describe());
   METRALE_CHECK(post.dtype() == DType::kF32 && post.is_contiguous() && post.numel() == shape.tokens * n &&
                     comb.dtype() == DType::kF32 && comb.is_contiguous() && comb.numel() == shape.tokens * n * n,
-                "hc_post: post {} comb {}", post.describe(), comb.describe());
+                "mhc_post: post {} comb {}", post.describe(), comb.describe());
   const DType act = out.dtype();
   cpu_pool().parallel_for(shape.tokens, 1, [&](int64_t begin, int64_t end) {
     float* streams = scratch_a(n * D + D);
@@ -138,11 +138,11 @@ void hc_post(const Tensor& X, const Tensor& y, const Tensor& post, const Tensor&
   });
 }
 
-void hc_mean(const Tensor& X, const Tensor& out) {
-  const StreamShape shape = check_streams("hc_mean", X);
+void mhc_mean(const Tensor& X, const Tensor& out) {
+  const StreamShape shape = check_streams("mhc_mean", X);
   const int64_t n = shape.streams, D = shape.width;
   METRALE_CHECK(out.ndim() == 2 && out.size(0) == shape.tokens && out.size(1) == D && out.stride(1) == 1,
-                "hc_mean: out {}", out.describe());
+                "mhc_mean: out {}", out.describe());
   cpu_pool().parallel_for(shape.tokens, 4, [&](int64_t begin, int64_t end) {
     float* streams = scratch_a(n * D);
     float* mean = scratch_b(D);
@@ -163,7 +163,7 @@ void hc_mean(const Tensor& X, const Tensor& out) {
 #if !METRALE_WITH_CUDA
 namespace metrale::kernels {
 
-size_t hc_pre_workspace_bytes(Device /*device*/, int64_t /*num_tokens*/, int64_t /*num_streams*/,
+size_t mhc_pre_workspace_bytes(Device /*device*/, int64_t /*num_tokens*/, int64_t /*num_streams*/,
                               int64_t /*hidden_size*/) {
   return 0;
 }

@@ -1,12 +1,12 @@
-// The mHC kernels on the CPU (hc_pre, hc_post, hc_mean) against direct double-precision formulas
+// The mHC kernels on the CPU (mhc_pre, mhc_post, mhc_mean) against direct double-precision formulas
 // (glm_deepseek.md §2.4), including the Sinkhorn order (last step on columns), M transposed in
-// hc_post and the rounding points of hc_post in bf16.
+// mhc_post and the rounding points of mhc_post in bf16.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <vector>
 
-#include "kernels/hyper_connection.h"
+#include "kernels/mhc.h"
 #include "kernels/kernel_helpers.h"
 
 namespace metrale {
@@ -22,7 +22,7 @@ struct HcExpected {
 
 HcExpected reference_hc_pre(const std::vector<double>& X, int64_t tokens, int64_t n, int64_t D,
                             const std::vector<double>& fn, const std::vector<double>& base,
-                            const std::vector<double>& scale, const kernels::HyperConnectionParams& params) {
+                            const std::vector<double>& scale, const kernels::MhcParams& params) {
   const int64_t flat = n * D, mix = (2 + n) * n;
   const double eps = params.hc_eps;
   HcExpected e;
@@ -78,7 +78,7 @@ HcExpected reference_hc_pre(const std::vector<double>& X, int64_t tokens, int64_
   return e;
 }
 
-TEST(HyperConnection, PreMatchesDirectFormula) {
+TEST(Mhc, PreMatchesDirectFormula) {
   for (const int64_t n : {4, 3}) {
     Random rng(40 + static_cast<uint64_t>(n));
     const int64_t tokens = 5, D = 48, mix = (2 + n) * n;
@@ -90,8 +90,8 @@ TEST(HyperConnection, PreMatchesDirectFormula) {
     const OwnedTensor scale = testing::random_tensor(DType::kBF16, {3}, rng, 0.5f, 2.0f);
     OwnedTensor post(DType::kF32, {tokens, n}), comb(DType::kF32, {tokens, n, n}), h(DType::kF32, {tokens, D});
     for (const Tensor* t : {&*post, &*comb, &*h}) testing::poison(*t);
-    kernels::HyperConnectionParams params;
-    kernels::hc_pre(X, *fn, *base, *scale, *post, *comb, *h, params);
+    kernels::MhcParams params;
+    kernels::mhc_pre(X, *fn, *base, *scale, *post, *comb, *h, params);
     const HcExpected expected =
         reference_hc_pre(testing::to_doubles(X), tokens, n, D, testing::to_doubles(*fn), testing::to_doubles(*base),
                          testing::to_doubles(*scale), params);
@@ -111,7 +111,7 @@ TEST(HyperConnection, PreMatchesDirectFormula) {
 }
 
 // Fewer Sinkhorn iterations give a different M (the iteration count is honoured), with the same h.
-TEST(HyperConnection, PreHonoursIterationCount) {
+TEST(Mhc, PreHonoursIterationCount) {
   Random rng(44);
   const int64_t tokens = 2, n = 4, D = 16, mix = (2 + n) * n;
   const OwnedTensor X = testing::random_tensor(DType::kF32, {tokens, n, D}, rng);
@@ -119,10 +119,10 @@ TEST(HyperConnection, PreHonoursIterationCount) {
   const OwnedTensor base = testing::random_tensor(DType::kF32, {mix}, rng, -2.0f, 2.0f);
   const OwnedTensor scale = testing::random_tensor(DType::kF32, {3}, rng, 1.0f, 3.0f);
   for (const int iters : {1, 2, 7}) {
-    kernels::HyperConnectionParams params;
+    kernels::MhcParams params;
     params.sinkhorn_iters = iters;
     OwnedTensor post(DType::kF32, {tokens, n}), comb(DType::kF32, {tokens, n, n}), h(DType::kF32, {tokens, D});
-    kernels::hc_pre(*X, *fn, *base, *scale, *post, *comb, *h, params);
+    kernels::mhc_pre(*X, *fn, *base, *scale, *post, *comb, *h, params);
     const HcExpected expected = reference_hc_pre(testing::to_doubles(*X), tokens, n, D, testing::to_doubles(*fn),
                                                  testing::to_doubles(*base), testing::to_doubles(*scale), params);
     EXPECT_TRUE(testing::close_rel_l2(*comb, expected.comb, 1e-5)) << iters;
@@ -130,8 +130,8 @@ TEST(HyperConnection, PreHonoursIterationCount) {
   }
 }
 
-// hc_post with M transposed (the sum over the first index), in f32 and with bf16 rounding points.
-TEST(HyperConnection, PostMixesWithTransposedCombAndRoundsAsReference) {
+// mhc_post with M transposed (the sum over the first index), in f32 and with bf16 rounding points.
+TEST(Mhc, PostMixesWithTransposedCombAndRoundsAsReference) {
   Random rng(45);
   const int64_t tokens = 3, n = 4, D = 20;
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
@@ -141,7 +141,7 @@ TEST(HyperConnection, PostMixesWithTransposedCombAndRoundsAsReference) {
     const OwnedTensor comb = testing::random_tensor(DType::kF32, {tokens, n, n}, rng, 0.0f, 1.0f);
     OwnedTensor out(dtype, {tokens, n, D});
     testing::poison(*out);
-    kernels::hc_post(*X, *y, *post, *comb, *out);
+    kernels::mhc_post(*X, *y, *post, *comb, *out);
     const std::vector<double> xs = testing::to_doubles(*X), ys = testing::to_doubles(*y);
     const std::vector<double> ps = testing::to_doubles(*post), ms = testing::to_doubles(*comb);
     const auto r = [&](double v) {
@@ -164,18 +164,18 @@ TEST(HyperConnection, PostMixesWithTransposedCombAndRoundsAsReference) {
     // In place.
     OwnedTensor inplace(dtype, {tokens, n, D});
     copy_tensor(*inplace, *X);
-    kernels::hc_post(*inplace, *y, *post, *comb, *inplace);
+    kernels::mhc_post(*inplace, *y, *post, *comb, *inplace);
     EXPECT_EQ(testing::to_doubles(*inplace), testing::to_doubles(*out));
   }
 }
 
-TEST(HyperConnection, MeanOverStreams) {
+TEST(Mhc, MeanOverStreams) {
   Random rng(46);
   const int64_t tokens = 3, n = 4, D = 10;
   const OwnedTensor X = testing::random_tensor(DType::kF32, {tokens, n, D}, rng);
   OwnedTensor out(DType::kF32, {tokens, D});
   testing::poison(*out);
-  kernels::hc_mean(*X, *out);
+  kernels::mhc_mean(*X, *out);
   const std::vector<double> xs = testing::to_doubles(*X);
   std::vector<double> expected;
   for (int64_t t = 0; t < tokens; ++t) {

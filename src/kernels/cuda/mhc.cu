@@ -1,4 +1,4 @@
-// mHC on the GPU (glm_deepseek.md §2.4). hc_pre is one kernel per site:
+// mHC on the GPU (glm_deepseek.md §2.4). mhc_pre is one kernel per site:
 //   tensor-core path (bf16 X and fn): CTA of 4 warps per (tile of 16 tokens, K-slice of the n*D
 //     stream values). The (2+n)n = 24 projections are an M = 16 x N = 24 x K = n*D product on
 //     mma.sync (the products of bf16 values are exact, the sums fp32: the reference's fp32 GEMM up to
@@ -9,9 +9,9 @@
 //     order and finishes. Finishing a token: m = inv_rms * dots, the pre/post maps, 20 Sinkhorn
 //     steps on the n x n matrix (one thread per token), and h = D(sum_j pre_j X_j) over D columns.
 //   generic path (any float dtypes, e.g. f32 activations in tests): one CTA per token, CUDA cores.
-// hc_post and hc_mean are elementwise over (token, column); each thread owns all n streams of its
-// columns, so hc_post may run in place.
-// Bytes per token and site at n = 4, D = 4096, bf16: hc_pre reads X (32 KiB) once for the products
+// mhc_post and mhc_mean are elementwise over (token, column); each thread owns all n streams of its
+// columns, so mhc_post may run in place.
+// Bytes per token and site at n = 4, D = 4096, bf16: mhc_pre reads X (32 KiB) once for the products
 // and again (L2) for the collapse, writes h (8 KiB); fn (768 KiB) is read once per tile from L2.
 #include <algorithm>
 #include <cstdint>
@@ -21,7 +21,7 @@
 
 #include "kernels/cuda/attention_mma.cuh"
 #include "kernels/cuda/common.cuh"
-#include "kernels/hyper_connection.h"
+#include "kernels/mhc.h"
 
 namespace metrale::kernels {
 namespace cuda {
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kPreThreads) hc_pre_mma_kernel(HcArgs a) {
   }
 }
 
-// ---- hc_post / hc_mean ----
+// ---- mhc_post / mhc_mean ----
 
 // Thread per (token, kVec columns): all n streams of those columns in, all n out.
 template <typename T, int kVec>
@@ -429,9 +429,9 @@ void check_streams(const char* op, const Tensor& X) {
 
 }  // namespace
 
-void hc_pre(const Tensor& X, const Tensor& fn, const Tensor& base, const Tensor& scale, const Tensor& post,
-            const Tensor& comb, const Tensor& h, const HyperConnectionParams& params) {
-  const char* op = "hc_pre";
+void mhc_pre(const Tensor& X, const Tensor& fn, const Tensor& base, const Tensor& scale, const Tensor& post,
+            const Tensor& comb, const Tensor& h, const MhcParams& params) {
+  const char* op = "mhc_pre";
   check_streams(op, X);
   const int64_t tokens = X.size(0), n = X.size(1), D = X.size(2), flat = n * D, mix = (2 + n) * n;
   for (const Tensor* t : {&fn, &base, &scale, &post, &comb, &h}) {
@@ -478,11 +478,11 @@ void hc_pre(const Tensor& X, const Tensor& fn, const Tensor& base, const Tensor&
     a.splits = splits_for(tokens, flat);
     if (a.splits > 1) {
       const Tensor& ws = params.workspace;
-      const size_t needed = hc_pre_workspace_bytes(h.device(), tokens, n, D);
+      const size_t needed = mhc_pre_workspace_bytes(h.device(), tokens, n, D);
       METRALE_EXPECT(!ws.empty() && ws.device().is_cuda() && ws.nbytes() >= needed &&
                          reinterpret_cast<uintptr_t>(ws.data()) % 256 == 0,
                      std::string(op) + ": workspace " + ws.describe() + " below the " + std::to_string(needed) +
-                         " bytes of hc_pre_workspace_bytes (or not 256-byte aligned)");
+                         " bytes of mhc_pre_workspace_bytes (or not 256-byte aligned)");
       a.counters = ws.data_as<uint32_t>();
       a.partials = reinterpret_cast<float*>(static_cast<char*>(ws.data()) + counters_bytes(tiles));
     }
@@ -498,15 +498,15 @@ void hc_pre(const Tensor& X, const Tensor& fn, const Tensor& base, const Tensor&
       } else if (fn.dtype() == DType::kF32) {
         hc_pre_generic_kernel<T, float><<<static_cast<unsigned>(tokens), 256, 0, stream>>>(a);
       } else {
-        raise_message(ErrorCode::kUnsupported, "hc_pre: fn must be bf16 or f32 on CUDA");
+        raise_message(ErrorCode::kUnsupported, "mhc_pre: fn must be bf16 or f32 on CUDA");
       }
     });
   }
   METRALE_CHECK_LAUNCH(op);
 }
 
-void hc_post(const Tensor& X, const Tensor& y, const Tensor& post, const Tensor& comb, const Tensor& out) {
-  const char* op = "hc_post";
+void mhc_post(const Tensor& X, const Tensor& y, const Tensor& post, const Tensor& comb, const Tensor& out) {
+  const char* op = "mhc_post";
   check_streams(op, X);
   const int64_t tokens = X.size(0), n = X.size(1), D = X.size(2);
   METRALE_EXPECT(out.device().is_cuda() && out.ndim() == 3 && out.size(0) == tokens && out.size(1) == n &&
@@ -544,8 +544,8 @@ void hc_post(const Tensor& X, const Tensor& y, const Tensor& post, const Tensor&
   METRALE_CHECK_LAUNCH(op);
 }
 
-void hc_mean(const Tensor& X, const Tensor& out) {
-  const char* op = "hc_mean";
+void mhc_mean(const Tensor& X, const Tensor& out) {
+  const char* op = "mhc_mean";
   check_streams(op, X);
   const int64_t tokens = X.size(0), n = X.size(1), D = X.size(2);
   METRALE_EXPECT(out.device().is_cuda() && out.ndim() == 2 && out.size(0) == tokens && out.size(1) == D &&
@@ -564,7 +564,7 @@ void hc_mean(const Tensor& X, const Tensor& out) {
 
 }  // namespace cuda
 
-size_t hc_pre_workspace_bytes(Device device, int64_t num_tokens, int64_t num_streams, int64_t hidden_size) {
+size_t mhc_pre_workspace_bytes(Device device, int64_t num_tokens, int64_t num_streams, int64_t hidden_size) {
   if (!device.is_cuda() || num_tokens <= 0) return 0;
   const int64_t tiles = cuda::tiles_of(num_tokens);
   const int splits = cuda::splits_for(num_tokens, num_streams * hidden_size);
