@@ -25,6 +25,10 @@ struct CausalConv1dParams {
   int dilation = 1;  // d >= 1: tap j of output row t reads input row t - (K-1-j)*d (CUDA: 1..4)
   // Optional [T, C] in the activation dtype (rows may be strided): out = D(residual + D(act(conv))).
   Tensor residual = {};
+  // true: the fp32 sum is rounded to the activation dtype before the activation (Qwen's conv, whose
+  // weights are in the activation dtype); false: the activation runs on the fp32 sum and only its
+  // result is rounded (KDA's fp32 conv, glm_deepseek.md §2.5). No effect without silu.
+  bool round_conv = true;
 };
 
 // x [T, C] activations (rows may be strided, channels contiguous); weight [C, K] (conv1d.weight
@@ -32,8 +36,9 @@ struct CausalConv1dParams {
 // contiguous; cu_q [S+1], kv_lens [S], state_slots [S] i32 on x's device; out [T, C] activation dtype,
 // must not alias x.
 // Rounding (qwen.md §6.2, §7.2 g-h): the convolution accumulates in fp32 and is rounded to the
-// activation dtype once, then the activation is applied and rounded again, then the residual is
-// added and the sum rounded. The CPU (f32 activations) is the reference.
+// activation dtype once, then the activation is applied and rounded again (with round_conv false:
+// rounded once, after the activation), then the residual is added and the sum rounded. The CPU
+// (f32 activations) is the reference.
 // CUDA: bf16 x/out/conv_state; metadata read on the device only (graph-capturable).
 METRALE_DECLARE_OP_IMPLS(causal_conv1d, (const Tensor& x, const Tensor& weight, const Tensor& conv_state,
                                          const Tensor& cu_q, const Tensor& kv_lens, const Tensor& state_slots,

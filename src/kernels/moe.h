@@ -15,18 +15,35 @@
 
 namespace metrale::kernels {
 
+// How router logits become expert scores: softmax over the experts (Qwen), or an independent
+// sigmoid per expert (the DeepSeek-V3 router of glm_deepseek.md §1).
+enum class MoeScoring { kSoftmax, kSigmoid };
+
 struct MoeRouteParams {
   int top_k = 1;
   bool normalize = false;  // renormalise the top-k probabilities to sum to 1
+  MoeScoring scoring = MoeScoring::kSoftmax;
+  // [E] any float dtype, or empty: added to the scores for the choice of experts only (the weights
+  // stay the unbiased scores); e_score_correction_bias.
+  Tensor correction_bias{};
+  // Group limit: the E experts form n_group contiguous groups; a group scores the sum of its two
+  // best choice scores, and only the topk_group best groups (ties toward the lower group) keep
+  // their experts. n_group = 1 does nothing.
+  int n_group = 1;
+  int topk_group = 1;
+  float routed_scaling_factor = 1.0f;  // multiplies the final weights (after the renormalisation)
 };
 
 // The routed experts' weights as the expert ops read them. Expert e computes
-//   h = silu(x . gate[e]^T) * (x . up[e]^T)   [I]
+//   h = silu(x . gate[e]^T) * (x . up[e]^T)   [I]   (clamped first when swiglu_limit > 0)
 //   y = h . down[e]^T                          [H]
 struct MoeExpertWeights {
   int64_t num_experts = 0;
   int64_t hidden_size = 0;        // H
   int64_t intermediate_size = 0;  // I
+  // Clamped SwiGLU (swiglu_limit L > 0, glm_deepseek.md §1): the projections become
+  // min(x . gate^T, L) and clamp(x . up^T, -L, L) before silu. 0: no clamp.
+  float swiglu_limit = 0.0f;
 
   // Per-expert views (the CPU ops read these): gate[e], up[e] [I, H]; down[e] [H, I]; rows contiguous.
   // They may point anywhere (one tensor per expert in the checkpoint, or into the fused tensors).
@@ -49,9 +66,12 @@ struct MoeExpertWeights {
 // tensor-core tiles would be mostly padding). Both devices use the same rule.
 inline constexpr int64_t kMoeDecodeMaxSlots = 64;
 
-// Softmax over experts in fp32, then top-k (descending probability; ties broken by lower expert
-// id), optionally renormalised. router_logits [T, E] f32|bf16; topk_ids [T, k] i32; topk_weights
-// [T, k] f32. CUDA: E <= 512.
+// Scores in fp32 (softmax over experts, or sigmoid per expert), then top-k of the choice scores
+// (score + correction_bias, within the kept groups; descending; ties broken by lower expert id).
+// The weights are the unbiased scores of the chosen experts, optionally renormalised (softmax:
+// w / sum(w); sigmoid: w / (sum(w) + 1e-20), as the reference), then times routed_scaling_factor.
+// router_logits [T, E] f32|bf16; topk_ids [T, k] i32; topk_weights [T, k] f32. CUDA: E <= 512,
+// n_group <= 32.
 METRALE_DECLARE_OP_IMPLS(moe_route, (const Tensor& router_logits, const Tensor& topk_ids,
                                      const Tensor& topk_weights, const MoeRouteParams& params))
 
@@ -100,11 +120,14 @@ METRALE_DECLARE_OP_IMPLS(moe_grouped_gate_up, (const Tensor& x, const Tensor& so
 METRALE_DECLARE_OP_IMPLS(moe_grouped_down, (const Tensor& h, const Tensor& sorted_slots, const Tensor& expert_offsets,
                                             const MoeExpertWeights& experts, const Tensor& slot_out))
 
-// The weighted k-slot reduce, plus the optional sigmoid-gated shared expert:
-//   out[t] = sum_{j = 0..k-1} topk_weights[t, j] * slot_out[t * k + j]   (fp32, in order of j)
-//            + sigmoid(shared_gate_logits[t]) * shared_out[t]            (when shared_out is given)
-// rounded once to out's dtype. slot_out [T * k, H] f32; topk_weights [T, k] f32; shared_out [T, H]
-// f32 or empty; shared_gate_logits [T, 1] f32 (empty together with shared_out); out [T, H] f32|bf16.
+// The weighted k-slot reduce, plus the optional shared expert:
+//   r[t] = sum_{j = 0..k-1} topk_weights[t, j] * slot_out[t * k + j]   (fp32, in order of j)
+//   gated (shared_gate_logits given): out[t] = D(r[t] + sigmoid(shared_gate_logits[t]) * shared_out[t])
+//   ungated (shared_gate_logits empty): out[t] = D(D(r[t]) + D(shared_out[t])), the routed sum
+//     rounded to out's dtype D before the shared expert is added in D (DeepSeek-V3 MoE, §1)
+//   no shared expert: out[t] = D(r[t]).
+// slot_out [T * k, H] f32; topk_weights [T, k] f32; shared_out [T, H] f32 or empty;
+// shared_gate_logits [T, 1] f32 or empty; out [T, H] f32|bf16.
 METRALE_DECLARE_OP_IMPLS(moe_combine, (const Tensor& slot_out, const Tensor& topk_weights, const Tensor& shared_out,
                                        const Tensor& shared_gate_logits, const Tensor& out))
 

@@ -1,12 +1,13 @@
 #include "kernels/activation.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/common.h"
 
 namespace metrale::kernels::cpu {
 
-void silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
+void silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out, float limit) {
   METRALE_CHECK(gate.ndim() == 2 && up.ndim() == 2 && out.ndim() == 2, "silu_mul ranks");
   const int64_t rows = out.size(0), width = out.size(1);
   METRALE_CHECK(gate.size(0) == rows && gate.size(1) == width && up.size(0) == rows && up.size(1) == width,
@@ -19,8 +20,9 @@ void silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
       const float* gv = as_f32(gate.dtype(), row_ptr(gate, r), g, width);
       const float* uv = as_f32(up.dtype(), row_ptr(up, r), u, width);
       for (int64_t i = 0; i < width; ++i) {
-        const float s = gv[i] / (1.0f + std::exp(-gv[i]));
-        o[i] = s * uv[i];
+        const float gc = limit > 0.0f ? std::min(gv[i], limit) : gv[i];
+        const float uc = limit > 0.0f ? std::clamp(uv[i], -limit, limit) : uv[i];
+        o[i] = gc / (1.0f + std::exp(-gc)) * uc;
       }
       store_f32(out.dtype(), o, row_ptr_mut(out, r), width);
     }

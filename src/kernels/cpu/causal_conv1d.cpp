@@ -118,9 +118,10 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
           const float* in = window + j * dilation * width;
           for (int64_t c = 0; c < width; ++c) result[c] += tap[c] * in[c];
         }
-        // Rounded to the activation dtype after the convolution, then again (by the store) after the activation.
+        // Rounded to the activation dtype after the convolution (unless round_conv is false), then again
+        // (by the store) after the activation.
         if (params.silu) {
-          round_in_place(act_dtype, result, width);
+          if (params.round_conv) round_in_place(act_dtype, result, width);
           for (int64_t c = 0; c < width; ++c) result[c] = silu(result[c]);
         }
         if (with_residual) {

@@ -1,4 +1,5 @@
-// CPU gated RMSNorm (the GDN output norm), fp32 arithmetic: y = w * x * rsqrt(mean(x^2) + eps) * silu(z).
+// CPU gated RMSNorm (the GDN and KDA output norms), fp32 arithmetic:
+// y = w * x * rsqrt(mean(x^2) + eps) * act(z), act = silu or sigmoid.
 #include "kernels/gated_rms_norm.h"
 
 #include <cmath>
@@ -17,7 +18,8 @@ char* head_ptr(const Tensor& t, int64_t token, int64_t head) {
 
 }  // namespace
 
-void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, const Tensor& out, float eps) {
+void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, const Tensor& out, float eps,
+                    GatedNormGate gate_kind) {
   METRALE_CHECK(x.ndim() == 3 && z.ndim() == 3 && out.ndim() == 3, "gated_rms_norm: x {} z {} out {}", x.describe(),
                 z.describe(), out.describe());
   const int64_t tokens = x.size(0), heads = x.size(1), width = x.size(2);
@@ -40,7 +42,8 @@ void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, cons
       for (int64_t i = 0; i < width; ++i) sum_squares += static_cast<double>(xs[i]) * xs[i];
       const float inv = 1.0f / std::sqrt(static_cast<float>(sum_squares / static_cast<double>(width)) + eps);
       for (int64_t i = 0; i < width; ++i) {
-        const float gate = zs[i] / (1.0f + std::exp(-zs[i]));
+        const float sigmoid = 1.0f / (1.0f + std::exp(-zs[i]));
+        const float gate = gate_kind == GatedNormGate::kSilu ? zs[i] * sigmoid : sigmoid;
         xs[i] = w[static_cast<size_t>(i)] * (xs[i] * inv) * gate;
       }
       store_f32(out.dtype(), xs, head_ptr(out, t, h), width);

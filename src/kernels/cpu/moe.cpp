@@ -48,11 +48,47 @@ int32_t checked_expert(int32_t e, const MoeExpertWeights& experts) {
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-// out[r] = silu(gate[r]) * up[r], stored in out's dtype. gate, up [rows, I] f32.
-void store_silu_mul(const float* gate, const float* up, int64_t width, const Tensor& out, int64_t out_row) {
+// out[r] = silu(gate[r]) * up[r], stored in out's dtype, with the clamp of the clamped SwiGLU when
+// limit > 0. gate, up [rows, I] f32.
+void store_silu_mul(const float* gate, const float* up, int64_t width, float limit, const Tensor& out,
+                    int64_t out_row) {
   std::vector<float> h(static_cast<size_t>(width));
-  for (int64_t i = 0; i < width; ++i) h[static_cast<size_t>(i)] = silu(gate[i]) * up[i];
+  for (int64_t i = 0; i < width; ++i) {
+    const float g = limit > 0.0f ? std::min(gate[i], limit) : gate[i];
+    const float u = limit > 0.0f ? std::clamp(up[i], -limit, limit) : up[i];
+    h[static_cast<size_t>(i)] = silu(g) * u;
+  }
   store_f32(out.dtype(), h.data(), row_ptr_mut(out, out_row), width);
+}
+
+// Sets the choice scores of every expert outside the topk_group best groups to -inf. A group scores
+// the sum of its two best choice scores (one when a group has a single expert); ties toward the
+// lower group.
+void limit_groups(float* choice, int64_t experts, int n_group, int topk_group) {
+  if (n_group <= 1) return;
+  const int64_t per_group = experts / n_group;
+  std::vector<float> group_score(static_cast<size_t>(n_group));
+  for (int g = 0; g < n_group; ++g) {
+    float best = -INFINITY, second = -INFINITY;
+    for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+      if (choice[e] > best) {
+        second = best;
+        best = choice[e];
+      } else if (choice[e] > second) {
+        second = choice[e];
+      }
+    }
+    group_score[static_cast<size_t>(g)] = per_group >= 2 ? best + second : best;
+  }
+  std::vector<int> order(static_cast<size_t>(n_group));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return group_score[static_cast<size_t>(a)] > group_score[static_cast<size_t>(b)];
+  });
+  for (size_t rank = static_cast<size_t>(topk_group); rank < order.size(); ++rank) {
+    const int g = order[rank];
+    std::fill(choice + g * per_group, choice + (g + 1) * per_group, -INFINITY);
+  }
 }
 
 }  // namespace
@@ -65,32 +101,54 @@ void moe_route(const Tensor& router_logits, const Tensor& topk_ids, const Tensor
   METRALE_CHECK(topk_ids.numel() == tokens * k && topk_weights.numel() == tokens * k &&
                     topk_ids.dtype() == DType::kI32 && topk_weights.dtype() == DType::kF32,
                 "moe_route outputs");
+  const bool sigmoid = params.scoring == MoeScoring::kSigmoid;
+  METRALE_CHECK(params.n_group >= 1 && experts % params.n_group == 0 && params.topk_group >= 1 &&
+                    params.topk_group <= params.n_group &&
+                    static_cast<int64_t>(params.topk_group) * (experts / params.n_group) >= k,
+                "moe_route: {} groups (keep {}) of {} experts for top_k {}", params.n_group, params.topk_group, experts,
+                k);
+  std::vector<float> bias;
+  if (!params.correction_bias.empty()) {
+    METRALE_CHECK(params.correction_bias.numel() == experts && params.correction_bias.is_contiguous(),
+                  "moe_route: correction_bias {} for {} experts", params.correction_bias.describe(), experts);
+    bias.resize(static_cast<size_t>(experts));
+    convert_to_f32(params.correction_bias.dtype(), params.correction_bias.data(), bias.data(), bias.size());
+  }
   auto* ids = topk_ids.data_as<int32_t>();
   auto* weights = topk_weights.data_as<float>();
   cpu_pool().parallel_for(tokens, 16, [&](int64_t begin, int64_t end) {
     float* probs = scratch_a(experts);
+    float* choice = scratch_b(experts);
     std::vector<int32_t> order(static_cast<size_t>(experts));
     for (int64_t t = begin; t < end; ++t) {
       const float* logits = as_f32(router_logits.dtype(), row_ptr(router_logits, t), probs, experts);
       if (logits != probs) std::copy(logits, logits + experts, probs);
-      const float max_logit = *std::max_element(probs, probs + experts);
-      double sum = 0.0;
-      for (int64_t e = 0; e < experts; ++e) {
-        probs[e] = std::exp(probs[e] - max_logit);
-        sum += probs[e];
+      if (sigmoid) {
+        for (int64_t e = 0; e < experts; ++e) probs[e] = 1.0f / (1.0f + std::exp(-probs[e]));
+      } else {
+        const float max_logit = *std::max_element(probs, probs + experts);
+        double sum = 0.0;
+        for (int64_t e = 0; e < experts; ++e) {
+          probs[e] = std::exp(probs[e] - max_logit);
+          sum += probs[e];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t e = 0; e < experts; ++e) probs[e] *= inv;
       }
-      const float inv = static_cast<float>(1.0 / sum);
-      for (int64_t e = 0; e < experts; ++e) probs[e] *= inv;
+      for (int64_t e = 0; e < experts; ++e) choice[e] = bias.empty() ? probs[e] : probs[e] + bias[static_cast<size_t>(e)];
+      limit_groups(choice, experts, params.n_group, params.topk_group);
       std::iota(order.begin(), order.end(), 0);
       std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-        return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+        return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
       });
       float selected_sum = 0.0f;
       for (int j = 0; j < k; ++j) selected_sum += probs[order[static_cast<size_t>(j)]];
+      if (sigmoid) selected_sum += 1e-20f;
       for (int j = 0; j < k; ++j) {
         const int32_t e = order[static_cast<size_t>(j)];
         ids[t * k + j] = e;
-        weights[t * k + j] = params.normalize ? probs[e] / selected_sum : probs[e];
+        const float w = params.normalize ? probs[e] / selected_sum : probs[e];
+        weights[t * k + j] = params.routed_scaling_factor == 1.0f ? w : w * params.routed_scaling_factor;
       }
     }
   });
@@ -162,7 +220,7 @@ void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpert
     const Tensor x_row = x.slice(0, s / k, s / k + 1);
     linear(x_row, experts.gate[static_cast<size_t>(e)], *gate, false);
     linear(x_row, experts.up[static_cast<size_t>(e)], *up, false);
-    store_silu_mul(gate->data_as<const float>(), up->data_as<const float>(), inter, h, s);
+    store_silu_mul(gate->data_as<const float>(), up->data_as<const float>(), inter, experts.swiglu_limit, h, s);
   }
 }
 
@@ -204,7 +262,8 @@ void moe_grouped_gate_up(const Tensor& x, const Tensor& sorted_slots, const Tens
     linear(*expert_in, experts.gate[static_cast<size_t>(e)], *gate, false);
     linear(*expert_in, experts.up[static_cast<size_t>(e)], *up, false);
     for (int64_t p = 0; p < rows; ++p) {
-      store_silu_mul(gate->data_as<const float>() + p * inter, up->data_as<const float>() + p * inter, inter, h,
+      store_silu_mul(gate->data_as<const float>() + p * inter, up->data_as<const float>() + p * inter, inter,
+                     experts.swiglu_limit, h,
                      begin + p);
     }
   }
@@ -246,11 +305,15 @@ void moe_combine(const Tensor& slot_out, const Tensor& topk_weights, const Tenso
                     topk_weights.is_contiguous() && slot_out.stride(1) == 1 && out.stride(1) == 1,
                 "moe_combine: slot_out {} weights {} out {}", slot_out.describe(), topk_weights.describe(),
                 out.describe());
+  const bool gated = shared && !shared_gate_logits.empty();
   if (shared) {
     METRALE_CHECK(shared_out.dtype() == DType::kF32 && shared_out.size(0) == tokens && shared_out.size(1) == hidden &&
-                      shared_out.stride(1) == 1 && shared_gate_logits.dtype() == DType::kF32 &&
-                      shared_gate_logits.numel() == tokens,
-                  "moe_combine: shared {} gate {}", shared_out.describe(), shared_gate_logits.describe());
+                      shared_out.stride(1) == 1,
+                  "moe_combine: shared {}", shared_out.describe());
+  }
+  if (gated) {
+    METRALE_CHECK(shared_gate_logits.dtype() == DType::kF32 && shared_gate_logits.numel() == tokens,
+                  "moe_combine: shared gate {}", shared_gate_logits.describe());
   }
   const auto* weights = topk_weights.data_as<const float>();
   cpu_pool().parallel_for(tokens, 1, [&](int64_t begin, int64_t end) {
@@ -262,11 +325,17 @@ void moe_combine(const Tensor& slot_out, const Tensor& topk_weights, const Tenso
         const auto* row = static_cast<const float*>(row_ptr(slot_out, t * k + j));
         for (int64_t c = 0; c < hidden; ++c) acc[c] += w * row[c];
       }
-      if (shared) {
+      if (gated) {
         const float logit = shared_gate_logits.data_as<const float>()[t * shared_gate_logits.stride(0)];
         const float gate = 1.0f / (1.0f + std::exp(-logit));
         const auto* row = static_cast<const float*>(row_ptr(shared_out, t));
         for (int64_t c = 0; c < hidden; ++c) acc[c] += gate * row[c];
+      } else if (shared) {
+        // The routed sum in out's dtype, then the shared expert added in that dtype.
+        const auto* row = static_cast<const float*>(row_ptr(shared_out, t));
+        for (int64_t c = 0; c < hidden; ++c) {
+          acc[c] = round_as(out.dtype(), acc[c]) + round_as(out.dtype(), row[c]);
+        }
       }
       store_f32(out.dtype(), acc, row_ptr_mut(out, t), hidden);
     }

@@ -18,7 +18,7 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) silu_mul_kernel(const T* __restrict__ gate, int64_t gate_stride,
                                                             const T* __restrict__ up, int64_t up_stride,
                                                             T* __restrict__ out, int64_t out_stride, int64_t rows,
-                                                            int vectors) {
+                                                            int vectors, float limit) {
   using V = Vec<T, N>;
   const int j = blockIdx.x * kThreads + threadIdx.x;
   if (j >= vectors) return;
@@ -28,23 +28,28 @@ __global__ void __launch_bounds__(kThreads) silu_mul_kernel(const T* __restrict_
     V o;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      const float gv = to_f32(g.v[e]);
+      float gv = to_f32(g.v[e]), uv = to_f32(u.v[e]);
+      if (limit > 0.0f) {  // clamped SwiGLU, as torch's clamp of a T tensor: bounds rounded to T
+        const float bound = to_f32(from_f32<T>(limit));
+        gv = fminf(gv, bound);
+        uv = fminf(fmaxf(uv, -bound), bound);
+      }
       const float silu = to_f32(from_f32<T>(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv)))));
-      o.v[e] = from_f32<T>(__fmul_rn(silu, to_f32(u.v[e])));
+      o.v[e] = from_f32<T>(__fmul_rn(silu, uv));
     }
     *reinterpret_cast<V*>(out + r * out_stride + static_cast<int64_t>(j) * N) = o;
   }
 }
 
 template <typename T, int N>
-void launch(const Tensor& gate, const Tensor& up, const Tensor& out) {
+void launch(const Tensor& gate, const Tensor& up, const Tensor& out, float limit) {
   const int64_t rows = out.size(0);
   const int vectors = static_cast<int>(out.size(1) / N);
   const dim3 grid(static_cast<unsigned int>(ceil_div(vectors, kThreads)),
                   static_cast<unsigned int>(std::min<int64_t>(rows, kMaxGridRows)));
   silu_mul_kernel<T, N><<<grid, kThreads, 0, stream_of(out)>>>(gate.data_as<const T>(), gate.stride(0),
                                                                 up.data_as<const T>(), up.stride(0), out.data_as<T>(),
-                                                                out.stride(0), rows, vectors);
+                                                                out.stride(0), rows, vectors, limit);
   METRALE_CHECK_LAUNCH("silu_mul_kernel");
 }
 
@@ -55,7 +60,7 @@ bool rows_aligned(const Tensor& t) {
 
 }  // namespace
 
-void silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
+void silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out, float limit) {
   METRALE_EXPECT(gate.device().is_cuda() && up.device().is_cuda() && out.device().is_cuda(),
                  "silu_mul: tensors must be on the GPU");
   METRALE_EXPECT(gate.ndim() == 2 && up.ndim() == 2 && out.ndim() == 2, "silu_mul: 2-D tensors expected");
@@ -72,10 +77,10 @@ void silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
   const bool vectorised = width % vector_elements == 0 && rows_aligned(gate) && rows_aligned(up) && rows_aligned(out);
   switch (out.dtype()) {
     case DType::kBF16:
-      vectorised ? launch<__nv_bfloat16, 8>(gate, up, out) : launch<__nv_bfloat16, 1>(gate, up, out);
+      vectorised ? launch<__nv_bfloat16, 8>(gate, up, out, limit) : launch<__nv_bfloat16, 1>(gate, up, out, limit);
       break;
     case DType::kF32:
-      vectorised ? launch<float, 4>(gate, up, out) : launch<float, 1>(gate, up, out);
+      vectorised ? launch<float, 4>(gate, up, out, limit) : launch<float, 1>(gate, up, out, limit);
       break;
     default:
       raise_message(ErrorCode::kUnsupported,

@@ -43,6 +43,7 @@ struct ConvArgs {
   int rows_per_thread;
   bool write_state;
   bool silu;
+  bool round_conv;  // round the fp32 sum to T before the activation
 };
 
 template <typename T, int N>
@@ -137,10 +138,10 @@ __global__ void __launch_bounds__(kThreads) conv_kernel(ConvArgs a) {
 #pragma unroll
       for (int j = 0; j < K - 1; ++j) sum = fmaf(w[j][e], window[j * kDil][e], sum);
       sum = fmaf(w[K - 1][e], current[e], sum);
-      // Rounded to the activation dtype after the convolution, then again after the activation (and
-      // after the residual's add).
+      // Rounded to the activation dtype after the convolution (unless round_conv is false), then
+      // again after the activation (and after the residual's add).
       if (a.silu) {
-        const float y = to_f32(from_f32<T>(sum));
+        const float y = a.round_conv ? to_f32(from_f32<T>(sum)) : sum;
         sum = y / (1.0f + expf(-y));
       }
       if (a.residual != nullptr) sum = to_f32(from_f32<T>(sum)) + added[e];
@@ -269,6 +270,7 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
   a.tokens = tokens;
   a.channels = static_cast<int>(channels);
   a.silu = params.silu;
+  a.round_conv = params.round_conv;
   // Decode-sized batches (about one row per sequence): one row per thread, so that the slot reads of
   // all sequences are in flight together; prefill: a run of rows shares the sliding window.
   const int64_t q_bound = params.max_q_len > 0 ? params.max_q_len : tokens;

@@ -1,5 +1,6 @@
-// Gated RMSNorm on the GPU (the GDN output norm, qwen.md §3.1), rounding like transformers in the
-// activation dtype D:  n = x * rsqrt(mean(x^2) + eps);  t = D(w * D(n));  y = D(t * silu(z)).
+// Gated RMSNorm on the GPU, rounding like transformers in the activation dtype D:
+//   kSilu (the GDN output norm, qwen.md §3.1): n = x * rsqrt(mean(x^2) + eps); t = D(w * D(n)); y = D(t * silu(z));
+//   kSigmoid (the KDA output norm, glm_deepseek.md §2.5): y = D(w * n * sigmoid(z)), fp32 until the store.
 // One warp per (token, head) row; each lane takes 4 consecutive elements per step (8-byte bf16 or
 // 16-byte f32 loads) when rows allow, else one. The row is read twice (sum of squares, then the
 // output); the second read hits L1. out may alias x: every element is read before it is written,
@@ -25,6 +26,7 @@ struct GatedNormArgs {
   int64_t rows;
   int heads, width;
   float eps;
+  bool sigmoid;  // GatedNormGate::kSigmoid
 };
 
 template <typename T, int N>
@@ -51,10 +53,15 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) gated_rms_norm_kernel(Gate
     V o;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      const float normalized = to_f32(from_f32<T>(to_f32(xv.v[e]) * inv_rms));
-      const float weighted = to_f32(from_f32<T>(load_weight(a.weight, a.weight_type, i + e) * normalized));
       const float gate = to_f32(zv.v[e]);
-      o.v[e] = from_f32<T>(weighted * (gate / (1.0f + expf(-gate))));
+      if (a.sigmoid) {
+        const float weighted = load_weight(a.weight, a.weight_type, i + e) * (to_f32(xv.v[e]) * inv_rms);
+        o.v[e] = from_f32<T>(weighted * (1.0f / (1.0f + expf(-gate))));
+      } else {
+        const float normalized = to_f32(from_f32<T>(to_f32(xv.v[e]) * inv_rms));
+        const float weighted = to_f32(from_f32<T>(load_weight(a.weight, a.weight_type, i + e) * normalized));
+        o.v[e] = from_f32<T>(weighted * (gate / (1.0f + expf(-gate))));
+      }
     }
     *reinterpret_cast<V*>(out + i) = o;
   }
@@ -68,7 +75,8 @@ bool rows_aligned(const Tensor& t, int64_t bytes) {
 
 }  // namespace
 
-void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, const Tensor& out, float eps) {
+void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, const Tensor& out, float eps,
+                    GatedNormGate gate) {
   for (const Tensor* t : {&x, &z, &weight, &out}) {
     METRALE_EXPECT(t->device().is_cuda(), "gated_rms_norm: tensors must be on the GPU (" + t->describe() + ")");
   }
@@ -98,6 +106,7 @@ void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, cons
   a.heads = static_cast<int>(heads);
   a.width = static_cast<int>(width);
   a.eps = eps;
+  a.sigmoid = gate == GatedNormGate::kSigmoid;
   if (a.rows == 0 || width == 0) return;
   const auto grid = static_cast<unsigned>((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
   const cudaStream_t stream = stream_of(out);

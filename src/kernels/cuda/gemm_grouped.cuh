@@ -14,7 +14,8 @@
 // Two epilogues:
 //   kSwiGlu: A rows are x[sorted_slots[p] / top_k]; B is an expert's fused gate_up [2I, K]. The
 //     block's 128 B rows interleave 8 gate rows and the matching 8 up rows, so each thread holds
-//     gate and up for the same output column and writes h = silu(gate) * up (bf16) for 64 columns.
+//     gate and up for the same output column and writes h = silu(gate) * up (bf16) for 64 columns
+//     (gate and up clamped first for the clamped SwiGLU).
 //   kScatterF32: A rows are h[p] (sorted order); B is an expert's down [H, K]; row p goes to
 //     out[sorted_slots[p]] (f32, slot order).
 #pragma once
@@ -57,6 +58,7 @@ struct Params {
   void* out;                       // kSwiGlu: h [P, I] bf16 (sorted order); kScatterF32: [P, H] f32 (slot order)
   int64_t out_stride;              // elements
   int n_tiles;
+  float swiglu_limit;              // kSwiGlu: > 0 clamps gate above and up both ways first (0: no clamp)
 };
 
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
@@ -277,8 +279,17 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(const Params 
           // n-tiles 2q (gate) and 2q+1 (up) of this warp cover output columns of pair warp_n*2 + q.
           const int col = n_tile * (kBlockN / 2) + (warp_n * 2 + q) * 8 + lane_col;
           if (col < p.n) {
-            const float h0 = silu(acc[mi][2 * q][half * 2]) * acc[mi][2 * q + 1][half * 2];
-            const float h1 = silu(acc[mi][2 * q][half * 2 + 1]) * acc[mi][2 * q + 1][half * 2 + 1];
+            float g0 = acc[mi][2 * q][half * 2], g1 = acc[mi][2 * q][half * 2 + 1];
+            float u0 = acc[mi][2 * q + 1][half * 2], u1 = acc[mi][2 * q + 1][half * 2 + 1];
+            if (p.swiglu_limit > 0.0f) {
+              const float l = p.swiglu_limit;
+              g0 = fminf(g0, l);
+              g1 = fminf(g1, l);
+              u0 = fminf(fmaxf(u0, -l), l);
+              u1 = fminf(fmaxf(u1, -l), l);
+            }
+            const float h0 = silu(g0) * u0;
+            const float h1 = silu(g1) * u1;
             *reinterpret_cast<__nv_bfloat162*>(out_row + col) = __floats2bfloat162_rn(h0, h1);
           }
         }

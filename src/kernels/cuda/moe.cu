@@ -1,6 +1,7 @@
 // CUDA MoE ops (see kernels/moe.h for the contracts):
-//   moe_route            one warp per token: softmax in fp32 (sum in fp64, as the CPU), k rounds
-//                        of warp argmax (ties to the lower id), optional renormalisation.
+//   moe_route            one warp per token: softmax in fp32 (sum in fp64, as the CPU) or sigmoid,
+//                        the correction bias and the group limit on the choice scores, k rounds
+//                        of warp argmax (ties to the lower id), optional renormalisation, scaling.
 //   moe_sort             counting sort of slots by expert in three small launches: per-chunk
 //                        histograms, one block that scans them, a stable scatter.
 //   moe_decode_gate_up   per (slot, 8 intermediate rows) a 4-warp block; each warp streams 2 gate
@@ -40,104 +41,177 @@ std::string shape_of(const Tensor& t) { return t.describe(); }
 // moe_route
 
 constexpr int kRouteWarps = 4;
+constexpr int kRouteMaxExperts = 512;
 
+struct RouteArgs {
+  const void* logits;  // [T, E] f32 | bf16 | f16, rows strided
+  int64_t logit_stride;
+  int tokens, experts, top_k;
+  bool normalize, sigmoid;
+  const void* bias;  // [E] or null: added to the scores for the choice only
+  WeightType bias_type;
+  int n_group, topk_group;
+  float scaling;
+  int32_t* ids;
+  float* weights;
+};
+
+// One warp per token. Lane l holds experts l, l + 32, ...: the score p (the weight) and the choice
+// score c = p + bias; absent, group-masked or already chosen experts have c = -inf.
 template <int kPerLane, typename LogitT>
-__global__ void __launch_bounds__(kRouteWarps * 32)
-    moe_route_kernel(const LogitT* __restrict__ logits, int64_t logit_stride, int tokens, int experts, int top_k,
-                     bool normalize, int32_t* __restrict__ ids, float* __restrict__ weights) {
-  const int token = blockIdx.x * kRouteWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (token >= tokens) return;
-  const LogitT* row = logits + static_cast<int64_t>(token) * logit_stride;
-  // Lane l holds experts l, l + 32, ...; removed or absent experts hold -1 (probabilities are >= 0).
-  float p[kPerLane];
-  float local_max = -INFINITY;
+__global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(RouteArgs a) {
+  __shared__ float choice_s[kRouteWarps][kRouteMaxExperts];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int token = blockIdx.x * kRouteWarps + warp;
+  if (token >= a.tokens) return;
+  const LogitT* row = static_cast<const LogitT*>(a.logits) + static_cast<int64_t>(token) * a.logit_stride;
+  float p[kPerLane], c[kPerLane];
+  if (a.sigmoid) {
 #pragma unroll
-  for (int q = 0; q < kPerLane; ++q) {
-    const int e = lane + 32 * q;
-    p[q] = e < experts ? to_f32(row[e]) : -INFINITY;
-    local_max = fmaxf(local_max, p[q]);
-  }
-  const float max_logit = warp_max(local_max);
-  double local_sum = 0.0;
+    for (int q = 0; q < kPerLane; ++q) {
+      const int e = lane + 32 * q;
+      p[q] = e < a.experts ? 1.0f / (1.0f + expf(-to_f32(row[e]))) : -INFINITY;
+    }
+  } else {
+    float local_max = -INFINITY;
 #pragma unroll
-  for (int q = 0; q < kPerLane; ++q) {
-    if (lane + 32 * q < experts) {
-      p[q] = expf(p[q] - max_logit);
-      local_sum += p[q];
-    } else {
-      p[q] = -1.0f;
+    for (int q = 0; q < kPerLane; ++q) {
+      const int e = lane + 32 * q;
+      p[q] = e < a.experts ? to_f32(row[e]) : -INFINITY;
+      local_max = fmaxf(local_max, p[q]);
+    }
+    const float max_logit = warp_max(local_max);
+    double local_sum = 0.0;  // fp64 sum, as the CPU
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) {
+      if (lane + 32 * q < a.experts) {
+        p[q] = expf(p[q] - max_logit);
+        local_sum += p[q];
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) local_sum += __shfl_xor_sync(0xffffffffu, local_sum, offset);
+    const float inv = static_cast<float>(1.0 / local_sum);
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) {
+      if (lane + 32 * q < a.experts) p[q] *= inv;
     }
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) local_sum += __shfl_xor_sync(0xffffffffu, local_sum, offset);
-  const float inv = static_cast<float>(1.0 / local_sum);
-#pragma unroll
   for (int q = 0; q < kPerLane; ++q) {
-    if (p[q] >= 0.0f) p[q] *= inv;
+    const int e = lane + 32 * q;
+    c[q] = e < a.experts ? (a.bias != nullptr ? p[q] + load_weight(a.bias, a.bias_type, e) : p[q]) : -INFINITY;
   }
-  int32_t* token_ids = ids + static_cast<int64_t>(token) * top_k;
-  float* token_weights = weights + static_cast<int64_t>(token) * top_k;
+  if (a.n_group > 1) {
+    // Group g scores the sum of its two best choice scores; the topk_group best groups keep their experts.
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) {
+      if (lane + 32 * q < a.experts) choice_s[warp][lane + 32 * q] = c[q];
+    }
+    __syncwarp();
+    const int per_group = a.experts / a.n_group;
+    float group_score = -INFINITY;
+    if (lane < a.n_group) {
+      float best = -INFINITY, second = -INFINITY;
+      for (int e = lane * per_group; e < (lane + 1) * per_group; ++e) {
+        const float v = choice_s[warp][e];
+        if (v > best) {
+          second = best;
+          best = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      group_score = per_group >= 2 ? best + second : best;
+    }
+    uint32_t kept = 0;
+    for (int j = 0; j < a.topk_group; ++j) {
+      float best = lane < a.n_group && !((kept >> lane) & 1u) ? group_score : -INFINITY;
+      int best_group = lane < a.n_group && !((kept >> lane) & 1u) ? lane : 0x7fffffff;
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_group = __shfl_xor_sync(0xffffffffu, best_group, offset);
+        if (other > best || (other == best && other_group < best_group)) {
+          best = other;
+          best_group = other_group;
+        }
+      }
+      if (best_group < a.n_group) kept |= 1u << best_group;
+    }
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) {
+      const int e = lane + 32 * q;
+      if (e < a.experts && !((kept >> (e / per_group)) & 1u)) c[q] = -INFINITY;
+    }
+  }
+  int32_t* token_ids = a.ids + static_cast<int64_t>(token) * a.top_k;
+  float* token_weights = a.weights + static_cast<int64_t>(token) * a.top_k;
   float selected_sum = 0.0f;
-  for (int j = 0; j < top_k; ++j) {
-    float best = -1.0f;
+  for (int j = 0; j < a.top_k; ++j) {
+    float best = -INFINITY, best_p = 0.0f;
     int best_expert = 0x7fffffff;
 #pragma unroll
     for (int q = 0; q < kPerLane; ++q) {
-      if (p[q] > best) {  // strict: within a lane, experts ascend with q, so ties keep the lower id
-        best = p[q];
+      if (c[q] > best) {  // strict: within a lane, experts ascend with q, so ties keep the lower id
+        best = c[q];
+        best_p = p[q];
         best_expert = lane + 32 * q;
       }
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
       const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+      const float other_p = __shfl_xor_sync(0xffffffffu, best_p, offset);
       const int other_expert = __shfl_xor_sync(0xffffffffu, best_expert, offset);
       if (other > best || (other == best && other_expert < best_expert)) {
         best = other;
+        best_p = other_p;
         best_expert = other_expert;
       }
     }
-    if (best_expert >= experts) {
-      // No finite probability left (a NaN row: padding rows of graph layouts may read keys nobody
+    if (best_expert >= a.experts) {
+      // No finite score left (a NaN row: padding rows of graph layouts may read keys nobody
       // wrote): any valid expert with weight 0, so that the grouping downstream stays in bounds.
       best_expert = j;
-      best = 0.0f;
+      best_p = 0.0f;
     }
     if ((best_expert & 31) == lane) {
 #pragma unroll
       for (int q = 0; q < kPerLane; ++q) {
-        if (q == (best_expert >> 5)) p[q] = -1.0f;
+        if (q == (best_expert >> 5)) c[q] = -INFINITY;
       }
     }
     if (lane == 0) {
       token_ids[j] = best_expert;
-      token_weights[j] = best;
+      token_weights[j] = best_p;
     }
-    selected_sum += best;  // same order as the CPU: j ascending
+    selected_sum += best_p;  // same order as the CPU: j ascending
   }
-  if (normalize) {
+  if (a.sigmoid) selected_sum += 1e-20f;
+  if (a.normalize || a.scaling != 1.0f) {
     __syncwarp();  // lane 0's stores above are visible to the warp after this
-    for (int j = lane; j < top_k; j += 32) token_weights[j] = token_weights[j] / selected_sum;
+    for (int j = lane; j < a.top_k; j += 32) {
+      const float w = a.normalize ? token_weights[j] / selected_sum : token_weights[j];
+      token_weights[j] = a.scaling == 1.0f ? w : w * a.scaling;
+    }
   }
 }
 
 template <typename LogitT>
-void launch_route(const Tensor& logits, int tokens, int experts, const MoeRouteParams& params, const Tensor& ids,
-                  const Tensor& weights) {
-  const int blocks = ceil_div(tokens, kRouteWarps);
+void launch_route(const RouteArgs& args, cudaStream_t stream) {
+  const int blocks = ceil_div(args.tokens, kRouteWarps);
   const auto launch = [&](auto per_lane) {
     constexpr int kPerLane = decltype(per_lane)::value;
-    moe_route_kernel<kPerLane, LogitT><<<blocks, kRouteWarps * 32, 0, stream_of(ids)>>>(
-        logits.data_as<const LogitT>(), logits.stride(0), tokens, experts, params.top_k, params.normalize,
-        ids.data_as<int32_t>(), weights.data_as<float>());
+    moe_route_kernel<kPerLane, LogitT><<<blocks, kRouteWarps * 32, 0, stream>>>(args);
   };
-  if (experts <= 32) {
+  if (args.experts <= 32) {
     launch(std::integral_constant<int, 1>{});
-  } else if (experts <= 64) {
+  } else if (args.experts <= 64) {
     launch(std::integral_constant<int, 2>{});
-  } else if (experts <= 128) {
+  } else if (args.experts <= 128) {
     launch(std::integral_constant<int, 4>{});
-  } else if (experts <= 256) {
+  } else if (args.experts <= 256) {
     launch(std::integral_constant<int, 8>{});
   } else {
     launch(std::integral_constant<int, 16>{});
@@ -252,7 +326,7 @@ template <typename XT>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     moe_decode_gate_up_kernel(const XT* __restrict__ x, int64_t x_stride, const int32_t* __restrict__ ids, int top_k,
                               int experts, const __nv_bfloat16* __restrict__ gate_up, int inter, int hidden,
-                              float* __restrict__ h) {
+                              float limit, float* __restrict__ h) {
   constexpr int R = kDecodeGateUpRows;
   const int slot = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int i0 = (blockIdx.x * kDecodeWarps + warp) * R;
@@ -274,8 +348,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   gemv::warp_dot_partial<2 * R, 1, kDecodeLoads>(w_rows, x_rows, 1, hidden / gemv::kChunk, lane, acc);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const float gate = warp_sum(acc[r][0]);
-    const float up = warp_sum(acc[R + r][0]);
+    float gate = warp_sum(acc[r][0]);
+    float up = warp_sum(acc[R + r][0]);
+    if (limit > 0.0f) {  // clamped SwiGLU
+      gate = fminf(gate, limit);
+      up = fminf(fmaxf(up, -limit), limit);
+    }
     if (lane == r && i0 + r < inter) h[static_cast<int64_t>(slot) * inter + i0 + r] = gemv::silu(gate) * up;
   }
 }
@@ -317,7 +395,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const float* __restrict__ slot_out, int64_t slot_stride, const float* __restrict__ weights,
                        int top_k, const float* __restrict__ shared_out, int64_t shared_stride,
                        const float* __restrict__ shared_gate, int64_t gate_stride, OutT* __restrict__ out,
-                       int64_t out_stride, int hidden) {
+                       int64_t out_stride, int hidden, bool ungated) {
   const int t = blockIdx.x, c = blockIdx.y * kCombineThreads + threadIdx.x;
   if (c >= hidden) return;
   float acc = 0.0f;
@@ -326,7 +404,11 @@ __global__ void __launch_bounds__(kCombineThreads)
     // No FMA contraction: the same two roundings per term as the CPU twin.
     acc = __fadd_rn(acc, __fmul_rn(weights[slot], slot_out[slot * slot_stride + c]));
   }
-  if (shared_out != nullptr) {
+  if (ungated) {
+    // The routed sum in OutT, then the shared expert added in OutT (DeepSeek-V3 MoE).
+    const float shared = to_f32(from_f32<OutT>(shared_out[static_cast<int64_t>(t) * shared_stride + c]));
+    acc = __fadd_rn(to_f32(from_f32<OutT>(acc)), shared);
+  } else if (shared_out != nullptr) {
     const float gate = 1.0f / (1.0f + expf(-shared_gate[static_cast<int64_t>(t) * gate_stride]));
     acc = __fadd_rn(acc, __fmul_rn(gate, shared_out[static_cast<int64_t>(t) * shared_stride + c]));
   }
@@ -428,17 +510,41 @@ void moe_route(const Tensor& router_logits, const Tensor& topk_ids, const Tensor
   const int64_t tokens = router_logits.size(0), experts = router_logits.size(1);
   const int k = params.top_k;
   expect(k >= 1 && k <= experts, op, "top_k " + std::to_string(k) + " of " + std::to_string(experts) + " experts");
-  expect(experts <= 512, op, "at most 512 experts on CUDA, got " + std::to_string(experts));
+  expect(experts <= kRouteMaxExperts, op, "at most 512 experts on CUDA, got " + std::to_string(experts));
+  expect(params.n_group >= 1 && params.n_group <= 32 && experts % params.n_group == 0 && params.topk_group >= 1 &&
+             params.topk_group <= params.n_group &&
+             static_cast<int64_t>(params.topk_group) * (experts / params.n_group) >= k,
+         op, "groups: " + std::to_string(params.n_group) + " (keep " + std::to_string(params.topk_group) + ") of " +
+                 std::to_string(experts) + " experts for top_k " + std::to_string(k));
   expect(topk_ids.numel() == tokens * k && topk_weights.numel() == tokens * k && topk_ids.dtype() == DType::kI32 &&
              topk_weights.dtype() == DType::kF32 && topk_ids.is_contiguous() && topk_weights.is_contiguous(),
          op, "outputs must be contiguous i32 / f32 [T, k]");
   expect(tokens < (int64_t{1} << 31) / kRouteWarps, op, "too many tokens");
+  RouteArgs args{};
+  args.logits = router_logits.data();
+  args.logit_stride = router_logits.stride(0);
+  args.tokens = static_cast<int>(tokens);
+  args.experts = static_cast<int>(experts);
+  args.top_k = k;
+  args.normalize = params.normalize;
+  args.sigmoid = params.scoring == MoeScoring::kSigmoid;
+  if (!params.correction_bias.empty()) {
+    expect(params.correction_bias.device().is_cuda() && params.correction_bias.numel() == experts &&
+               params.correction_bias.is_contiguous(),
+           op, "correction_bias must be a contiguous [E] tensor on the GPU; got " + shape_of(params.correction_bias));
+    args.bias = params.correction_bias.data();
+    args.bias_type = weight_type_of(params.correction_bias, op);
+  }
+  args.n_group = params.n_group;
+  args.topk_group = params.topk_group;
+  args.scaling = params.routed_scaling_factor;
+  args.ids = topk_ids.data_as<int32_t>();
+  args.weights = topk_weights.data_as<float>();
   if (tokens == 0) return;
-  const int t = static_cast<int>(tokens), e = static_cast<int>(experts);
   switch (router_logits.dtype()) {
-    case DType::kF32: return launch_route<float>(router_logits, t, e, params, topk_ids, topk_weights);
-    case DType::kBF16: return launch_route<__nv_bfloat16>(router_logits, t, e, params, topk_ids, topk_weights);
-    case DType::kF16: return launch_route<__half>(router_logits, t, e, params, topk_ids, topk_weights);
+    case DType::kF32: return launch_route<float>(args, stream_of(topk_ids));
+    case DType::kBF16: return launch_route<__nv_bfloat16>(args, stream_of(topk_ids));
+    case DType::kF16: return launch_route<__half>(args, stream_of(topk_ids));
     default: fail("moe_route: router logits must be f32, bf16 or f16");
   }
 }
@@ -542,11 +648,11 @@ void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpert
   if (x.dtype() == DType::kBF16) {
     moe_decode_gate_up_kernel<__nv_bfloat16><<<grid, kDecodeWarps * 32, 0, stream_of(h)>>>(
         x.data_as<const __nv_bfloat16>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e,
-        weights, i, hd, h.data_as<float>());
+        weights, i, hd, experts.swiglu_limit, h.data_as<float>());
   } else {
     moe_decode_gate_up_kernel<float><<<grid, kDecodeWarps * 32, 0, stream_of(h)>>>(
         x.data_as<const float>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e, weights, i,
-        hd, h.data_as<float>());
+        hd, experts.swiglu_limit, h.data_as<float>());
   }
   METRALE_CHECK_LAUNCH("moe_decode_gate_up_kernel");
 }
@@ -600,6 +706,7 @@ void moe_grouped_gate_up(const Tensor& x, const Tensor& sorted_slots, const Tens
   params.out = h.data();
   params.out_stride = h.stride(0);
   params.n_tiles = ceil_div(inter, grouped::kBlockN / 2);
+  params.swiglu_limit = experts.swiglu_limit;
   launch_grouped<grouped::Epilogue::kSwiGlu>(params, slots, experts.num_experts, stream_of(h));
 }
 
@@ -643,23 +750,26 @@ void moe_combine(const Tensor& slot_out, const Tensor& topk_weights, const Tenso
              slot_out.size(1) == hidden && slot_out.stride(1) == 1 && topk_weights.dtype() == DType::kF32 &&
              topk_weights.size(0) == tokens && topk_weights.is_contiguous(),
          op, "slot_out " + shape_of(slot_out) + " weights " + shape_of(topk_weights) + " out " + shape_of(out));
-  const bool shared = !shared_out.empty();
+  const bool shared = !shared_out.empty(), gated = shared && !shared_gate_logits.empty();
   if (shared) {
     expect(shared_out.dtype() == DType::kF32 && shared_out.ndim() == 2 && shared_out.size(0) == tokens &&
-               shared_out.size(1) == hidden && shared_out.stride(1) == 1 && shared_gate_logits.dtype() == DType::kF32 &&
-               shared_gate_logits.numel() == tokens,
-           op, "shared " + shape_of(shared_out) + " gate " + shape_of(shared_gate_logits));
+               shared_out.size(1) == hidden && shared_out.stride(1) == 1,
+           op, "shared " + shape_of(shared_out));
+  }
+  if (gated) {
+    expect(shared_gate_logits.dtype() == DType::kF32 && shared_gate_logits.numel() == tokens, op,
+           "gate " + shape_of(shared_gate_logits));
   }
   if (tokens == 0 || hidden == 0) return;
   const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(ceil_div(hidden, kCombineThreads)));
   const float* shared_ptr = shared ? shared_out.data_as<const float>() : nullptr;
-  const float* gate_ptr = shared ? shared_gate_logits.data_as<const float>() : nullptr;
-  const int64_t shared_stride = shared ? shared_out.stride(0) : 0, gate_stride = shared ? shared_gate_logits.stride(0) : 0;
+  const float* gate_ptr = gated ? shared_gate_logits.data_as<const float>() : nullptr;
+  const int64_t shared_stride = shared ? shared_out.stride(0) : 0, gate_stride = gated ? shared_gate_logits.stride(0) : 0;
   METRALE_DISPATCH_FLOAT(out.dtype(), op, [&] {
     moe_combine_kernel<scalar_t><<<grid, kCombineThreads, 0, stream_of(out)>>>(
         slot_out.data_as<const float>(), slot_out.stride(0), topk_weights.data_as<const float>(), static_cast<int>(k),
         shared_ptr, shared_stride, gate_ptr, gate_stride, out.data_as<scalar_t>(), out.stride(0),
-        static_cast<int>(hidden));
+        static_cast<int>(hidden), shared && !gated);
   });
   METRALE_CHECK_LAUNCH("moe_combine_kernel");
 }
