@@ -61,19 +61,6 @@ __device__ __forceinline__ void store_vec(T* p, const float (&src)[N]) {
   *reinterpret_cast<Vec<T, N>*>(p) = raw;
 }
 
-// Largest s in [0, num_seqs) with cu_q[s] <= row: the sequence that owns `row`.
-__device__ __forceinline__ int sequence_of(const int32_t* cu_q, int num_seqs, int64_t row) {
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (cu_q[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 // Input `pos` (relative to the sequence's first row of this step; negative = history) of channels
 // c..c+N-1 of sequence s. The slot holds the L = (K-1)*d inputs before the step.

@@ -40,6 +40,21 @@ __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float value) { 
 template <>
 __device__ __forceinline__ __half from_f32<__half>(float value) { return __float2half_rn(value); }
 
+// The sequence that owns batch row `row` of a ragged batch: the largest s in [0, num_seqs) with
+// cu_q[s] <= row (a binary search over cu_q [S + 1] in device memory).
+__device__ __forceinline__ int sequence_of(const int32_t* cu_q, int num_seqs, int64_t row) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (cu_q[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 __device__ __forceinline__ float warp_sum(float value) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);

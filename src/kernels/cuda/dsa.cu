@@ -32,19 +32,6 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-// Sequence of a query row: the largest s with cu_q[s] <= row.
-__device__ __forceinline__ int sequence_of(const int32_t* cu_q, int num_seqs, int row) {
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (cu_q[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 // ---- dsa_latent_write ----
 

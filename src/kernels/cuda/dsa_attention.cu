@@ -55,18 +55,6 @@ struct RowPlan {
   int seq, pos, candidates, n_sel, tail, units;
 };
 
-__device__ __forceinline__ int sequence_of(const int32_t* cu_q, int num_seqs, int row) {
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (cu_q[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 // The row's units: its n_sel selected pools (packed first in `selected`, -1 after), then the tail
 // (tokens candidates * kp .. pos) when it is not empty.

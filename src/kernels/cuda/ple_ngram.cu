@@ -34,18 +34,6 @@ struct IdArgs {
   int hpn;
 };
 
-__device__ __forceinline__ int sequence_of(const int32_t* cu_q, int num_seqs, int64_t row) {
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (cu_q[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 // Entry `index` (0-based, oldest first) of sequence s's history hist = ctx ++ rows.
 __device__ __forceinline__ uint64_t history_entry(const IdArgs& a, int seq_begin, bool fresh, int slot, int index) {

@@ -39,19 +39,6 @@ __device__ __forceinline__ float round_to(float value) {
   return to_f32(from_f32<T>(value));
 }
 
-// Sequence of `row` (largest s with cu_q[s] <= row).
-__device__ __forceinline__ int sequence_of(const int32_t* cu_q, int num_seqs, int64_t row) {
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (cu_q[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 // Position of `row`, or -1 when the row is past the batch.
 __device__ __forceinline__ int row_position(const int32_t* cu_q, const int32_t* kv_lens, int num_seqs, int64_t row,
