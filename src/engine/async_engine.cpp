@@ -21,6 +21,13 @@ std::vector<StreamEvent> RequestStream::wait(std::chrono::milliseconds timeout) 
   return taken;
 }
 
+std::vector<StreamEvent> RequestStream::take() {
+  std::lock_guard lock(mutex_);
+  std::vector<StreamEvent> taken(std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
+  events_.clear();
+  return taken;
+}
+
 bool RequestStream::ended() const {
   std::lock_guard lock(mutex_);
   return closed_ && events_.empty();

@@ -69,6 +69,8 @@ class RequestStream {
   // Waits up to `timeout` for events and returns every queued one, oldest first (empty on timeout
   // or when the stream has ended and is drained).
   std::vector<StreamEvent> wait(std::chrono::milliseconds timeout);
+  // Returns every queued event without waiting (empty when none is queued).
+  std::vector<StreamEvent> take();
   // True once the engine will add nothing more and every event has been taken.
   bool ended() const;
 

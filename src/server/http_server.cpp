@@ -28,13 +28,6 @@ using json = nlohmann::ordered_json;
 // cancelled too.
 constexpr std::chrono::milliseconds kHeartbeatInterval{1000};
 
-// RequestStream offers only a timed wait. A deadline long past makes it a non-blocking take: the
-// wait checks its predicate first, and glibc returns at once, without a system call, for a deadline
-// before the clock's epoch (a zero timeout, by contrast, costs a futex call of ~100 us). The pump
-// polls every active stream each tick, so this must stay cheap (~0.2 us).
-constexpr std::chrono::milliseconds kNoWait{-100'000'000'000};
-
-std::vector<StreamEvent> take_events(RequestStream& stream) { return stream.wait(kNoWait); }
 
 double seconds_between(SteadyClock::time_point from, SteadyClock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
@@ -418,7 +411,7 @@ bool HttpServer::Impl::step(Generation& generation, Exchange& exchange) {
     abandon(generation);
     return false;
   }
-  std::vector<StreamEvent> events = take_events(*generation.stream);
+  std::vector<StreamEvent> events = generation.stream->take();
   if (!generation.admitted) {
     if (events.empty()) return true;
     // The engine thread validates the group and answers first; tokens may follow in the same batch.

@@ -103,6 +103,9 @@ std::string ServerMetrics::render(const AsyncEngineStats& stats) const {
   counter(out, "metrale_num_preemptions_total", "Requests preempted for lack of KV-cache blocks.",
           engine.num_preemptions);
   counter(out, "metrale_engine_steps_total", "Engine steps.", engine.num_steps);
+  counter(out, "metrale_engine_failed_steps_total",
+          "Engine steps abandoned after a failure (their requests failed; the engine recovered).",
+          engine.failed_steps);
   counter(out, "metrale_spec_decode_num_draft_tokens_total", "Draft tokens verified (speculative decoding).",
           engine.drafted_tokens);
   counter(out, "metrale_spec_decode_num_accepted_tokens_total", "Draft tokens accepted (speculative decoding).",

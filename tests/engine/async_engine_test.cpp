@@ -255,5 +255,25 @@ TEST(AsyncEngine, ShutdownDrainFinishesAcceptedRequests) {
   engine.reset();  // the destructor after an explicit shutdown joins nothing twice
 }
 
+TEST(RequestStream, TakeReturnsQueuedEventsWithoutWaiting) {
+  RequestStream stream(7, 1);
+  EXPECT_TRUE(stream.take().empty());
+  StreamEvent first;
+  first.kind = StreamEvent::Kind::kToken;
+  first.index = 0;
+  StreamEvent second = first;
+  second.index = 1;
+  stream.push(first);
+  stream.push(second);
+  const std::vector<StreamEvent> taken = stream.take();
+  ASSERT_EQ(taken.size(), 2u);
+  EXPECT_EQ(taken[0].index, 0);
+  EXPECT_EQ(taken[1].index, 1);
+  EXPECT_TRUE(stream.take().empty());
+  EXPECT_FALSE(stream.ended());
+  stream.close();
+  EXPECT_TRUE(stream.ended());
+}
+
 }  // namespace
 }  // namespace metrale
