@@ -27,6 +27,8 @@ void add_model_option(CLI::App& command, EngineOptions& options) {
 }
 
 void add_device_options(CLI::App& command, EngineOptions& options) {
+  command.add_flag("--allow-unused-weights", options.allow_unused_weights,
+                   "load a checkpoint whose tensors the model does not all read (a warning instead of an error)");
   command.add_option("--device", options.device, "cpu, cuda or cuda:N (default: the GPU when present, else cpu)");
   command.add_option("--threads", options.threads, "CPU threads (default: all cores; at most 4 per core)")
       ->check(CLI::Range(0, ThreadPool::kMaxThreads));
@@ -228,7 +230,8 @@ std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefil
   engine_config_from(options);  // the flags' own errors (sizes) before the model loads
   const std::filesystem::path dir = resolve_model_dir(options);
   check_engine_options(options, load_model_config(dir));  // before the weights load
-  return make_engine_for(load_model(dir, device), options, max_prefill_chunk);
+  return make_engine_for(load_model(dir, device, LoadOptions{options.allow_unused_weights}), options,
+                         max_prefill_chunk);
 }
 
 std::vector<int32_t> parse_token_ids(const std::string& text, const std::string& what, int64_t vocab_size) {

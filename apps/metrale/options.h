@@ -17,6 +17,7 @@ namespace metrale::cli {
 struct EngineOptions {
   std::string model;                  // directory; empty: the bundled default model
   std::string device;                 // "cpu", "cuda", "cuda:N"; empty: GPU when present
+  bool allow_unused_weights = false;  // checkpoint tensors the model does not read: a warning, not an error
   int threads = 0;                    // CPU threads; 0: all cores
   int block_size = 16;
   int max_num_seqs = 64;

@@ -1,5 +1,9 @@
 #include "model/registry.h"
 
+#include <algorithm>
+
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "core/log.h"
 #include "kernels/linear.h"
@@ -9,14 +13,20 @@
 namespace metrale {
 namespace {
 
+// Qwen3-Next: the MTP head's tensors (read when the config declares MTP layers).
+constexpr std::string_view kMtpTensors[] = {"mtp."};
+// Qwen3.5: the vision tower of the composite checkpoint and the MTP head's tensors.
+constexpr std::string_view kQwen35Ignored[] = {"model.visual.", "mtp."};
+
 constexpr ArchEntry kArchitectures[] = {
     {"qwen3", "Qwen3 dense (GQA, q/k norm, SwiGLU)", &arch::build_qwen3},
     {"qwen3_moe", "Qwen3 mixture of experts", &arch::build_qwen3_moe},
     {"qwen3_next", "Qwen3-Next hybrid (Gated DeltaNet + gated attention, MoE with shared expert)",
-     &arch::build_qwen3_next},
-    {"qwen3_5", "Qwen3.5 text hybrid (Gated DeltaNet + gated attention, dense MLP)", &arch::build_qwen3_5},
+     &arch::build_qwen3_next, kMtpTensors},
+    {"qwen3_5", "Qwen3.5 text hybrid (Gated DeltaNet + gated attention, dense MLP)", &arch::build_qwen3_5,
+     kQwen35Ignored},
     {"qwen3_5_moe", "Qwen3.5-MoE text hybrid (Gated DeltaNet + gated attention, MoE with shared expert)",
-     &arch::build_qwen3_5_moe},
+     &arch::build_qwen3_5_moe, kQwen35Ignored},
 };
 
 }  // namespace
@@ -57,7 +67,44 @@ std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device devic
   return entry.build(config, weights);
 }
 
-std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device) {
+namespace {
+
+// The checkpoint's tensors the built model did not read, less those its architecture ignores on
+// purpose (and a tied embedding's stored lm_head copy): an error naming them, or a warning.
+void check_unused_tensors(const ArchEntry& entry, const ModelConfig& config, const WeightStore& store,
+                          const LoadOptions& options) {
+  std::vector<std::string> unexpected;
+  size_t ignored = 0;
+  for (const std::string& name : store.unused_names()) {
+    const bool on_purpose =
+        std::any_of(entry.ignored_prefixes.begin(), entry.ignored_prefixes.end(),
+                    [&](std::string_view prefix) { return name.starts_with(prefix); }) ||
+        (config.tie_word_embeddings && name == "lm_head.weight");
+    if (on_purpose) {
+      ++ignored;
+    } else {
+      unexpected.push_back(name);
+    }
+  }
+  if (ignored > 0) METRALE_LOG_INFO("{} checkpoint tensors are not used by {} (ignored on purpose)", ignored, entry.model_type);
+  if (unexpected.empty()) return;
+  constexpr size_t kNamed = 8;
+  std::string names;
+  for (size_t i = 0; i < std::min(unexpected.size(), kNamed); ++i) names += (i ? ", " : "") + unexpected[i];
+  if (unexpected.size() > kNamed) names += fmt::format(", and {} more", unexpected.size() - kNamed);
+  if (!options.allow_unused_weights) {
+    raise(ErrorCode::kBadFormat,
+          "{}: {} tensor(s) of the checkpoint are not used by the {} model: {} (a key layout this loader does not "
+          "know; --allow-unused-weights loads it anyway)",
+          store.dir().string(), unexpected.size(), entry.model_type, names);
+  }
+  METRALE_LOG_WARN("{}: {} tensor(s) of the checkpoint are not used by the {} model (--allow-unused-weights): {}",
+                   store.dir().string(), unexpected.size(), entry.model_type, names);
+}
+
+}  // namespace
+
+std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device, const LoadOptions& options) {
   const ModelConfig config = load_model_config(dir);
   const ArchEntry* entry = &require_architecture(config);
   // GEMM handles and workspaces exist before any graph capture.
@@ -66,7 +113,9 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   Weights weights(store, device);
   METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {}", entry->model_type, dir.string(), weights.prefix(),
                    device.to_string());
-  return entry->build(config, weights);
+  std::unique_ptr<Model> model = entry->build(config, weights);
+  check_unused_tensors(*entry, config, *store, options);
+  return model;
 }
 
 }  // namespace metrale

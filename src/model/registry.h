@@ -19,6 +19,16 @@ struct ArchEntry {
   std::string_view model_type;
   std::string_view description;
   ArchBuilder build;
+  // Checkpoint tensors the architecture leaves unread on purpose, by name prefix (a vision tower of
+  // a composite checkpoint; an MTP head's tensors when the config declares no MTP layers).
+  std::span<const std::string_view> ignored_prefixes = {};
+};
+
+struct LoadOptions {
+  // A checkpoint tensor the model does not read, and whose name is not ignored on purpose, is a
+  // load error naming it (a key layout the loader does not know would otherwise run with missing
+  // weights unnoticed); this turns the error into a warning.
+  bool allow_unused_weights = false;
 };
 
 std::span<const ArchEntry> registered_architectures();
@@ -26,7 +36,8 @@ const ArchEntry* find_architecture(std::string_view model_type);
 
 // Reads config.json and the checkpoint of `dir` and builds the model on `device`. Errors name the
 // file and the tensor or field at fault.
-std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device);
+// Every tensor of the checkpoint is read by the model or ignored on purpose (see LoadOptions).
+std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device, const LoadOptions& options = {});
 // Builds the architecture of `config` with random weights generated on `device` (benchmarks).
 std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed = 1);
 

@@ -59,7 +59,21 @@ WeightStore::WeightStore(const std::filesystem::path& dir) : dir_(dir) {
 }
 
 Tensor WeightStore::get(const std::string& name) const {
-  return file_of(name).view(name);
+  Tensor view = file_of(name).view(name);
+  std::lock_guard lock(used_mutex_);
+  used_.insert(name);
+  return view;
+}
+
+std::vector<std::string> WeightStore::unused_names() const {
+  std::vector<std::string> result;
+  {
+    std::lock_guard lock(used_mutex_);
+    for (const auto& [name, file] : index_)
+      if (used_.count(name) == 0) result.push_back(name);
+  }
+  std::sort(result.begin(), result.end());
+  return result;
 }
 
 const SafetensorsFile& WeightStore::file_of(const std::string& name) const {

@@ -6,8 +6,10 @@
 
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "model/safetensors.h"
@@ -20,15 +22,20 @@ class WeightStore {
 
   const std::filesystem::path& dir() const { return dir_; }
   bool has(const std::string& name) const { return index_.count(name) != 0; }
-  // CPU view of a tensor; throws kNotFound naming the directory and tensor.
+  // CPU view of a tensor; throws kNotFound naming the directory and tensor. Marks it used.
   Tensor get(const std::string& name) const;
   const SafetensorsFile& file_of(const std::string& name) const;
   std::vector<std::string> names() const;
+  // Tensors no get() has read, sorted: after a model is built, the checkpoint's tensors it ignored.
+  std::vector<std::string> unused_names() const;
 
  private:
   std::filesystem::path dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::unordered_map<std::string, const SafetensorsFile*> index_;
+  // Reading a tensor is not a change of the checkpoint, so a const store records it.
+  mutable std::mutex used_mutex_;
+  mutable std::unordered_set<std::string> used_;
 };
 
 // Random weights stand in for a checkpoint in benchmarks: every requested tensor is synthesized

@@ -119,6 +119,30 @@ TEST(LoadModel, UntiedHeadWithoutLmHeadWeight) {
                            {dir.path().string(), "lm_head.weight", "tie_word_embeddings"}));
 }
 
+TEST(LoadModel, TensorTheModelDoesNotReadIsAnErrorNamingIt) {
+  TempDir dir;
+  const TinySpec spec;
+  testing::TinyWeights weights = testing::make_tiny_weights(spec, 8);
+  weights["layers.0.self_attn.q_proj.bias"] = {{spec.num_heads * spec.head_dim},
+                                               std::vector<float>(static_cast<size_t>(spec.num_heads * spec.head_dim), 0.5f)};
+  testing::write_tiny_checkpoint(dir.path(), spec, weights);
+  EXPECT_TRUE(throws_error([&] { load_model(dir.path(), Device::cpu()); }, ErrorCode::kBadFormat,
+                           {dir.path().string(), "model.layers.0.self_attn.q_proj.bias", "qwen3", "--allow-unused-weights"}));
+  // The override loads it (with a warning) and the model runs as without the tensor.
+  const auto model = load_model(dir.path(), Device::cpu(), LoadOptions{.allow_unused_weights = true});
+  EXPECT_EQ(model->config().model_type, "qwen3");
+}
+
+TEST(LoadModel, TiedEmbeddingsMayKeepTheirStoredLmHeadCopy) {
+  TempDir dir;
+  TinySpec spec;
+  spec.tie_word_embeddings = true;
+  testing::TinyWeights weights = testing::make_tiny_weights(spec, 9);
+  weights["lm_head.weight"] = weights.at("embed_tokens.weight");
+  testing::write_tiny_checkpoint(dir.path(), spec, weights);
+  EXPECT_NO_THROW(load_model(dir.path(), Device::cpu()));
+}
+
 TEST(LoadModel, MoeWithoutExpertsIsNamed) {
   TempDir dir;
   TinySpec spec;
