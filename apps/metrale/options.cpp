@@ -42,6 +42,10 @@ void add_engine_options(CLI::App& command, EngineOptions& options) {
       ->capture_default_str()->check(CLI::Range(1, 65536));
   command.add_option("--max-num-batched-tokens", options.max_num_batched_tokens, "tokens per step at most")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  command.add_option("--max-mixed-step-ratio", options.max_mixed_step_ratio,
+                     "a step that carries decode rows takes at most this many times a decode-only step (measured); "
+                     "its prefill chunks are cut to fit (0: off)")
+      ->check(CLI::Range(0.0, 1e6));
   command.add_option("--max-model-len", options.max_model_len,
                      "context length (default and upper bound: the model's max_position_embeddings)")
       ->check(CLI::NonNegativeNumber);
@@ -169,6 +173,7 @@ EngineConfig engine_config_from(const EngineOptions& options) {
   config.speculative.ngram_min = options.ngram_min;
   config.speculative.ngram_max = options.ngram_max;
   config.speculative.adaptive = !options.no_adaptive_speculation;
+  config.max_mixed_step_ratio = options.max_mixed_step_ratio;
   config.speculative.replay_accept_rate = options.spec_accept_rate;
   return config;
 }

@@ -23,6 +23,7 @@ struct EngineOptions {
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
   int64_t max_model_len = 0;
+  double max_mixed_step_ratio = 0.0;  // engine/prefill_budget.h; 0: off
   std::string kv_cache_memory = "2GiB";   // CPU KV-cache budget
   double gpu_memory_utilization = 0.90;   // GPU: share of device memory for weights, workspace, graphs, cache
   bool no_cuda_graphs = false;

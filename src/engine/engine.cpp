@@ -111,6 +111,12 @@ Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     config_.cuda_graphs = false;
   }
   validate_config();
+  if (config_.max_mixed_step_ratio > 0.0) {
+    // The least prefill a mixed step still carries: prompts progress however slow the model.
+    constexpr int64_t kMinPrefillTokens = 256;
+    const int64_t budget = config_.scheduler.max_num_batched_tokens;
+    prefill_budget_.emplace(config_.max_mixed_step_ratio, std::min(kMinPrefillTokens, budget), budget);
+  }
   plan_.block_size = config_.block_size;
   plan_.max_model_len = config_.max_model_len > 0 ? config_.max_model_len : model_->config().max_position_embeddings;
   runner_ = std::make_unique<Runner>(*model_, runner_limits());
@@ -143,6 +149,10 @@ void Engine::validate_config() const {
   if (config_.block_size <= 0) raise(ErrorCode::kInvalidArgument, "block size must be positive");
   if (config_.scheduler.max_num_seqs <= 0 || config_.scheduler.max_num_batched_tokens <= 0)
     raise(ErrorCode::kInvalidArgument, "max-num-seqs and max-num-batched-tokens must be positive");
+  if (config_.max_mixed_step_ratio != 0.0 && !(config_.max_mixed_step_ratio > 1.0 && config_.max_mixed_step_ratio < 1e6)) {
+    raise(ErrorCode::kInvalidArgument, "max-mixed-step-ratio must be 0 (off) or above 1, got {}",
+          config_.max_mixed_step_ratio);
+  }
   if (config_.state_checkpoint_interval <= 0)
     raise(ErrorCode::kInvalidArgument, "state-checkpoint-interval must be positive, got {}", config_.state_checkpoint_interval);
   if (!(config_.gpu_memory_utilization > 0.0 && config_.gpu_memory_utilization <= 1.0))
@@ -350,6 +360,12 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
   step_scheduled_ = false;
   step_sequences_.clear();
   if (speculative_) speculative_->prepare(running_, waiting_.size());
+  if (prefill_budget_) {
+    const auto decoding = std::count_if(running_.begin(), running_.end(), [](const Sequence* s) {
+      return s->num_tokens() - s->num_computed == 1 && !s->request.return_prompt_logits;
+    });
+    scheduler_.set_prefill_limit(prefill_budget_->limit(decoding));
+  }
   const SchedulePlan plan = schedule_step();
   if (plan.empty()) return;
   const auto schedule_end = std::chrono::steady_clock::now();
@@ -369,9 +385,21 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->finished(); }),
                  running_.end());
   step_sequences_.clear();
+  if (prefill_budget_) record_step_cost(plan, step_start);
 #ifndef NDEBUG
   if (!has_unfinished()) cache_->check_integrity();  // debug builds: the cache's books balance when idle
 #endif
+}
+
+void Engine::record_step_cost(const SchedulePlan& plan, std::chrono::steady_clock::time_point step_start) {
+  int64_t decoding = 0, decode_rows = 0;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.decodes()) continue;
+    ++decoding;
+    decode_rows += chunk.num_rows();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+  prefill_budget_->record(decoding, plan.num_tokens - decode_rows, seconds);
 }
 
 SchedulePlan Engine::schedule_step() {

@@ -3,6 +3,7 @@
 // tokens. The engine is single-threaded: one thread owns it (and the device).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -14,6 +15,7 @@
 
 #include "cache/cache_manager.h"
 #include "engine/fault_injection.h"
+#include "engine/prefill_budget.h"
 #include "engine/request.h"
 #include "engine/runner.h"
 #include "engine/scheduler.h"
@@ -41,6 +43,10 @@ struct EngineConfig {
   int32_t state_checkpoint_slots = -1;   // checkpoint slots; -1: as many as max_num_seqs
   // Speculative decoding (engine/speculator.h): method none|ngram|mtp, num_drafts, ngram_min/max.
   SpeculativeConfig speculative;
+  // A step that carries decode rows takes at most this many times a decode-only step of its batch
+  // (measured), its prefill chunks cut to fit (engine/prefill_budget.h); 0: no bound beyond the
+  // token budget. Bounds the inter-token latency of decoding sequences while prompts prefill.
+  double max_mixed_step_ratio = 0.0;
   // Tests: the fault-injection switch (engine/fault_injection.h); unset: METRALE_FAULT_INJECT,
   // read once when the engine is built; "": none.
   std::optional<std::string> fault_injection;
@@ -154,6 +160,8 @@ class Engine {
   // ---- The step, in order (run_step); abandon_step when any of it throws.
   void run_step(std::vector<TokenEvent>& events);
   SchedulePlan schedule_step();
+  // The step's decode and prefill shares and its wall time, for the prefill budget.
+  void record_step_cost(const SchedulePlan& plan, std::chrono::steady_clock::time_point step_start);
   StepResult forward(const SchedulePlan& plan);
   // The bookkeeping of one chunk: its kept rows become computed tokens (full blocks cached, state
   // checkpoints kept), then its emitted tokens become events until a stop condition.
@@ -177,6 +185,7 @@ class Engine {
   std::unique_ptr<CacheManager> cache_;
   std::unique_ptr<Runner> runner_;
   Scheduler scheduler_;
+  std::optional<PrefillBudget> prefill_budget_;  // set with max_mixed_step_ratio
   std::unique_ptr<StepSampler> sampler_;
   std::unique_ptr<SpeculativeDecoder> speculative_;  // null without speculative decoding
   std::mt19937_64 seed_source_;

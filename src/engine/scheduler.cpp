@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "core/error.h"
 
@@ -22,8 +23,15 @@ void preempt(Sequence* sequence, CacheManager& cache) {
 SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Sequence*>& waiting, CacheManager& cache) {
   SchedulePlan plan;
   int64_t budget = config_.max_num_batched_tokens;
+  // Prefill tokens still allowed this step: limited only when some running sequence decodes.
+  const auto decodes_next = [](const Sequence* s) {
+    return s->num_tokens() - s->num_computed == 1 && !s->request.return_prompt_logits;
+  };
+  int64_t prefill_left = std::numeric_limits<int64_t>::max();
+  if (prefill_limit_ > 0 && std::any_of(running.begin(), running.end(), decodes_next)) prefill_left = prefill_limit_;
   const auto chunk_for = [&](const Sequence& sequence) {
     int64_t count = std::min(sequence.num_tokens() - sequence.num_computed, budget);
+    if (count > 1) count = std::min(count, prefill_left);
     if (config_.max_prefill_chunk > 0) count = std::min<int64_t>(count, config_.max_prefill_chunk);
     // Hybrid models: the chunk ends at the next state checkpoint point, so that the state there exists.
     const int64_t checkpoint = cache.next_checkpoint_position(sequence.num_prompt, sequence.num_computed);
@@ -66,6 +74,7 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
       continue;
     }
     kept.push_back(sequence);
+    if (sequence->num_tokens() - sequence->num_computed > 1) prefill_left -= count;
     plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens(), drafts});
     plan.num_tokens += count + drafts;
     plan.num_draft_rows += drafts;
@@ -79,7 +88,7 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
 
   // Admit waiting sequences while there is room. A preemption this step means memory is tight:
   // admit nothing new until the running set has drained a little.
-  while (plan.preempted.empty() && budget > 0 && !waiting.empty() &&
+  while (plan.preempted.empty() && budget > 0 && prefill_left > 0 && !waiting.empty() &&
          static_cast<int32_t>(running.size()) < config_.max_num_seqs) {
     Sequence* sequence = waiting.front();
     METRALE_CHECK(sequence->num_computed == 0 && !cache.has_sequence(sequence->id),
@@ -101,6 +110,7 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
       plan.state_restores += match->restored_state ? 1 : 0;
     }
     waiting.pop_front();
+    if (sequence->num_tokens() - sequence->num_computed > 1) prefill_left -= count;
     sequence->status = SequenceStatus::kRunning;
     running.push_back(sequence);
     sequence->mtp_computed = sequence->num_computed;  // a prefix hit's blocks hold its MTP keys too

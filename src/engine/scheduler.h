@@ -11,7 +11,8 @@
 // (return_prompt_logits) need every row and skip the lookup. A preempted sequence drops its block
 // references; blocks that are cached stay cached, so its recompute usually starts from a hit.
 // Hybrid models: prefill chunks end at the cache's state checkpoint points, where the engine keeps
-// a copy of the state.
+// a copy of the state. A step with decode rows carries at most the prefill limit's tokens of
+// prefill chunks (set_prefill_limit), so that decoding sequences do not wait behind long chunks.
 #pragma once
 
 #include <cstdint>
@@ -64,8 +65,14 @@ class Scheduler {
   // their cached prefix (num_computed).
   SchedulePlan schedule(std::vector<Sequence*>& running, std::deque<Sequence*>& waiting, CacheManager& cache);
 
+  // Prefill tokens (chunks of sequences with more than one token to compute) a step may carry when
+  // some running sequence decodes in it; 0: no limit beyond the token budget. The engine sets it
+  // before each step (engine/prefill_budget.h). Steps without decode rows are not limited.
+  void set_prefill_limit(int64_t tokens) { prefill_limit_ = tokens; }
+
  private:
   SchedulerConfig config_;
+  int64_t prefill_limit_ = 0;
 };
 
 }  // namespace metrale

@@ -96,6 +96,32 @@ TEST(Engine, ChunkedPrefillAndSmallBudgetsGiveTheSameTokens) {
   }
 }
 
+TEST(Engine, BoundedMixedStepsGiveTheSameTokens) {
+  // The prefill budget cuts prefill chunks by measured timings (engine/prefill_budget.h): whatever
+  // it chooses, the tokens are those of unbounded steps.
+  const auto dir = write_tiny_qwen3({}, "mixed_steps");
+  auto reference_engine = make_engine(dir);
+  for (const auto& prompt : kPrompts) reference_engine->add_request(make_request(prompt, 10));
+  const auto reference = run_to_completion(*reference_engine);
+  EngineConfig config;
+  config.max_mixed_step_ratio = 1.5;
+  config.scheduler.max_num_batched_tokens = 8;
+  auto engine = make_engine(dir, config);
+  for (const auto& prompt : kPrompts) engine->add_request(make_request(prompt, 10));
+  EXPECT_EQ(run_to_completion(*engine), reference);
+  expect_cache_drained(*engine);
+  for (const double ratio : {0.5, 1.0, -2.0}) {
+    EngineConfig invalid;
+    invalid.max_mixed_step_ratio = ratio;
+    try {
+      make_engine(dir, invalid);
+      ADD_FAILURE() << "accepted max_mixed_step_ratio " << ratio;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    }
+  }
+}
+
 TEST(Engine, PreemptionLosesAndRepeatsNothing) {
   const auto dir = write_tiny_qwen3({}, "preempt");
   auto reference_engine = make_engine(dir);
