@@ -17,6 +17,10 @@ constexpr ArchEntry kArchitectures[] = {
     {"qwen3_5", "Qwen3.5 text hybrid (Gated DeltaNet + gated attention, dense MLP)", &arch::build_qwen3_5},
     {"qwen3_5_moe", "Qwen3.5-MoE text hybrid (Gated DeltaNet + gated attention, MoE with shared expert)",
      &arch::build_qwen3_5_moe},
+    {"qwen4_exp",
+     "Qwen4-Exp / Qwen3.8-Flash-Next (hyper-connection streams, GDN + QSA sparse attention, PLE n-gram embeddings, "
+     "MoE)",
+     &arch::build_qwen4_exp},
 };
 
 }  // namespace
