@@ -6,7 +6,9 @@
 // across chunk boundaries, and the PLE and GDN state after a rejected draft.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include "common/step_runner.h"
@@ -300,6 +302,21 @@ TEST(Qwen4Layout, LayerKindsFromTheConfig) {
   const arch::Qwen4ExpLayout layout = arch::qwen4_exp_layout(config);
   EXPECT_EQ(layout.attention, (std::vector<bool>{false, true, false, true}));
   EXPECT_EQ(layout.ple_layers, (std::vector<int64_t>{0, 2}));
+}
+
+// The bench preset (configs/qwen3.8-flash-next.json) parses into the released per-layer shapes.
+TEST(Qwen4Layout, BenchPresetParses) {
+  const std::filesystem::path preset = std::filesystem::path(METRALE_SOURCE_DIR) / "configs" / "qwen3.8-flash-next.json";
+  ASSERT_TRUE(std::filesystem::exists(preset)) << preset;
+  std::ifstream in(preset);
+  const ModelConfig config = parse_model_config(nlohmann::json::parse(in), preset);
+  EXPECT_EQ(config.model_type, "qwen4_exp_text");
+  EXPECT_EQ(config.hidden_size, 2560);
+  const arch::Qwen4ExpLayout layout = arch::qwen4_exp_layout(config);
+  EXPECT_EQ(std::count(layout.attention.begin(), layout.attention.end(), true), config.num_layers / 4);
+  EXPECT_EQ(layout.ple_layers, (std::vector<int64_t>{0}));
+  EXPECT_EQ(config.get_int("indexer_budget") / config.get_int("indexer_compress_ratio"), 512);
+  EXPECT_DOUBLE_EQ(config.rope.partial_rotary_factor * static_cast<double>(config.head_dim), 64.0);
 }
 
 }  // namespace
