@@ -10,9 +10,17 @@ HyperConnectionWeights HyperConnectionWeights::load(Weights& weights, const std:
   const int64_t width = streams * hidden;
   HyperConnectionWeights w;
   w.norm = weights.get(prefix + "hc_norm.weight", {width});
-  w.down = weights.get(prefix + "input_mix_weight_down.weight", {rank, width});
+  if (weights.device().is_cuda() && with_inject) {
+    w.down_inject = OwnedTensor(DType::kBF16, {rank + streams, width}, weights.device());
+    weights.load_into(prefix + "input_mix_weight_down.weight", w.down_inject.tensor.slice(0, 0, rank));
+    weights.load_into(prefix + "block_inject_weight.weight", w.down_inject.tensor.slice(0, rank, rank + streams));
+    w.down = w.down_inject.tensor.slice(0, 0, rank);
+    w.inject = w.down_inject.tensor.slice(0, rank, rank + streams);
+  } else {
+    w.down = weights.get(prefix + "input_mix_weight_down.weight", {rank, width});
+    if (with_inject) w.inject = weights.get(prefix + "block_inject_weight.weight", {streams, width});
+  }
   w.up = weights.get(prefix + "input_mix_weight_up.weight", {width, rank});
-  if (with_inject) w.inject = weights.get(prefix + "block_inject_weight.weight", {streams, width});
   return w;
 }
 
@@ -76,8 +84,12 @@ void HyperConnectionResidual::mix(const ResidualStreams& streams, const HyperCon
   const bool injects = !connection.inject.empty();
   const Tensor down = gemm.slice(1, 0, rank_);
   const Tensor inject = gemm.slice(1, rank_, rank_ + streams_);
-  kernels::linear(normed, connection.down, down);
-  if (injects) kernels::linear(normed, connection.inject, inject);
+  if (!connection.down_inject.tensor.empty()) {
+    kernels::linear(normed, connection.down_inject.tensor, gemm);  // [T, r + N] in one GEMM
+  } else {
+    kernels::linear(normed, connection.down, down);
+    if (injects) kernels::linear(normed, connection.inject, inject);
+  }
   kernels::hc_gates(down, injects ? inject : Tensor(), streams.state[kAct], injects ? streams.state[kBeta] : Tensor(),
                     params(kernels::HcUpdate::kNone));
   kernels::linear(streams.state[kAct], connection.up, streams.state[kUp]);

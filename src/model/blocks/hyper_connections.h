@@ -33,6 +33,9 @@ struct HyperConnectionWeights {
   Tensor down;    // input_mix_weight_down.weight [r_hc, N*H]
   Tensor up;      // input_mix_weight_up.weight [N*H, r_hc]
   Tensor inject;  // block_inject_weight.weight [N, N*H] (empty for the final mixer)
+  // GPU: [W_down; W_inj] [r_hc + N, N*H] side by side, one GEMM over R~ per site (`down` and `inject`
+  // are then views of its rows); empty on the CPU, where the two stay views into the checkpoint.
+  OwnedTensor down_inject;
 
   // Loads `<prefix>hc_norm.weight` etc.; `with_inject` false for the final mixer.
   static HyperConnectionWeights load(Weights& weights, const std::string& prefix, int64_t streams, int64_t hidden,
