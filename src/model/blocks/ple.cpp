@@ -12,6 +12,7 @@
 #include "kernels/ple_gather.h"
 #include "kernels/ple_ngram.h"
 #include "kernels/random_fill.h"
+#include "runtime/thread_pool.h"
 
 namespace metrale {
 namespace {
@@ -113,13 +114,16 @@ void PleTable::gather(const std::vector<int64_t>& ids, int64_t heads, const Tens
   }
   const DType table_dtype = shards_.front().dtype();
   const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(table_dtype);
-  std::vector<float> row(static_cast<size_t>(head_dim_));
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t id = ids[static_cast<size_t>(t * heads + h)];
-      if (id < 0 || id >= rows_) {
-        raise(ErrorCode::kInvalidArgument, "PLE gather: row id {} is outside the table's {} rows", id, rows_);
-      }
+  for (const int64_t id : ids) {
+    if (id < 0 || id >= rows_) {
+      raise(ErrorCode::kInvalidArgument, "PLE gather: row id {} is outside the table's {} rows", id, rows_);
+    }
+  }
+  // Items are (token, head) rows; the worker pool overlaps the page faults of a mapped table.
+  cpu_pool().parallel_for(tokens * heads, 32, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(static_cast<size_t>(head_dim_));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / heads, h = item % heads, id = ids[static_cast<size_t>(item)];
       const Tensor& shard = shards_[static_cast<size_t>(id / chunk_rows_)];
       const char* src = static_cast<const char*>(shard.data()) + (id % chunk_rows_) * static_cast<int64_t>(row_bytes);
       char* dst = static_cast<char*>(out.data()) +
@@ -131,7 +135,7 @@ void PleTable::gather(const std::vector<int64_t>& ids, int64_t heads, const Tens
         convert_from_f32(out.dtype(), row.data(), dst, row.size());
       }
     }
-  }
+  });
 }
 
 PleBlock::PleBlock(const PleConfig& config, Weights& weights, const std::string& prefix)
