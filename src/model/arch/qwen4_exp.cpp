@@ -38,7 +38,7 @@ kernels::GatedNormGate output_gate(const ModelConfig& config) {
   const std::string act = config.get_string("hidden_act", "silu");
   const bool given = config.has("output_gate_type") && !config.text["output_gate_type"].is_null();
   const std::string gate = given ? config.get_string("output_gate_type", act) : act;
-  if (gate == "sigmoid") return kernels::GatedNormGate::kSigmoid;
+  if (gate == "sigmoid") return kernels::GatedNormGate::kSigmoidRounded;
   if (gate == "silu") return kernels::GatedNormGate::kSilu;
   raise(ErrorCode::kBadFormat, "{}: output_gate_type '{}' must be 'sigmoid' or 'silu'", config.source.string(), gate);
 }
