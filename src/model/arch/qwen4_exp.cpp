@@ -87,6 +87,90 @@ Qwen4ExpLayout qwen4_exp_layout(const ModelConfig& config) {
   return layout;
 }
 
+namespace {
+
+QsaConfig qsa_config(const ModelConfig& config) {
+  const std::string where = config.source.string();
+  QsaConfig qsa;
+  qsa.hidden_size = config.hidden_size;
+  qsa.num_heads = config.num_heads;
+  qsa.num_kv_heads = config.num_kv_heads;
+  qsa.head_dim = config.head_dim;
+  qsa.rms_norm_eps = config.rms_norm_eps;
+  qsa.index_heads = required(config, "indexer_n_heads");
+  qsa.index_head_dim = required(config, "indexer_head_dim");
+  qsa.budget = required(config, "indexer_budget");
+  qsa.compress_ratio = required(config, "indexer_compress_ratio");
+  if (const int64_t kv = required(config, "indexer_kv_heads"); kv != 1) {
+    raise(ErrorCode::kBadFormat, "{}: indexer_kv_heads must be 1, got {}", where, kv);
+  }
+  if (qsa.budget % qsa.compress_ratio != 0) {
+    raise(ErrorCode::kBadFormat, "{}: indexer_budget {} is not a multiple of indexer_compress_ratio {}", where,
+          qsa.budget, qsa.compress_ratio);
+  }
+  return qsa;
+}
+
+GdnConfig gdn_config(const ModelConfig& config) {
+  GdnConfig gdn;
+  gdn.hidden_size = config.hidden_size;
+  gdn.num_k_heads = config.get_int("linear_num_key_heads", 16);
+  gdn.num_v_heads = config.get_int("linear_num_value_heads", 32);
+  gdn.head_k_dim = config.get_int("linear_key_head_dim", 128);
+  gdn.head_v_dim = config.get_int("linear_value_head_dim", 128);
+  gdn.conv_kernel = config.get_int("linear_conv_kernel_dim", 4);
+  gdn.rms_norm_eps = config.rms_norm_eps;
+  gdn.layout = GdnProjectionLayout::kSplit;
+  gdn.output_gate = output_gate(config);
+  return gdn;
+}
+
+MoeConfig moe_config(const ModelConfig& config) {
+  MoeConfig moe;
+  moe.hidden_size = config.hidden_size;
+  moe.num_experts = config.get_int("num_experts", 512);
+  moe.top_k = config.get_int("num_experts_per_tok", 10);
+  moe.expert_intermediate_size = config.get_int("moe_intermediate_size", 512);
+  moe.shared_expert_intermediate_size = config.get_int("shared_expert_intermediate_size", 512);
+  moe.normalize_top_k = config.get_bool("norm_topk_prob", true);
+  if (moe.top_k < 1 || moe.top_k > moe.num_experts) {
+    raise(ErrorCode::kBadFormat, "{}: num_experts_per_tok {} must be in [1, num_experts = {}]",
+          config.source.string(), moe.top_k, moe.num_experts);
+  }
+  return moe;
+}
+
+// The PLE settings shared by the PLE layers (layer_index is set per layer).
+PleConfig ple_config(const ModelConfig& config, int64_t streams, bool has_ple_layers) {
+  PleConfig ple;
+  ple.streams = streams;
+  ple.hidden_size = config.hidden_size;
+  ple.embed_dim = config.get_int("ple_embed_dim", config.hidden_size);
+  ple.ngram_size = config.get_int("ngram_size", 3);
+  ple.heads_per_ngram = config.get_int("heads_per_ngram", 8);
+  ple.conv_kernel = config.get_int("ple_conv_kernel_size", 4);
+  ple.rms_norm_eps = config.rms_norm_eps;
+  ple.vocab_size = config.vocab_size;
+  ple.seed = config.get_int("seed", 1234);
+  ple.vocab_size_base = config.get_int("ngram_vocab_size_base", 20000000);
+  ple.pad_multiple = config.get_int("make_ngram_vocab_size_divisible_by", 128);
+  ple.split_parts = config.get_int("split_ngram_parts", 512);
+  if (has_ple_layers) {
+    // The PLE EOS: eos_token_id, or its first entry when a list.
+    const nlohmann::json eos = config.text.value("eos_token_id", nlohmann::json());
+    const nlohmann::json first = eos.is_array() && !eos.empty() ? eos.front() : eos;
+    if (!first.is_number_integer() || first.get<int64_t>() < 0 || first.get<int64_t>() >= config.vocab_size) {
+      raise(ErrorCode::kBadFormat,
+            "{}: PLE layers need eos_token_id (a token id, or a list whose first entry is one), got {}",
+            config.source.string(), eos.dump());
+    }
+    ple.eos_token_id = first.get<int64_t>();
+  }
+  return ple;
+}
+
+}  // namespace
+
 std::unique_ptr<Model> build_qwen4_exp(const ModelConfig& config, Weights& weights) {
   const std::string where = config.source.string();
   const std::string act = config.get_string("hidden_act", "silu");
@@ -106,71 +190,10 @@ std::unique_ptr<Model> build_qwen4_exp(const ModelConfig& config, Weights& weigh
   }
   auto rope = std::make_shared<const RotaryEmbedding>(config.rope, config.head_dim, config.max_position_embeddings,
                                                       weights.device(), rotary_dim);
-
-  QsaConfig qsa;
-  qsa.hidden_size = h;
-  qsa.num_heads = config.num_heads;
-  qsa.num_kv_heads = config.num_kv_heads;
-  qsa.head_dim = config.head_dim;
-  qsa.rms_norm_eps = config.rms_norm_eps;
-  qsa.index_heads = required(config, "indexer_n_heads");
-  qsa.index_head_dim = required(config, "indexer_head_dim");
-  qsa.budget = required(config, "indexer_budget");
-  qsa.compress_ratio = required(config, "indexer_compress_ratio");
-  if (const int64_t kv = required(config, "indexer_kv_heads"); kv != 1) {
-    raise(ErrorCode::kBadFormat, "{}: indexer_kv_heads must be 1, got {}", where, kv);
-  }
-  if (qsa.budget % qsa.compress_ratio != 0) {
-    raise(ErrorCode::kBadFormat, "{}: indexer_budget {} is not a multiple of indexer_compress_ratio {}", where,
-          qsa.budget, qsa.compress_ratio);
-  }
-
-  GdnConfig gdn;
-  gdn.hidden_size = h;
-  gdn.num_k_heads = config.get_int("linear_num_key_heads", 16);
-  gdn.num_v_heads = config.get_int("linear_num_value_heads", 32);
-  gdn.head_k_dim = config.get_int("linear_key_head_dim", 128);
-  gdn.head_v_dim = config.get_int("linear_value_head_dim", 128);
-  gdn.conv_kernel = config.get_int("linear_conv_kernel_dim", 4);
-  gdn.rms_norm_eps = config.rms_norm_eps;
-  gdn.layout = GdnProjectionLayout::kSplit;
-  gdn.output_gate = output_gate(config);
-
-  MoeConfig moe;
-  moe.hidden_size = h;
-  moe.num_experts = config.get_int("num_experts", 512);
-  moe.top_k = config.get_int("num_experts_per_tok", 10);
-  moe.expert_intermediate_size = config.get_int("moe_intermediate_size", 512);
-  moe.shared_expert_intermediate_size = config.get_int("shared_expert_intermediate_size", 512);
-  moe.normalize_top_k = config.get_bool("norm_topk_prob", true);
-  if (moe.top_k < 1 || moe.top_k > moe.num_experts) {
-    raise(ErrorCode::kBadFormat, "{}: num_experts_per_tok {} must be in [1, num_experts = {}]", where, moe.top_k,
-          moe.num_experts);
-  }
-
-  PleConfig ple;
-  ple.streams = streams;
-  ple.hidden_size = h;
-  ple.embed_dim = config.get_int("ple_embed_dim", h);
-  ple.ngram_size = config.get_int("ngram_size", 3);
-  ple.heads_per_ngram = config.get_int("heads_per_ngram", 8);
-  ple.conv_kernel = config.get_int("ple_conv_kernel_size", 4);
-  ple.rms_norm_eps = config.rms_norm_eps;
-  ple.vocab_size = config.vocab_size;
-  ple.seed = config.get_int("seed", 1234);
-  ple.vocab_size_base = config.get_int("ngram_vocab_size_base", 20000000);
-  ple.pad_multiple = config.get_int("make_ngram_vocab_size_divisible_by", 128);
-  ple.split_parts = config.get_int("split_ngram_parts", 512);
-  if (!layout.ple_layers.empty()) {
-    // The PLE EOS: eos_token_id, or its first entry when a list.
-    const nlohmann::json eos = config.text.value("eos_token_id", nlohmann::json());
-    const nlohmann::json first = eos.is_array() && !eos.empty() ? eos.front() : eos;
-    if (!first.is_number_integer() || first.get<int64_t>() < 0 || first.get<int64_t>() >= config.vocab_size) {
-      raise(ErrorCode::kBadFormat, "{}: PLE layers need eos_token_id (a token id, or a list whose first entry is one), got {}",
-            where, eos.dump());
-    }
-    ple.eos_token_id = first.get<int64_t>();
-  }
+  const QsaConfig qsa = qsa_config(config);
+  const GdnConfig gdn = gdn_config(config);
+  const MoeConfig moe = moe_config(config);
+  const PleConfig ple = ple_config(config, streams, !layout.ple_layers.empty());
 
   DecoderParts parts;
   parts.embed_tokens = load_embedding(weights, config);
