@@ -74,6 +74,7 @@ void QsaAttention::select_blocks(const StepContext& step, const BlockCache& cach
   params.eps = static_cast<float>(config_.rms_norm_eps);
   params.rope = rope_->params();
   params.all_blocks = false;
+  params.row_slots = batch.slot_mapping;  // rows that write nothing complete no block keys
   params.max_q_len = batch.max_q_len;
   params.max_kv_len = batch.max_kv_len;
   kernels::qsa_index_prologue(q_idx, k_tok, index_q_norm_, batch.positions, rope_->inv_freq(), batch.slot_mapping,
