@@ -276,8 +276,9 @@ TEST_F(Qwen4Errors, MalformedFieldsAreNamed) {
             std::string::npos);
   EXPECT_NE(load_error([](auto& c) { c.erase("eos_token_id"); }).find("need eos_token_id"), std::string::npos);
   EXPECT_NE(load_error([](auto& c) { c["ple_embed_dim"] = 15; }).find("ple_embed_dim 15"), std::string::npos);
-  // full_attention is rewritten to qwen_sparse_attention.
+  // full_attention is rewritten to qwen_sparse_attention; the reference's cache kinds name it too.
   EXPECT_EQ(load_error([](auto& c) { c["layer_types"][1] = "full_attention"; }), "(no error)");
+  EXPECT_EQ(load_error([](auto& c) { c["layer_types"][3] = "deepseek_sparse_attention"; }), "(no error)");
 }
 
 TEST_F(Qwen4Errors, StoredBuffersMustMatchTheFormulas) {

@@ -186,7 +186,8 @@ _QWEN3_5_MOE = dict(
 # GDN dk = dv = 64 (the CUDA chunked kernel's sizes); MoE 4 experts top-2 + shared expert; 4 streams, rank 16.
 _QWEN4_EXP = dict(
     _HYBRID_COMMON, model_type="qwen4_exp_text", num_hidden_layers=4,
-    layer_types=["linear_attention", "qwen_sparse_attention", "linear_attention", "qwen_sparse_attention"],
+    # full_attention: the name every version of the config accepts (rewritten to its QSA kind).
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5,
                      "mrope_section": [3, 3, 2], "mrope_interleaved": True},

@@ -59,8 +59,11 @@ Qwen4ExpLayout qwen4_exp_layout(const ModelConfig& config) {
             config.num_layers);
     }
     for (size_t i = 0; i < types.size(); ++i) {
-      // full_attention is rewritten to qwen_sparse_attention; nothing else is accepted.
-      if (types[i] == "qwen_sparse_attention" || types[i] == "full_attention") {
+      // full_attention is rewritten to qwen_sparse_attention (qwen.md §2.6). Some versions of the
+      // reference write the cache kinds instead (deepseek_sparse_attention, and hybrid_indexed /
+      // hybrid for attention layers with PLE): the same attention layer.
+      if (types[i] == "qwen_sparse_attention" || types[i] == "full_attention" ||
+          types[i] == "deepseek_sparse_attention" || types[i] == "hybrid_indexed" || types[i] == "hybrid") {
         layout.attention[i] = true;
       } else if (types[i] != "linear_attention") {
         raise(ErrorCode::kBadFormat,
