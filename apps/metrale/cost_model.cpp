@@ -13,7 +13,9 @@ namespace {
 // Chunk length of the chunked delta rule (qwen.md §6.6).
 constexpr double kGdnChunk = 64.0;
 
-bool is_hybrid(const std::string& type) { return type == "qwen3_next" || type == "qwen3_5" || type == "qwen3_5_moe"; }
+bool is_hybrid(const std::string& type) {
+  return type == "qwen3_next" || type == "qwen3_5" || type == "qwen3_5_moe" || type == "qwen4_exp";
+}
 
 // Whether layer `i` is a full-attention layer of a hybrid model: config.layer_types when given
 // (legacy "attention" counts too), else every full_attention_interval-th layer.
@@ -21,7 +23,7 @@ bool hybrid_attention_layer(const ModelConfig& config, int64_t i) {
   const auto types = config.get_string_list("layer_types");
   if (!types.empty()) {
     const std::string& type = types.at(static_cast<size_t>(i));
-    return type == "full_attention" || type == "attention";
+    return type == "full_attention" || type == "attention" || type == "qwen_sparse_attention";
   }
   const int64_t interval = config.get_int("full_attention_interval", 4);
   return interval > 0 && (i + 1) % interval == 0;
@@ -66,14 +68,15 @@ CostModel::CostModel(const ModelConfig& config) {
     num_attention_layers_ = num_layers_;
   }
 
-  if (type == "qwen3_moe" || type == "qwen3_next" || type == "qwen3_5_moe") {
+  if (type == "qwen4_exp") qwen4_exp_terms(config);
+  if (type == "qwen3_moe" || type == "qwen3_next" || type == "qwen3_5_moe" || type == "qwen4_exp") {
     num_experts_ = config.get_int("num_experts", config.get_int("num_local_experts", 128));
     top_k_ = config.get_int("num_experts_per_tok", 8);
     expert_params_ = 3.0 * h * static_cast<double>(config.get_int("moe_intermediate_size", 768));
     router_params_ = static_cast<double>(num_experts_) * h;
     const double shared = static_cast<double>(config.get_int("shared_expert_intermediate_size", 0));
     if (shared > 0) shared_expert_params_ = 3.0 * h * shared + h;  // + its sigmoid gate
-    if (type == "qwen3_5_moe") {
+    if (type == "qwen3_5_moe" || type == "qwen4_exp") {
       num_moe_layers_ = num_layers_;  // every layer, whatever the config says
     } else {
       const int64_t step = config.get_int("decoder_sparse_step", 1);
@@ -87,8 +90,34 @@ CostModel::CostModel(const ModelConfig& config) {
   weight_bytes_ = 2.0 * (mixer_params() + ffn_params(static_cast<double>(num_experts_)) + head_params_);
 }
 
+void CostModel::qwen4_exp_terms(const ModelConfig& config) {
+  const double h = hidden_, n = static_cast<double>(config.get_int("hc_count", 4));
+  const double r = static_cast<double>(config.get_int("hc_lowrank", 320));
+  // Per site: hc_norm, W_down, W_up, W_inj; the final mixer has no W_inj.
+  const double site = n * h + 2.0 * r * n * h + n * n * h;
+  hc_params_ = 2.0 * static_cast<double>(num_layers_) * site + (site - n * n * h);
+  const double ple_layers = static_cast<double>(config.get_int_list("ple_layer_ids").size());
+  const double embed = static_cast<double>(config.get_int("ple_embed_dim", config.hidden_size));
+  const double taps = static_cast<double>(config.get_int("ple_conv_kernel_size", 4));
+  const double dilation = static_cast<double>(config.get_int("ngram_size", 3));
+  ple_params_ = ple_layers * (n * h * embed + h * embed + 3.0 * n * h + n * h * taps);
+  ple_row_elements_ = ple_layers * embed;
+  ple_state_bytes_ = ple_layers * 2.0 * (taps - 1.0) * dilation * n * h;
+  index_heads_ = static_cast<double>(config.get_int("indexer_n_heads", 0));
+  index_dim_ = static_cast<double>(config.get_int("indexer_head_dim", 0));
+  compress_ratio_ = static_cast<double>(std::max<int64_t>(1, config.get_int("indexer_compress_ratio", 1)));
+  budget_ = static_cast<double>(config.get_int("indexer_budget", 0));
+  index_params_ = (index_heads_ + 1.0) * index_dim_ * h + 2.0 * index_dim_;
+}
+
+double CostModel::attended_keys(double visible) const {
+  if (budget_ <= 0 || visible <= budget_ + compress_ratio_ - 1.0) return visible;
+  return budget_ + std::fmod(visible, compress_ratio_);  // the selected blocks and the tail
+}
+
 double CostModel::mixer_params() const {
-  return static_cast<double>(num_attention_layers_) * attention_params_ + static_cast<double>(num_gdn_layers_) * gdn_params_;
+  return static_cast<double>(num_attention_layers_) * (attention_params_ + index_params_) +
+         static_cast<double>(num_gdn_layers_) * gdn_params_ + hc_params_ + ple_params_;
 }
 
 double CostModel::ffn_params(double experts_per_layer) const {
@@ -109,12 +138,19 @@ StepCost CostModel::decode(int64_t batch, int64_t context) const {
     experts_read = e * (1.0 - std::pow(1.0 - static_cast<double>(top_k_) / e, b));
   }
   const double weight_elements = mixer_params() + ffn_params(experts_read) + head_params_;
-  const double kv_elements = b * static_cast<double>(context + 1) * attention_layers * kv_row_elements_;
-  cost.bytes = 2.0 * (weight_elements + kv_elements + b * hidden_) + 2.0 * b * gdn_layers * gdn_state_bytes_;
+  // Sparse attention reads only the selected keys; the indexer scores every complete block key.
+  const double visible = static_cast<double>(context + 1);
+  const double kv_elements = b * attended_keys(visible) * attention_layers * kv_row_elements_;
+  const double block_keys = budget_ > 0 ? std::floor(visible / compress_ratio_) : 0.0;
+  const double index_elements = b * attention_layers * block_keys * index_dim_;
+  cost.bytes = 2.0 * (weight_elements + kv_elements + index_elements + b * (hidden_ + ple_row_elements_)) +
+               2.0 * b * (gdn_layers * gdn_state_bytes_ + ple_state_bytes_);
   const double active = mixer_params() + ffn_params(static_cast<double>(top_k_)) + head_params_;
   // Recurrent decode per value head: decay, S^T k, the rank-1 update and S^T q, about 6 dk dv FLOPs.
   const double gdn_flops = gdn_layers * gdn_value_heads_ * 6.0 * gdn_key_dim_ * gdn_value_dim_;
-  cost.flops = 2.0 * b * active + b * attention_layers * 4.0 * q_dim_ * static_cast<double>(context + 1) + b * gdn_flops;
+  const double index_flops = attention_layers * 2.0 * index_heads_ * index_dim_ * block_keys;
+  cost.flops = 2.0 * b * active + b * attention_layers * 4.0 * q_dim_ * attended_keys(visible) + b * gdn_flops +
+               b * index_flops;
   return cost;
 }
 
@@ -125,15 +161,25 @@ StepCost CostModel::prefill(int64_t tokens) const {
   const double gdn_layers = static_cast<double>(num_gdn_layers_);
   // Every row runs the per-token layers; only the last row reaches the LM head.
   const double per_token = mixer_params() + ffn_params(static_cast<double>(top_k_));
-  // Causal attention: QK^T and PV over t(t+1)/2 query-key pairs, 2 FLOPs per multiply-add each.
-  const double attention = attention_layers * 4.0 * q_dim_ * t * (t + 1.0) / 2.0;
+  // Causal attention: QK^T and PV over t(t+1)/2 query-key pairs, 2 FLOPs per multiply-add each
+  // (with QSA: the attended keys of each query, and the indexer's scores of its complete blocks).
+  double pairs = t * (t + 1.0) / 2.0, scored_blocks = 0.0;
+  if (budget_ > 0) {
+    pairs = 0.0;
+    for (int64_t i = 1; i <= tokens; ++i) {
+      pairs += attended_keys(static_cast<double>(i));
+      scored_blocks += std::floor(static_cast<double>(i) / compress_ratio_);
+    }
+  }
+  const double attention = attention_layers * (4.0 * q_dim_ * pairs + 2.0 * index_heads_ * index_dim_ * scored_blocks);
   // Chunked delta rule per token and value head: the intra-chunk products (K K^T, Q K^T and the
   // two products with the chunk's values, 2 C (dk + dv) each pair) and the state terms (Q S, W S,
   // K'^T V': 6 dk dv).
   const double gdn = gdn_layers * t * gdn_value_heads_ *
                      (4.0 * kGdnChunk * (gdn_key_dim_ + gdn_value_dim_) + 6.0 * gdn_key_dim_ * gdn_value_dim_);
   cost.flops = 2.0 * t * per_token + 2.0 * head_params_ + attention + gdn;
-  cost.bytes = weight_bytes_ + 2.0 * t * attention_layers * kv_row_elements_ + gdn_layers * gdn_state_bytes_;
+  cost.bytes = weight_bytes_ + 2.0 * t * (attention_layers * (kv_row_elements_ + index_dim_) + ple_row_elements_) +
+               gdn_layers * gdn_state_bytes_ + ple_state_bytes_;
   return cost;
 }
 

@@ -2,7 +2,10 @@
 // roofline fractions `metrale bench` reports. Bytes count each weight read once per step (the
 // embedding only for the rows gathered) and the keys/values each decode row reads; FLOPs count
 // the matrix products (2 per multiply-add), causal attention and, for hybrid models, the Gated
-// DeltaNet recurrence with its per-sequence state traffic (fp32 state read and written each step).
+// DeltaNet recurrence with its per-sequence state traffic (fp32 state read and written each step);
+// for qwen4_exp also the hyper-connection and PLE weights, the PLE rows and conv window, the QSA
+// indexer (its weights, the block keys each query scores) and sparse attention over at most the
+// budget's keys.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +34,7 @@ class CostModel {
   // Parameters per layer kind (elements), bf16 weights (2 bytes each).
   double mixer_params() const;                          // every layer's attention or GDN weights
   double ffn_params(double experts_per_moe_layer) const;  // every layer's FFN weights
+  void qwen4_exp_terms(const ModelConfig& config);        // the qwen4_exp members below
 
   double attention_params_ = 0;  // per attention layer: q (+ gate), k, v, o projections and norms
   double gdn_params_ = 0;        // per GDN layer: in/out projections, conv, gates, norms
@@ -42,6 +46,15 @@ class CostModel {
   double router_params_ = 0;
   int64_t num_layers_ = 0, num_attention_layers_ = 0, num_gdn_layers_ = 0;
   int64_t num_moe_layers_ = 0, num_experts_ = 0, top_k_ = 0;
+  // qwen4_exp (zero otherwise).
+  double hc_params_ = 0;          // all hyper-connection sites and the final mixer
+  double ple_params_ = 0;         // all PLE layers' projections, norms and convs
+  double ple_row_elements_ = 0;   // gathered table values per token (all PLE layers)
+  double ple_state_bytes_ = 0;    // per sequence: the PLE conv windows
+  double index_params_ = 0;       // per attention layer: index_qk_proj and its norms
+  double index_heads_ = 0, index_dim_ = 0, compress_ratio_ = 0, budget_ = 0;
+  // Keys a query at `visible` keys attends (all of them, or the budget's blocks plus the tail).
+  double attended_keys(double visible) const;
   double head_params_ = 0;       // lm_head
   double hidden_ = 0, kv_row_elements_ = 0, q_dim_ = 0;
   double weight_bytes_ = 0;

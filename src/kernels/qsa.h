@@ -34,6 +34,11 @@ struct QsaParams {
   float eps = 1e-6f;       // q_layernorm / k_layernorm eps (zero-centred norms)
   RopeParams rope;         // the attention's partial RoPE: rotary_dim <= d_idx, attention_scaling
   bool all_blocks = false;  // qsa_block_keys: every complete block (true) or the new ones (false)
+  // qsa_block_keys, optional [T] i32 (the batch's slot_mapping): a block whose last token is a row of
+  // this step with slot -1 is not written (rows that write nothing: the padding sequences and padding
+  // rows of a fixed batch layout, whose positions may map to block table entries they do not own).
+  // Empty: every block is written.
+  Tensor row_slots = {};
   // Host upper bounds over the batch, for grids (CUDA graphs capture with bounds; the CPU checks
   // them). 0: not given (then T and the table width are used).
   int64_t max_q_len = 0;

@@ -15,7 +15,8 @@ namespace {
 
 // Qwen3-Next: the MTP head's tensors (read when the config declares MTP layers).
 constexpr std::string_view kMtpTensors[] = {"mtp."};
-// Qwen3.5: the vision tower of the composite checkpoint and the MTP head's tensors.
+// Qwen3.5 and qwen4_exp: the vision tower of the composite checkpoint and the MTP head's tensors
+// (qwen4_exp has no MTP drafter here; its hub files may carry mtp.*).
 constexpr std::string_view kQwen35Ignored[] = {"model.visual.", "mtp."};
 
 constexpr ArchEntry kArchitectures[] = {
@@ -27,6 +28,10 @@ constexpr ArchEntry kArchitectures[] = {
      kQwen35Ignored},
     {"qwen3_5_moe", "Qwen3.5-MoE text hybrid (Gated DeltaNet + gated attention, MoE with shared expert)",
      &arch::build_qwen3_5_moe, kQwen35Ignored},
+    {"qwen4_exp",
+     "Qwen4-Exp / Qwen3.8-Flash-Next (hyper-connection streams, GDN + QSA sparse attention, PLE n-gram embeddings, "
+     "MoE)",
+     &arch::build_qwen4_exp, kQwen35Ignored},
 };
 
 }  // namespace

@@ -210,8 +210,10 @@ TEST(CudaGdnGates, MatchesCpuTwin) {
 
 // ---- gated_rms_norm ----
 
-void check_gated_norm(int64_t tokens, int64_t heads, int64_t width, bool in_place, uint64_t seed) {
-  SCOPED_TRACE(::testing::Message() << "width " << width << " in place " << in_place);
+void check_gated_norm(int64_t tokens, int64_t heads, int64_t width, bool in_place, uint64_t seed,
+                      kernels::GatedNormGate gate = kernels::GatedNormGate::kSilu) {
+  SCOPED_TRACE(::testing::Message() << "width " << width << " in place " << in_place << " gate "
+                                    << static_cast<int>(gate));
   Random rng(seed);
   // x [T, Hv, D] contiguous; z a column slice of a projection row [T, 2 * Hv * D + 8].
   const OwnedTensor x = testing::random_tensor(DType::kBF16, {tokens, heads, width}, rng, -2.0f, 2.0f);
@@ -222,14 +224,14 @@ void check_gated_norm(int64_t tokens, int64_t heads, int64_t width, bool in_plac
                   {rows.stride(0), width, 1}, rows.device());
   };
   OwnedTensor out_cpu(DType::kF32, {tokens, heads, width});
-  kernels::gated_rms_norm(*x, z_view(*zrow), *weight, *out_cpu, 1e-6f);
+  kernels::gated_rms_norm(*x, z_view(*zrow), *weight, *out_cpu, 1e-6f, gate);
 
   const OwnedTensor x_dev = to_device(*x), zrow_dev = to_device(*zrow), weight_dev = to_device(*weight);
   OwnedTensor nan(DType::kBF16, {tokens, heads, width});
   testing::poison(*nan);
   const OwnedTensor out_dev = to_device(*nan);
   const Tensor& target = in_place ? *x_dev : *out_dev;
-  kernels::gated_rms_norm(*x_dev, z_view(*zrow_dev), *weight_dev, target, 1e-6f);
+  kernels::gated_rms_norm(*x_dev, z_view(*zrow_dev), *weight_dev, target, 1e-6f, gate);
   EXPECT_TRUE(testing::close_rel_l2(*to_host(target), testing::to_doubles(*out_cpu), kOutputTolerance));
 }
 
@@ -239,6 +241,9 @@ TEST(CudaGdnGatedRmsNorm, MatchesCpuTwin) {
   check_gated_norm(33, 8, 128, true, 32);
   check_gated_norm(9, 4, 50, false, 33);   // element-wise path
   check_gated_norm(5, 3, 256, false, 34);
+  // qwen4_exp's sigmoid gate with the GDN norm's roundings.
+  check_gated_norm(33, 8, 128, false, 35, kernels::GatedNormGate::kSigmoidRounded);
+  check_gated_norm(9, 4, 50, true, 36, kernels::GatedNormGate::kSigmoidRounded);
 }
 
 // ---- gated delta rule ----

@@ -187,6 +187,19 @@ void check_indexer(const std::vector<std::pair<int32_t, int32_t>>& seqs, int64_t
     kernels::qsa_scores(q_view(*cpu_fused), *to_device(*keys), *m.d_cu, *m.d_lens, *m.d_tables, *d_scores, p);
     EXPECT_TRUE(same_written(*to_host(*d_scores), *scores, 2e-6)) << "scores";
   }
+  // Rows of slot -1 complete no block keys (row_slots): every third row here.
+  std::vector<int32_t> row_slots = b.slots;
+  for (size_t i = 0; i < row_slots.size(); i += 3) row_slots[i] = -1;
+  const OwnedTensor rows = host_tensor(row_slots, DType::kI32, {b.tokens()}), d_rows = to_device(*rows);
+  OwnedTensor keys(DType::kBF16, {b.num_blocks, b.block_size / c, d_idx});
+  testing::poison(*keys);
+  const OwnedTensor d_keys = to_device(*keys);
+  QsaParams p = params;
+  p.row_slots = *rows;
+  kernels::qsa_block_keys(*cache, *kw, *freq, *m.cu, *m.lens, *m.tables, *keys, p);
+  p.row_slots = *d_rows;
+  kernels::qsa_block_keys(*d_cache, *d_kw, *d_freq, *m.d_cu, *m.d_lens, *m.d_tables, *d_keys, p);
+  EXPECT_TRUE(same_written(*to_host(*d_keys), *keys, 1e-3)) << "block keys with row_slots";
 }
 
 TEST(CudaQsaIndexer, MatchesCpuTwin) {

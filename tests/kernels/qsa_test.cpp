@@ -199,6 +199,42 @@ TEST(QsaBlockKeys, MatchTheFormulaAndIncrementalEqualsRecomputed) {
   EXPECT_EQ(testing::element_bytes(*incremental), testing::element_bytes(*all_keys));
 }
 
+// Rows of slot -1 (a fixed layout's padding sequences and padding rows) complete no block keys, even
+// where their positions fall into block table entries the sequence does not own; the others are
+// written as without row_slots.
+TEST(QsaBlockKeys, RowsOfSlotMinusOneWriteNothing) {
+  IndexSetup setup({12, 9}, DType::kF32, 4);
+  const int64_t keys_per_block = setup.pages.block_size / setup.c;
+  QsaParams params = setup.params(2);
+  // Sequence 0: ctx 4, rows at 4..11, the last three padding (slot -1): the block [8, 12) ends on a
+  // padding row. Sequence 1: a padding sequence, rows 0..8 all slot -1.
+  Step st;
+  st.add(8, 4);
+  st.add(9, 0);
+  std::vector<int32_t> slots(static_cast<size_t>(st.tokens()), 0);
+  for (int i = 5; i < 8; ++i) slots[static_cast<size_t>(i)] = -1;
+  for (int i = 8; i < 17; ++i) slots[static_cast<size_t>(i)] = -1;
+  OwnedTensor plain(DType::kF32, {setup.pages.num_blocks, keys_per_block, setup.width});
+  OwnedTensor guarded(DType::kF32, {setup.pages.num_blocks, keys_per_block, setup.width});
+  testing::poison(*plain);
+  testing::poison(*guarded);
+  kernels::qsa_block_keys(*setup.raw, *setup.weight, setup.freq(), st.cu(), st.lens(), setup.pages.table_tensor(),
+                          *plain, params);
+  params.row_slots = Tensor(slots.data(), DType::kI32, {st.tokens()});
+  kernels::qsa_block_keys(*setup.raw, *setup.weight, setup.freq(), st.cu(), st.lens(), setup.pages.table_tensor(),
+                          *guarded, params);
+  const std::vector<double> a = testing::to_doubles(*plain), g = testing::to_doubles(*guarded);
+  const auto block = [&](const std::vector<double>& keys, int64_t s, int64_t j) {
+    const auto at = keys.begin() + setup.pages.slot(s, j * setup.c) / setup.c * setup.width;
+    return std::vector<double>(at, at + setup.width);
+  };
+  // Sequence 0's block 1 (tokens 4..7, all real rows) is written alike; block 2 (8..11) is not.
+  EXPECT_EQ(block(g, 0, 1), block(a, 0, 1));
+  EXPECT_FALSE(std::isnan(block(a, 0, 2)[0]));
+  EXPECT_TRUE(std::isnan(block(g, 0, 2)[0]));
+  for (int64_t j = 0; j < 2; ++j) EXPECT_TRUE(std::isnan(block(g, 1, j)[0])) << "padding sequence block " << j;
+}
+
 TEST(QsaScores, MatchTheFormula) {
   IndexSetup setup({45, 4, 64}, DType::kF32, 3);
   Random rng(4);

@@ -29,9 +29,35 @@ SpecRunner::Rows SpecRunner::step(const std::vector<Chunk>& chunks, bool verify)
                     model_.device());
     host.batch.verify_scratch = verify_scratch_.tensor;
   }
+  // Step inputs: host arrays filled by the model's prestage, which on the CPU are the device arrays.
+  std::vector<std::vector<uint8_t>> input_memory;
+  std::vector<Tensor> inputs;
+  const std::vector<StepInputSpec> input_specs = model_.step_input_specs();
+  if (!input_specs.empty()) {
+    for (const StepInputSpec& spec : input_specs) {
+      input_memory.emplace_back(static_cast<size_t>(tokens * spec.per_row) * dtype_size(spec.dtype), uint8_t{0xff});
+      inputs.emplace_back(input_memory.back().data(), spec.dtype, Shape{tokens, spec.per_row});
+    }
+    std::vector<std::span<const int32_t>> history;
+    for (const Chunk& chunk : chunks) history.emplace_back(history_[chunk.seq_id]);
+    PrestageRows rows;
+    rows.num_tokens = tokens;
+    rows.num_seqs = host.batch.num_seqs;
+    rows.token_ids = host.token_ids;
+    rows.positions = host.positions;
+    rows.cu_q = host.cu_q;
+    rows.history = history;
+    model_.prestage(rows, inputs);
+    host.batch.step_inputs = inputs;
+  }
   arena_.reset();
   model_.forward(host.batch, cache_.caches(), Tensor(logits.data(), DType::kF32, {tokens, vocab}), arena_);
   host.batch.hidden_out = Tensor();
+  host.batch.step_inputs = {};
+  for (const Chunk& chunk : chunks) {
+    auto& seen = history_[chunk.seq_id];
+    seen.insert(seen.end(), chunk.tokens.begin(), chunk.tokens.end());
+  }
   if (verify) pending_verify_ = std::move(host);
   // The batch's spans point into the moved vectors' buffers, which moving keeps in place.
   return {split_rows(logits, tokens, vocab), split_rows(hidden_rows, tokens, hidden)};
@@ -44,6 +70,8 @@ void SpecRunner::commit(const std::vector<int32_t>& kept_rows) {
   for (size_t s = 0; s < pending_verify_.seq_ids.size(); ++s) {
     const int32_t q_len = pending_verify_.cu_q[s + 1] - pending_verify_.cu_q[s];
     cached_[pending_verify_.seq_ids[s]] -= q_len - kept_rows[s];
+    auto& seen = history_[pending_verify_.seq_ids[s]];
+    seen.resize(seen.size() - static_cast<size_t>(q_len - kept_rows[s]));
   }
   pending_verify_ = HostBatch{};
 }

@@ -1,7 +1,8 @@
 // A test driver for the model side of speculative decoding: the caches of a model's stateful blocks
 // plus, optionally, its MTP layers' (ModelCaches::mtp), and hand-built ragged batches for
 // Model::forward (plain or verify), Model::commit_verified and Model::mtp_forward, over a TestCache
-// (tests/common/step_runner.h).
+// (tests/common/step_runner.h). Models with step inputs get Model::prestage with each sequence's kept
+// tokens as its history (a commit drops the rejected ones).
 #pragma once
 
 #include <cstdint>
@@ -48,6 +49,7 @@ class SpecRunner {
   Model& model_;
   TestCache cache_;  // the trunk's blocks, then the MTP layers
   std::map<int64_t, int64_t> cached_, mtp_cached_;
+  std::map<int64_t, std::vector<int32_t>> history_;  // each sequence's kept tokens (the history prestage sees)
   HostBatch pending_verify_;
   OwnedTensor verify_scratch_;
   Arena arena_;

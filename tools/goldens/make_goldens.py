@@ -16,11 +16,15 @@ For every case in CASES:
    the final `model.norm.weight` ~ N(final_norm_mean, final_norm_std); other norm weights (1-D, name containing
    "norm") ~ N(1, 0.1); the token embedding ~ N(0, std_embed); an untied `lm_head.weight` ~ N(0, std_lm_head); MoE
    router `mlp.gate.weight` ~ N(0, std_router); every other weight (attention projections, MLP, 3-D experts)
-   ~ N(0, std_linear). Hybrid models (qwen3_next, qwen3_5_text, qwen3_5_moe_text): their zero-centred norms scale by
+   ~ N(0, std_linear). Hybrid models (qwen3_next, qwen3_5_text, qwen3_5_moe_text, qwen4_exp_text): their zero-centred norms scale by
    (1 + w), so those weights get the same *scale* (w ~ N(mean - 1, std)); the GDN output norm
    `linear_attn.norm.weight` is a plain weight ~ N(1, 0.1); `linear_attn.A_log` ~ U(-4, 0.5) (decay rates
    exp(A_log) from 0.02 to 1.6: some heads remember for tens of tokens, others for a few), `linear_attn.dt_bias`
    ~ N(0, 0.3), `linear_attn.conv1d.weight` ~ N(0, std_conv), the shared-expert gate ~ N(0, std_router).
+   qwen4_exp: the PLE tables ~ N(0, std_ple_table), the PLE conv ~ N(0, std_conv), the hyper-connection weights
+   ~ N(0, std_linear) (their grouped norms are zero-centred norms); with `eos_positions` the input ids at those
+   positions are set to the PLE EOS (the first eos_token_id), and the PLE buffers are checked against the formulas
+   of qwen.md §7.2 before anything runs.
    Values: INIT, with TIED_INIT on top for tied-embedding models (see the comment there), HYBRID_INIT for GDN.
    Larger-than-default weights make the logits far from uniform, so greedy argmax margins are mostly clear (they
    are recorded, see below). case.json's "init" holds the values used.
@@ -103,13 +107,19 @@ INIT = {"std_linear": 0.08, "std_embed": 0.4, "std_lm_head": 0.3, "std_router": 
 TIED_INIT = {"std_embed": 0.04, "final_norm_mean": 10.0, "final_norm_std": 1.0}
 # Gated DeltaNet parameters (hybrid models): the short conv sees raw projections of order one.
 HYBRID_INIT = {"std_conv": 0.3, "a_log_low": -4.0, "a_log_high": 0.5, "dt_bias_std": 0.3}
+# qwen4_exp: the PLE table rows (the n-gram embeddings) ~ N(0, std_ple_table), the PLE conv ~ N(0, std_conv); the
+# hyper-connection mixing weights are linear weights (std_linear), their grouped norms zero-centred like the others.
+QWEN4_INIT = {"std_ple_table": 0.5}
 
 # Text models whose RMSNorms are zero-centred (scale 1 + w), with their GDN layers.
-HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text")
+# qwen4_exp: hyper-connection streams instead of layer norms, QSA attention layers, PLE tables (qwen.md §7).
+QWEN4_TYPES = ("qwen4_exp_text",)
 # Fallback classes for the text model types of the composite models, if the Auto mappings lack them.
 TEXT_CLASSES = {
     "qwen3_5_text": ("transformers.models.qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe_text": ("transformers.models.qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "qwen4_exp_text": ("transformers.models.qwen4_exp", "Qwen4ExpTextConfig", "Qwen4ExpForCausalLM"),
 }
 
 _QWEN3_BASE = dict(
@@ -166,6 +176,28 @@ _QWEN3_5_MOE = dict(
     linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
     tie_word_embeddings=False, output_router_logits=False,
+)
+
+
+# qwen4_exp text (Qwen4ExpForCausalLM): GDN+PLE, QSA, GDN+PLE, QSA. QSA with 8 index heads (no top-k ties at the
+# cut-off, qwen.md §10.2) of d_idx 32 >= rotary 16 (head_dim 32, partial_rotary_factor 0.5), c 4 and budget 16
+# (block_topk 4: dense up to 19 visible keys, sparse for 86% of 140 positions); PLE 3-grams, 4 heads per order
+# (NH 8 x d_head 8), base 1009, tables of R_pad = 8192 rows saved in 3 row shards (2731, 2731, 2730);
+# GDN dk = dv = 64 (the CUDA chunked kernel's sizes); MoE 4 experts top-2 + shared expert; 4 streams, rank 16.
+_QWEN4_EXP = dict(
+    _HYBRID_COMMON, model_type="qwen4_exp_text", num_hidden_layers=4,
+    # full_attention: the name every version of the config accepts (rewritten to its QSA kind).
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5,
+                     "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    norm_topk_prob=True, tie_word_embeddings=False, output_router_logits=False,
+    hc_count=4, hc_lowrank=16, ple_layer_ids=[1, 3], ple_embed_dim=64, ple_conv_kernel_size=4, ngram_size=3,
+    heads_per_ngram=4, ngram_vocab_size_base=1009, make_ngram_vocab_size_divisible_by=128, seed=1234,
+    split_ngram_parts=3, indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=16,
+    indexer_compress_ratio=4, output_gate_type="sigmoid",
 )
 
 
@@ -228,6 +260,22 @@ CASES = [
                      "(always renormalised) + shared expert on every layer, experts stored fused "
                      "(gate_up_proj [E, 2I, H], down_proj [E, H, I]); 140 tokens.",
          config=_QWEN3_5_MOE),
+    dict(name="qwen4_exp", seed=1111, num_tokens=140, prompt_len=100, max_new_tokens=32, max_rel_l2=5e-5,
+         init=HYBRID_INIT, eos_positions=[20, 21, 57],
+         description="qwen4_exp text (Qwen4ExpForCausalLM), 4 layers: GDN with PLE (layers 0, 2; 1-based "
+                     "ple_layer_ids [1, 3]), QSA gated attention (layers 1, 3; 8 index heads x 32, c 4, budget 16: "
+                     "sparse for 86% of positions); 4 hyper-connection streams (rank 16), final mixer, no norms; "
+                     "PLE 3-grams x 4 heads of 8, tables of 8192 rows in 3 row shards; MoE 4 experts top-2 + shared "
+                     "expert; sigmoid GDN output gate; the PLE EOS (1) at positions 20, 21 and 57.",
+         config=_QWEN4_EXP),
+    dict(name="qwen4_exp_dense_start", seed=1212, num_tokens=96, prompt_len=64, max_new_tokens=24, max_rel_l2=5e-5,
+         init=HYBRID_INIT, eos_positions=[5],
+         description="qwen4_exp text, 3 layers from full_attention_interval 3 (GDN, GDN, QSA; the config derives the "
+                     "kinds), PLE on layer 2 only (ple_layer_ids [2]: PLE layer index 0 on a later layer), silu output "
+                     "gate (output_gate_type unset: hidden_act), 2 streams, the PLE table as 1 shard "
+                     "(split_ngram_parts 1), budget 32 with c 4 (dense up to 35 keys).",
+         config=_cfg(_QWEN4_EXP, num_hidden_layers=3, layer_types=None, full_attention_interval=3,
+                     ple_layer_ids=[2], output_gate_type=None, hc_count=2, split_ngram_parts=1, indexer_budget=32)),
 ]
 
 
@@ -305,7 +353,7 @@ def init_weights(model, seed, init=None):
     if tied != bool(model.config.tie_word_embeddings):
         raise CaseFailure(f"tie_word_embeddings={model.config.tie_word_embeddings} but lm_head tied={tied}")
     emb = model.get_input_embeddings().weight
-    init = dict(HYBRID_INIT, **init)  # GDN parameters exist only in hybrid models
+    init = dict(HYBRID_INIT, **QWEN4_INIT, **init)  # GDN / PLE parameters exist only in hybrid models
     # Zero-centred norms (hybrid models) scale by 1 + w: shift their means so the scale is the same.
     offset = 1.0 if model.config.model_type in HYBRID_TYPES else 0.0
     for n, p in model.named_parameters():
@@ -317,8 +365,10 @@ def init_weights(model, seed, init=None):
             v = init["a_log_low"] + (init["a_log_high"] - init["a_log_low"]) * torch.rand(p.shape, generator=g)
         elif n.endswith("linear_attn.dt_bias"):
             v = init["dt_bias_std"] * torch.randn(p.shape, generator=g)
-        elif n.endswith("linear_attn.conv1d.weight"):
+        elif n.endswith("linear_attn.conv1d.weight") or n.endswith("ple.conv1d.weight"):
             v = init["std_conv"] * torch.randn(p.shape, generator=g)
+        elif n.endswith("ple_embedding.ngram_embedding.weight"):
+            v = init["std_ple_table"] * torch.randn(p.shape, generator=g)
         elif p.dim() == 1:
             if "norm" not in n:
                 raise CaseFailure(f"unexpected 1-D parameter {n}")
@@ -345,6 +395,8 @@ def rotary_dim(cfg, head_dim):
     factor = cfg.rope_parameters.get("partial_rotary_factor")
     if factor is None:
         factor = getattr(cfg, "partial_rotary_factor", None)
+    if factor is None and cfg.model_type in QWEN4_TYPES:
+        factor = 1.0  # qwen4_exp injects no 0.25 (qwen.md §2.1)
     if factor is None:
         raise CaseFailure(f"{cfg.model_type}: no partial_rotary_factor in rope_parameters {cfg.rope_parameters}")
     return int(head_dim * factor)
@@ -458,16 +510,84 @@ def key_prefix(keys):
     raise CaseFailure(f"no embed_tokens.weight among the file keys {sorted(keys)[:6]}")
 
 
+def qwen4_attention_layers(cfg):
+    """Per layer: True for the (QSA) attention layers of a qwen4_exp config, from the layer kinds the config
+    derived (`layers_block_type` where the config has it, else `layer_types`)."""
+    types = list(getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None) or [])
+    if len(types) != cfg.num_hidden_layers:
+        raise CaseFailure(f"qwen4_exp: layer kinds {types} for {cfg.num_hidden_layers} layers")
+    return [t != "linear_attention" for t in types]
+
+
+def qwen4_expected_keys(model, keys, root):
+    """The keys a qwen4_exp checkpoint must hold (qwen.md §4.6), with the PLE tables as row shards."""
+    cfg = model.config
+    hc = ("hc_norm", "input_mix_weight_down", "input_mix_weight_up")
+    want = {root + "embed_tokens.weight"} | {root + f"hyper_connection_mixer.{w}.weight" for w in hc}
+    attention = qwen4_attention_layers(cfg)
+    ple_ids = list(cfg.ple_layer_ids or [])
+    for i in range(cfg.num_hidden_layers):
+        p = f"{root}layers.{i}."
+        for site in ("attn_hyper_connection", "mlp_hyper_connection"):
+            want |= {p + f"{site}.{w}.weight" for w in hc + ("block_inject_weight",)}
+        if attention[i]:
+            want |= {p + f"self_attn.{w}.weight" for w in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+            want |= {p + f"self_attn.indexer.{w}.weight" for w in ("index_qk_proj", "q_layernorm", "k_layernorm")}
+        else:
+            a = p + "linear_attn."
+            want |= {a + f"in_proj_{w}.weight" for w in ("qkv", "z", "b", "a")}
+            want |= {a + "conv1d.weight", a + "dt_bias", a + "A_log", a + "norm.weight", a + "out_proj.weight"}
+        if i + 1 in ple_ids:
+            e = p + "ple."
+            want |= {e + f"{w}.weight" for w in ("key_proj", "value_proj", "norm_key", "norm_query", "norm_conv",
+                                                 "conv1d")}
+            want |= {e + f"ple_embedding.{b}" for b in ("layer_multipliers", "ngram_heads_vocab_sizes",
+                                                        "ngram_heads_offsets")}
+            table = model.get_submodule(f"model.layers.{i}.ple.ple_embedding.ngram_embedding").weight
+            rows, parts = table.shape[0], cfg.split_ngram_parts
+            chunk = -(-rows // parts)
+            shards = -(-rows // chunk)
+            for s_ in range(shards):
+                name = e + f"ple_embedding.ngram_embedding.shard_{s_}.weight"
+                want.add(name)
+                expect_rows = min(chunk, rows - s_ * chunk)
+                if name in keys and keys[name][1][0] != expect_rows:
+                    raise CaseFailure(f"{name} has {keys[name][1][0]} rows, torch.chunk gives {expect_rows}")
+    return want
+
+
 def check_keys(model, keys, tied, layout):
     """The file holds exactly the expected keys; returns the per-layer FFN kinds ("dense" / "moe")."""
     cfg = model.config
     L = cfg.num_hidden_layers
-    bad_dtype = [k for k, (dt, _) in keys.items() if dt not in ("BF16", "bfloat16")]
+    # The PLE hash buffers are int64 (qwen.md §4.6); everything else bf16.
+    bad_dtype = [k for k, (dt, _) in keys.items()
+                 if dt not in ("BF16", "bfloat16") and not (k.endswith(("layer_multipliers", "ngram_heads_vocab_sizes",
+                                                                        "ngram_heads_offsets")) and dt in ("I64", "int64"))]
     if bad_dtype:
         raise CaseFailure(f"non-bf16 tensors in file: {bad_dtype[:5]}")
     if tied == ("lm_head.weight" in keys):
         raise CaseFailure(f"tied={tied} but lm_head.weight in file = {'lm_head.weight' in keys}")
     root = key_prefix(keys)
+    if cfg.model_type in QWEN4_TYPES:
+        want = qwen4_expected_keys(model, keys, root)
+        kinds = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"{root}layers.{i}."
+            kinds.append("moe")
+            want |= {p + "mlp.gate.weight", p + "mlp.shared_expert_gate.weight"}
+            want |= {p + f"mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")}
+            if layout == "fused":
+                want |= {p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"}
+            else:
+                for e in range(cfg.num_experts):
+                    want |= {p + f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")}
+        if not tied:
+            want.add("lm_head.weight")
+        if set(keys) != want:
+            raise CaseFailure(f"file keys differ: missing {sorted(want - set(keys))[:6]}, "
+                              f"unexpected {sorted(set(keys) - want)[:6]}")
+        return kinds
     want = {root + "embed_tokens.weight", root + "norm.weight"}
     hybrid = cfg.model_type in HYBRID_TYPES
     layer_types = list(getattr(cfg, "layer_types", None) or [])
@@ -559,6 +679,64 @@ def experts_impl(model):
     return getattr(model.config, "_experts_implementation", None)
 
 
+def ple_eos(cfg):
+    eos = cfg.eos_token_id
+    return eos[0] if isinstance(eos, (list, tuple)) else eos
+
+
+def _splitmix64(v):
+    m = (1 << 64) - 1
+    z = (v + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def _is_prime(n):
+    if n < 2:
+        return False
+    d = 2
+    while d * d <= n:
+        if n % d == 0:
+            return False
+        d += 1
+    return True
+
+
+def check_ple_buffers(model):
+    """The PLE buffers transformers built equal the formulas of qwen.md §7.2 (a, b), which the engine checks a
+    checkpoint's stored buffers against."""
+    cfg = model.config
+    heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram
+    half = max(1, ((2 ** 63 - 1) // max(cfg.vocab_size, 1)) // 2)
+    primes, n = [], cfg.ngram_vocab_size_base
+    for L, layer_id in enumerate(sorted(set(cfg.ple_layer_ids or []))):
+        emb = model.get_submodule(f"model.layers.{layer_id - 1}.ple.ple_embedding")
+        mult = [2 * (_splitmix64((cfg.seed + 10007 * L + 0x9E3779B97F4A7C15 * (i + 1)) % 2 ** 64) % half) + 1
+                for i in range(cfg.ngram_size)]
+        while len(primes) < (L + 1) * heads:
+            if _is_prime(n):
+                primes.append(n)
+            n += 1
+        sizes = primes[L * heads:(L + 1) * heads]
+        offsets = [sum(sizes[:h]) for h in range(heads)]
+        for name, want in (("layer_multipliers", mult), ("ngram_heads_vocab_sizes", sizes),
+                           ("ngram_heads_offsets", offsets)):
+            got = getattr(emb, name).tolist()
+            if got != want:
+                raise CaseFailure(f"layer {layer_id - 1} {name} {got} differs from qwen.md §7.2's {want}")
+        rows = emb.ngram_embedding.weight.shape[0]
+        pad = cfg.make_ngram_vocab_size_divisible_by
+        if rows != -(-sum(sizes) // pad) * pad:
+            raise CaseFailure(f"layer {layer_id - 1}: PLE table of {rows} rows, expected R_pad of {sum(sizes)}")
+
+
+def qsa_sparse_fraction(cfg, num_tokens):
+    """Fraction of query positions whose visible keys exceed budget + c - 1 (QSA selects sparsely there)."""
+    dense = cfg.indexer_budget + cfg.indexer_compress_ratio - 1
+    return max(0, num_tokens - dense) / num_tokens
+
+
 def try_seed(case, seed, max_rel):
     """Builds the case's model for one seed and runs the checks; returns a dict (model, ids, ref, ...)."""
     name = case["name"]
@@ -569,6 +747,10 @@ def try_seed(case, seed, max_rel):
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(2, V, (case["num_tokens"],), generator=g).tolist()
+    for pos in case.get("eos_positions", []):  # the PLE EOS inside the prompt (its n-gram history restarts)
+        ids[pos] = ple_eos(model.config)
+    if model.config.model_type in QWEN4_TYPES:
+        check_ple_buffers(model)
     ref = full_logits(model, ids)
     r_inc = rel_l2(incremental_logits(model, ids), ref)
     r_chunk = rel_l2(incremental_logits(model, ids, first=16, step=5), ref)
@@ -683,6 +865,13 @@ def make_case(case, out_root, max_rel):
         "init": r["init"],
         "generator": "tools/goldens/make_goldens.py",
     }
+    if cfg.model_type in QWEN4_TYPES:
+        info["qsa_sparse_fraction"] = qsa_sparse_fraction(cfg, len(ids))
+        info["eos_positions"] = case.get("eos_positions", [])
+        info["ple_layer_ids"] = list(cfg.ple_layer_ids or [])
+        info["ple_table_shards"] = sum(1 for k in keys_now if ".ngram_embedding.shard_" in k)
+        if info["qsa_sparse_fraction"] < 0.5:
+            raise CaseFailure(f"{name}: QSA selects sparsely at only {info['qsa_sparse_fraction']:.0%} of positions")
     info.update(extra)
     with open(os.path.join(case_dir, "case.json"), "w") as f:
         json.dump(info, f, indent=2)

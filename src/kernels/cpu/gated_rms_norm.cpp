@@ -1,5 +1,6 @@
 // CPU gated RMSNorm (the GDN and KDA output norms), fp32 arithmetic:
-// y = w * x * rsqrt(mean(x^2) + eps) * act(z), act = silu or sigmoid.
+// y = w * x * rsqrt(mean(x^2) + eps) * act(z), act = silu or sigmoid (kSigmoid and kSigmoidRounded
+// differ only in bf16 rounding, which the fp32 CPU reference does not apply).
 #include "kernels/gated_rms_norm.h"
 
 #include <cmath>

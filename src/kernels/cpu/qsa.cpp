@@ -157,13 +157,23 @@ void qsa_block_keys(const Tensor& index_cache, const Tensor& k_norm_weight, cons
   const DType act = block_keys.dtype();
   const auto in_size = static_cast<int64_t>(index_cache.element_size());
   const auto out_size = static_cast<int64_t>(block_keys.element_size());
+  const int32_t* row_slots = nullptr;
+  if (!params.row_slots.empty()) {
+    METRALE_CHECK(params.row_slots.dtype() == DType::kI32 && params.row_slots.numel() >= b.tokens &&
+                      params.row_slots.is_contiguous(),
+                  "qsa_block_keys: row_slots {} for {} rows", params.row_slots.describe(), b.tokens);
+    row_slots = params.row_slots.data_as<const int32_t>();
+  }
   cpu_pool().parallel_for(b.num_seqs, 1, [&](int64_t begin, int64_t end) {
     float* sum = scratch_a(2 * width);
     float* key = sum + width;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t q_len = b.cu[s + 1] - b.cu[s], kv_len = b.lens[s];
-      const int64_t first = params.all_blocks ? 0 : (kv_len - q_len) / c;
+      const int64_t ctx = kv_len - q_len;
+      const int64_t first = params.all_blocks ? 0 : ctx / c;
       for (int64_t j = first; j < kv_len / c; ++j) {
+        const int64_t last_token = j * c + c - 1;  // a row of this step when >= ctx
+        if (row_slots != nullptr && last_token >= ctx && row_slots[b.cu[s] + last_token - ctx] < 0) continue;
         std::fill_n(sum, width, 0.0f);
         for (int64_t i = 0; i < c; ++i) {
           const int64_t slot = b.slot(s, j * c + i, block_size);

@@ -1,6 +1,7 @@
 // Gated RMSNorm on the GPU, rounding like transformers in the activation dtype D:
 //   kSilu (the GDN output norm, qwen.md §3.1): n = x * rsqrt(mean(x^2) + eps); t = D(w * D(n)); y = D(t * silu(z));
 //   kSigmoid (the KDA output norm, glm_deepseek.md §2.5): y = D(w * n * sigmoid(z)), fp32 until the store.
+//   kSigmoidRounded (qwen4_exp's GDN output norm): kSilu's roundings with the sigmoid gate.
 // One warp per (token, head) row; each lane takes 4 consecutive elements per step (8-byte bf16 or
 // 16-byte f32 loads) when rows allow, else one. The row is read twice (sum of squares, then the
 // output); the second read hits L1. out may alias x: every element is read before it is written,
@@ -26,7 +27,8 @@ struct GatedNormArgs {
   int64_t rows;
   int heads, width;
   float eps;
-  bool sigmoid;  // GatedNormGate::kSigmoid
+  bool sigmoid;  // GatedNormGate::kSigmoid: fp32 until the store
+  bool sigmoid_rounded;  // GatedNormGate::kSigmoidRounded: kSilu's roundings, sigmoid gate
 };
 
 template <typename T, int N>
@@ -60,7 +62,8 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) gated_rms_norm_kernel(Gate
       } else {
         const float normalized = to_f32(from_f32<T>(to_f32(xv.v[e]) * inv_rms));
         const float weighted = to_f32(from_f32<T>(load_weight(a.weight, a.weight_type, i + e) * normalized));
-        o.v[e] = from_f32<T>(weighted * (gate / (1.0f + expf(-gate))));
+        const float act = a.sigmoid_rounded ? 1.0f / (1.0f + expf(-gate)) : gate / (1.0f + expf(-gate));
+        o.v[e] = from_f32<T>(weighted * act);
       }
     }
     *reinterpret_cast<V*>(out + i) = o;
@@ -107,6 +110,7 @@ void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, cons
   a.width = static_cast<int>(width);
   a.eps = eps;
   a.sigmoid = gate == GatedNormGate::kSigmoid;
+  a.sigmoid_rounded = gate == GatedNormGate::kSigmoidRounded;
   if (a.rows == 0 || width == 0) return;
   const auto grid = static_cast<unsigned>((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
   const cudaStream_t stream = stream_of(out);

@@ -157,6 +157,7 @@ struct BlockKeyArgs {
   const int32_t* cu_q;
   const int32_t* kv_lens;
   const int32_t* tables;
+  const int32_t* row_slots;  // optional [T]: blocks completed by a row of slot -1 are skipped
   int64_t table_stride;
   int num_blocks, block_size, c, width, half, num_seqs;
   float eps, scaling;
@@ -170,12 +171,15 @@ __global__ void __launch_bounds__(32 * kBlockKeyWarps) block_keys_kernel(BlockKe
   const int s = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int q_len = a.cu_q[s + 1] - a.cu_q[s], kv_len = a.kv_lens[s];
-  const int first = a.all_blocks ? 0 : (kv_len - q_len) / a.c, last = kv_len / a.c;
+  const int ctx = kv_len - q_len;
+  const int first = a.all_blocks ? 0 : ctx / a.c, last = kv_len / a.c;
   const int32_t* table = a.tables + s * a.table_stride;
   float* cos_table = tables_smem[warp];
   float* sin_table = tables_smem[warp] + kMaxWidth / 2;
   for (int j = first + blockIdx.y * kBlockKeyWarps + warp; j < last; j += gridDim.y * kBlockKeyWarps) {
     const int token0 = j * a.c;
+    const int last_token = token0 + a.c - 1;  // a row of this step when >= ctx
+    if (a.row_slots != nullptr && last_token >= ctx && __ldg(a.row_slots + a.cu_q[s] + last_token - ctx) < 0) continue;
     const int page = __ldg(table + token0 / a.block_size);
     if (page < 0 || page >= a.num_blocks) continue;  // a corrupt table must not make us write outside the cache
     const int64_t slot0 = static_cast<int64_t>(page) * a.block_size + token0 % a.block_size;
@@ -559,6 +563,12 @@ void qsa_block_keys(const Tensor& index_cache, const Tensor& k_norm_weight, cons
   a.cu_q = cu_q.data_as<const int32_t>();
   a.kv_lens = kv_lens.data_as<const int32_t>();
   a.tables = block_tables.data_as<const int32_t>();
+  if (!params.row_slots.empty()) {
+    METRALE_EXPECT(params.row_slots.device().is_cuda() && params.row_slots.dtype() == DType::kI32 &&
+                       params.row_slots.is_contiguous(),
+                   "qsa_block_keys: row_slots " + params.row_slots.describe());
+    a.row_slots = params.row_slots.data_as<const int32_t>();
+  }
   a.table_stride = block_tables.size(1);
   a.num_blocks = static_cast<int>(index_cache.size(0));
   a.block_size = static_cast<int>(index_cache.size(1));

@@ -17,6 +17,7 @@ std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& config, Weights& weigh
 std::unique_ptr<Model> build_qwen3_next(const ModelConfig& config, Weights& weights);
 std::unique_ptr<Model> build_qwen3_5(const ModelConfig& config, Weights& weights);
 std::unique_ptr<Model> build_qwen3_5_moe(const ModelConfig& config, Weights& weights);
+std::unique_ptr<Model> build_qwen4_exp(const ModelConfig& config, Weights& weights);
 
 // Shared by the Qwen3 family files.
 AttentionConfig qwen3_attention_config(const ModelConfig& config);
@@ -41,5 +42,14 @@ std::unique_ptr<Model> build_qwen_hybrid(const ModelConfig& config, Weights& wei
 std::vector<bool> qwen_hybrid_full_attention_layers(const ModelConfig& config);
 // partial_rotary_factor from the config, or the 0.25 these models inject when it is absent.
 double qwen_hybrid_partial_rotary_factor(const ModelConfig& config);
+
+// qwen4_exp's layer kinds (model/arch/qwen4_exp.cpp): attention[i] for qwen_sparse_attention layers
+// (layer_types, full_attention rewritten, or every full_attention_interval-th layer), ple_layers the
+// 0-based, sorted, de-duplicated ple_layer_ids (each a linear_attention layer). kBadFormat otherwise.
+struct Qwen4ExpLayout {
+  std::vector<bool> attention;
+  std::vector<int64_t> ple_layers;
+};
+Qwen4ExpLayout qwen4_exp_layout(const ModelConfig& config);
 
 }  // namespace metrale::arch

@@ -228,7 +228,7 @@ void GatedDeltaNet::forward(const StepContext& step, const BlockCache& cache, co
 
   const Tensor z(projected.slice(1, conv_dim, conv_dim + value_dim).data(), act, {tokens, hv, dv},
                  {projected.stride(0), dv, 1}, projected.device());
-  kernels::gated_rms_norm(core, z, norm_weight_, core, static_cast<float>(config_.rms_norm_eps));
+  kernels::gated_rms_norm(core, z, norm_weight_, core, static_cast<float>(config_.rms_norm_eps), config_.output_gate);
   kernels::linear(core.reshape({tokens, value_dim}), out_proj_, out);
 }
 

@@ -28,6 +28,7 @@
 
 #include <string>
 
+#include "kernels/gated_rms_norm.h"
 #include "model/blocks/layer.h"
 #include "model/weight_store.h"
 
@@ -47,6 +48,8 @@ struct GdnConfig {
   int64_t conv_kernel = 4;  // K (linear_conv_kernel_dim)
   double rms_norm_eps = 1e-6;
   GdnProjectionLayout layout = GdnProjectionLayout::kSplit;
+  // The output norm's gate activation: silu (Qwen3-Next, Qwen3.5) or qwen4_exp's output_gate_type.
+  kernels::GatedNormGate output_gate = kernels::GatedNormGate::kSilu;
 
   int64_t key_dim() const { return num_k_heads * head_k_dim; }
   int64_t value_dim() const { return num_v_heads * head_v_dim; }
