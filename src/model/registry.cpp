@@ -17,6 +17,8 @@ constexpr ArchEntry kArchitectures[] = {
     {"qwen3_5", "Qwen3.5 text hybrid (Gated DeltaNet + gated attention, dense MLP)", &arch::build_qwen3_5},
     {"qwen3_5_moe", "Qwen3.5-MoE text hybrid (Gated DeltaNet + gated attention, MoE with shared expert)",
      &arch::build_qwen3_5_moe},
+    {"glm5_next", "GLM-5.3-Flash text (Kimi Delta Attention + DSA sparse MLA, mHC streams, sigmoid-routed MoE, MTP)",
+     &arch::build_glm5_next},
 };
 
 }  // namespace

@@ -17,6 +17,7 @@ std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& config, Weights& weigh
 std::unique_ptr<Model> build_qwen3_next(const ModelConfig& config, Weights& weights);
 std::unique_ptr<Model> build_qwen3_5(const ModelConfig& config, Weights& weights);
 std::unique_ptr<Model> build_qwen3_5_moe(const ModelConfig& config, Weights& weights);
+std::unique_ptr<Model> build_glm5_next(const ModelConfig& config, Weights& weights);
 
 // Shared by the Qwen3 family files.
 AttentionConfig qwen3_attention_config(const ModelConfig& config);
