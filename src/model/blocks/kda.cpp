@@ -32,9 +32,18 @@ KdaMixer::KdaMixer(const KdaConfig& config, Weights& weights, const std::string&
           weights.source_name(), heads, d, k);
   }
   const int64_t p = config.projection_dim();
-  q_proj_ = weights.get(prefix + "q_proj.weight", {p, h});
-  k_proj_ = weights.get(prefix + "k_proj.weight", {p, h});
-  v_proj_ = weights.get(prefix + "v_proj.weight", {p, h});
+  if (weights.device().is_cuda()) {
+    OwnedTensor qkv(DType::kBF16, {3 * p, h}, weights.device());
+    weights.load_into(prefix + "q_proj.weight", qkv->slice(0, 0, p));
+    weights.load_into(prefix + "k_proj.weight", qkv->slice(0, p, 2 * p));
+    weights.load_into(prefix + "v_proj.weight", qkv->slice(0, 2 * p, 3 * p));
+    qkv_proj_ = *qkv;
+    owned_.push_back(std::move(qkv));
+  } else {
+    q_proj_ = weights.get(prefix + "q_proj.weight", {p, h});
+    k_proj_ = weights.get(prefix + "k_proj.weight", {p, h});
+    v_proj_ = weights.get(prefix + "v_proj.weight", {p, h});
+  }
   // conv1d.weight [3P, 1, K] as [3P, K] f32; the hub layout stores q, k and v separately.
   OwnedTensor conv(DType::kF32, {3 * p, k}, weights.device());
   if (weights.has(prefix + "conv1d.weight") || weights.is_random()) {
@@ -145,9 +154,13 @@ void KdaMixer::forward(const StepContext& step, const BlockCache& cache, const T
   RowInputs rows = batch.verify ? kept_inputs(step)
                                 : RowInputs{ws.alloc(act, {tokens, 3 * p}), ws.alloc(act, {tokens, p}),
                                             ws.alloc(act, {tokens, heads})};
-  kernels::linear(x, q_proj_, rows.projected.slice(1, 0, p));
-  kernels::linear(x, k_proj_, rows.projected.slice(1, p, 2 * p));
-  kernels::linear(x, v_proj_, rows.projected.slice(1, 2 * p, 3 * p));
+  if (!qkv_proj_.empty()) {
+    kernels::linear(x, qkv_proj_, rows.projected);
+  } else {
+    kernels::linear(x, q_proj_, rows.projected.slice(1, 0, p));
+    kernels::linear(x, k_proj_, rows.projected.slice(1, p, 2 * p));
+    kernels::linear(x, v_proj_, rows.projected.slice(1, 2 * p, 3 * p));
+  }
   const Tensor low_rank = ws.alloc(act, {tokens, d});  // [T, d] the rank-d bottleneck of f, then of gamma
   kernels::linear(x, f_a_, low_rank);
   kernels::linear(low_rank, f_b_, rows.f);

@@ -70,7 +70,8 @@ class KdaMixer : public Mixer {
   static constexpr size_t kConv = 0, kRecurrent = 1;  // BlockCache::tensors
 
   KdaConfig config_;
-  Tensor q_proj_, k_proj_, v_proj_;  // [P, D] each
+  Tensor q_proj_, k_proj_, v_proj_;  // [P, D] each (CPU: checkpoint views)
+  Tensor qkv_proj_;                  // [3P, D]: the three in one weight (CUDA: one GEMM)
   Tensor f_a_, f_b_, b_proj_;        // [d, D], [P, d], [H, D]
   Tensor g_a_, g_b_;                 // [d, D], [P, d]
   Tensor o_norm_, o_proj_;           // [d], [D, P]

@@ -27,7 +27,12 @@ MhcResidual::MhcResidual(std::vector<MhcSiteMaps> sites, RmsNorm final_norm, int
   for (size_t i = 0; i < index.size(); ++i) index[i] = static_cast<int32_t>(i / static_cast<size_t>(n));
   spread_index_ = OwnedTensor(DType::kI32, {kRowsPerCall * n}, device);
   copy_bytes(spread_index_->data(), device, index.data(), Device::cpu(), index.size() * sizeof(int32_t));
-  const size_t workspace = kernels::mhc_pre_workspace_bytes(device, kRowsPerCall, n, d);
+  // The split count (and so the scratch) depends on the row count: size for the largest over every
+  // call this scheme can make.
+  size_t workspace = 0;
+  for (int64_t rows = 1; rows <= kRowsPerCall && device.is_cuda(); ++rows) {
+    workspace = std::max(workspace, kernels::mhc_pre_workspace_bytes(device, rows, n, d));
+  }
   if (workspace > 0) {
     pre_workspace_ = OwnedTensor(DType::kU8, {static_cast<int64_t>(workspace)}, device);
     pre_workspace_.buffer.zero();
