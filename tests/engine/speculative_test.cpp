@@ -304,6 +304,9 @@ TEST(SpeculativeGlm5Next, NgramAndMtpGiveThePlainTokens) {
       EXPECT_GT(plain_stats.prefix_cache_hits, 0) << setup.name;
       EXPECT_GT(plain_stats.hybrid_state_restores, 0) << setup.name;
     }
+    if (std::string(setup.name) == "tight-budget+preemption") {
+      EXPECT_GT(plain_stats.num_preemptions, 0);
+    }
     for (const auto method : {SpeculativeMethod::kNgram, SpeculativeMethod::kMtp}) {
       const std::string what = std::string("glm5_next ") + setup.name + " " + std::string(speculative_method_name(method));
       EngineStats stats;

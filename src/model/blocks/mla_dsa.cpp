@@ -163,7 +163,9 @@ Tensor DsaMixer::selection(const StepContext& step, const BlockCache& cache, con
   Arena& ws = step.workspace;
   const Tensor q_index = ws.alloc(step.activation_dtype, {tokens, hi, di});  // [T, H_I, d_I] q^I
   kernels::linear(c_q, index_q_, q_index.reshape({tokens, hi * di}));
-  const Tensor head_weights = ws.alloc(DType::kF32, {tokens, hi});  // [T, H_I] w, fp32
+  // [T, H_I] w: the reference runs weights_proj in its weight's dtype and upcasts the result, so
+  // it is rounded to the activation dtype first.
+  const Tensor head_weights = ws.alloc(step.activation_dtype, {tokens, hi});
   kernels::linear(x, index_weights_, head_weights);
   kernels::DsaSelectParams params;
   params.kpool = config_.index_kpool;
