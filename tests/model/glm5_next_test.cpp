@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 
 #include "model/spec_helpers.h"
@@ -27,7 +28,7 @@ using testing::TinyGlm5Spec;
 using testing::TinyWeights;
 using Logits = std::vector<std::vector<float>>;
 
-// fp32 activations against the fp64 evaluation over 4 layers and up to 48 tokens.
+// fp32 activations against the fp64 evaluation over 4 layers and up to 80 tokens.
 constexpr double kReferenceTolerance = 1e-4;
 // The same model fed differently (chunked against recurrent KDA, other step shapes).
 constexpr double kSelfTolerance = 1e-5;
@@ -161,24 +162,28 @@ class Glm5Forward : public ::testing::TestWithParam<bool> {  // true: the softpl
 };
 
 // Whole prefill and chunks of 64, 7 and 1 (decode) all match the reference, and each other; DSA is
-// sparse for most of the 48 positions.
+// sparse for most of the 80 positions.
 TEST_P(Glm5Forward, ChunkingsMatchTheReference) {
   const TinyGlm5Spec spec = this->spec();
   const TinyWeights weights = testing::make_glm5_weights(spec, 51);
   const auto loaded = testing::load_glm5(spec, weights);
-  const auto tokens = tokens_of(spec, 48, 151);
+  // 80 tokens: the KDA chunks of 64 are crossed inside the whole prefill and by the 64-token pieces.
+  const auto tokens = tokens_of(spec, 80, 151);
   const testing::Glm5Reference reference = testing::glm5_reference(spec, weights, tokens);
-  EXPECT_GE(reference.sparse_rows, 30);
+  EXPECT_GE(reference.sparse_rows, 60);
   const Logits whole = feed(*loaded->model, tokens, 0);
   EXPECT_LE(testing::relative_l2(whole, reference.logits), kReferenceTolerance);
+  std::printf("[glm5] whole: rel L2 %.3e against the fp64 evaluation (%lld sparse rows)\n",
+              testing::relative_l2(whole, reference.logits), static_cast<long long>(reference.sparse_rows));
   for (const size_t chunk : {64u, 7u, 1u}) {
     SCOPED_TRACE(chunk);
     const Logits pieces = feed(*loaded->model, tokens, chunk);
     EXPECT_LE(testing::relative_l2(pieces, reference.logits), kReferenceTolerance);
+    std::printf("[glm5] chunk %zu: rel L2 %.3e\n", chunk, testing::relative_l2(pieces, reference.logits));
     EXPECT_LE(testing::relative_l2(pieces, as_double(whole)), kSelfTolerance);
   }
   // Sensitivity: another context's rows are far away.
-  const auto other = testing::glm5_reference(spec, weights, tokens_of(spec, 48, 152));
+  const auto other = testing::glm5_reference(spec, weights, tokens_of(spec, 80, 152));
   EXPECT_GT(testing::relative_l2(whole, other.logits), 1e-2);
 }
 
@@ -363,6 +368,30 @@ TEST(Glm5Mtp, DraftLogitsMatchTheReference) {
     pieces.insert(pieces.end(), part.logits.begin(), part.logits.end());
   }
   EXPECT_LE(testing::relative_l2(pieces, as_double(whole.logits)), kSelfTolerance);
+}
+
+// Rows whose draft nobody reads get only the head's keys (latent, indexer rows, pool keys:
+// Model::mtp_write_keys); the rows after them see what a full MTP forward would have written, also
+// where the keys-only rows complete pools.
+TEST(Glm5Mtp, KeysOnlyCatchUpEqualsForward) {
+  TinyGlm5Spec spec;
+  const TinyWeights weights = testing::make_glm5_weights(spec, 59);
+  const auto loaded = testing::load_glm5(spec, weights);
+  Model& model = *loaded->model;
+  const auto tokens = tokens_of(spec, 34, 166);
+  SpecRunner keys(model, true), full(model, true);
+  const SpecRunner::Rows trunk = keys.step({{0, tokens}});
+  (void)full.step({{0, tokens}});
+  const std::vector<int32_t> next(tokens.begin() + 1, tokens.end());
+  const Logits hidden = slice(trunk.hidden, 0, next.size());
+  const size_t last = next.size() - 1;
+  const SpecRunner::Rows expected = full.mtp_step({{0, next}}, hidden);
+  keys.mtp_write_keys({{0, slice(next, 0, 18)}}, slice(hidden, 0, 18));
+  const SpecRunner::Rows middle = keys.mtp_step({{0, slice(next, 18, 19)}}, slice(hidden, 18, 19));
+  keys.mtp_write_keys({{0, slice(next, 19, last)}}, slice(hidden, 19, last));
+  const SpecRunner::Rows tail = keys.mtp_step({{0, slice(next, last, last + 1)}}, slice(hidden, last, last + 1));
+  EXPECT_LE(testing::relative_l2(middle.logits, as_double(slice(expected.logits, 18, 19))), kSelfTolerance);
+  EXPECT_LE(testing::relative_l2(tail.logits, as_double(slice(expected.logits, last, last + 1))), kSelfTolerance);
 }
 
 }  // namespace
