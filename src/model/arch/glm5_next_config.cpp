@@ -99,6 +99,42 @@ void require_positive(const ModelConfig& config, const char* field, int64_t valu
   if (value <= 0) raise(ErrorCode::kBadFormat, "{}: {} must be positive, got {}", config.source.string(), field, value);
 }
 
+// The KDA fields: linear_* and the linear_attn_config override (§2.1).
+void parse_linear_attention(const ModelConfig& config, Glm5NextConfig& c) {
+  const std::string& src = config.source.string();
+  c.linear_num_heads = config.get_int("linear_num_heads", 64);
+  c.linear_head_dim = config.get_int("linear_head_dim", 128);
+  c.linear_conv_kernel = config.get_int("linear_conv_kernel_dim", 4);
+  const auto read_bound = [&](const nlohmann::json& object, const char* key) -> std::optional<double> {
+    const nlohmann::json& value = object[key];
+    if (value.is_null()) return std::nullopt;
+    if (!value.is_number()) raise(ErrorCode::kBadFormat, "{}: {} must be a number or null", src, key);
+    return value.get<double>();
+  };
+  if (config.text.contains("linear_lower_bound")) c.linear_lower_bound = read_bound(config.text, "linear_lower_bound");
+  if (config.has("linear_attn_config")) {
+    const nlohmann::json& linear = config.text["linear_attn_config"];
+    if (!linear.is_object()) raise(ErrorCode::kBadFormat, "{}: linear_attn_config must be an object", src);
+    const auto read_int = [&](const char* key, int64_t& field) {
+      if (!linear.contains(key) || linear[key].is_null()) return;
+      if (!linear[key].is_number_integer()) {
+        raise(ErrorCode::kBadFormat, "{}: linear_attn_config.{} must be an integer", src, key);
+      }
+      field = linear[key].get<int64_t>();
+    };
+    read_int("head_dim", c.linear_head_dim);
+    read_int("num_heads", c.linear_num_heads);
+    read_int("short_conv_kernel_size", c.linear_conv_kernel);
+    if (linear.contains("gate_lower_bound")) c.linear_lower_bound = read_bound(linear, "gate_lower_bound");
+    const bool safe_gate = !linear.contains("safe_gate") || linear["safe_gate"].is_null() ||
+                           (linear["safe_gate"].is_boolean() && linear["safe_gate"].get<bool>());
+    if (safe_gate && !c.linear_lower_bound) c.linear_lower_bound = -5.0;
+  }
+  if (c.linear_lower_bound && !(*c.linear_lower_bound < 0 && std::isfinite(*c.linear_lower_bound))) {
+    raise(ErrorCode::kBadFormat, "{}: linear_lower_bound must be negative, got {}", src, *c.linear_lower_bound);
+  }
+}
+
 }  // namespace
 
 Glm5NextConfig parse_glm5_next_config(const ModelConfig& config) {
@@ -146,37 +182,7 @@ Glm5NextConfig parse_glm5_next_config(const ModelConfig& config) {
     raise(ErrorCode::kUnsupported, "{}: index_kpool_always_select_tail false is not supported", src);
   }
 
-  c.linear_num_heads = config.get_int("linear_num_heads", 64);
-  c.linear_head_dim = config.get_int("linear_head_dim", 128);
-  c.linear_conv_kernel = config.get_int("linear_conv_kernel_dim", 4);
-  const auto read_bound = [&](const nlohmann::json& object, const char* key) -> std::optional<double> {
-    const nlohmann::json& value = object[key];
-    if (value.is_null()) return std::nullopt;
-    if (!value.is_number()) raise(ErrorCode::kBadFormat, "{}: {} must be a number or null", src, key);
-    return value.get<double>();
-  };
-  if (config.text.contains("linear_lower_bound")) c.linear_lower_bound = read_bound(config.text, "linear_lower_bound");
-  if (config.has("linear_attn_config")) {
-    const nlohmann::json& linear = config.text["linear_attn_config"];
-    if (!linear.is_object()) raise(ErrorCode::kBadFormat, "{}: linear_attn_config must be an object", src);
-    const auto read_int = [&](const char* key, int64_t& field) {
-      if (!linear.contains(key) || linear[key].is_null()) return;
-      if (!linear[key].is_number_integer()) {
-        raise(ErrorCode::kBadFormat, "{}: linear_attn_config.{} must be an integer", src, key);
-      }
-      field = linear[key].get<int64_t>();
-    };
-    read_int("head_dim", c.linear_head_dim);
-    read_int("num_heads", c.linear_num_heads);
-    read_int("short_conv_kernel_size", c.linear_conv_kernel);
-    if (linear.contains("gate_lower_bound")) c.linear_lower_bound = read_bound(linear, "gate_lower_bound");
-    const bool safe_gate = !linear.contains("safe_gate") || linear["safe_gate"].is_null() ||
-                           (linear["safe_gate"].is_boolean() && linear["safe_gate"].get<bool>());
-    if (safe_gate && !c.linear_lower_bound) c.linear_lower_bound = -5.0;
-  }
-  if (c.linear_lower_bound && !(*c.linear_lower_bound < 0 && std::isfinite(*c.linear_lower_bound))) {
-    raise(ErrorCode::kBadFormat, "{}: linear_lower_bound must be negative, got {}", src, *c.linear_lower_bound);
-  }
+  parse_linear_attention(config, c);
 
   c.hc_mult = config.get_int("hc_mult", 4);
   c.hc_sinkhorn_iters = config.get_int("hc_sinkhorn_iters", 20);
