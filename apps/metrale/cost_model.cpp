@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "model/arch/glm5_next.h"
 
 namespace metrale::cli {
 
@@ -34,6 +35,10 @@ bool hybrid_attention_layer(const ModelConfig& config, int64_t i) {
 CostModel::CostModel(const ModelConfig& config) {
   std::string type = config.model_type;
   if (type.size() > 5 && type.ends_with("_text")) type.resize(type.size() - 5);
+  if (type == "glm5_next") {
+    init_glm5_next(config);
+    return;
+  }
   if (type != "qwen3" && type != "qwen3_moe" && !is_hybrid(type))
     raise(ErrorCode::kUnsupported, "bench has no cost model for model_type '{}'", config.model_type);
   const bool hybrid = is_hybrid(type);
@@ -115,6 +120,59 @@ double CostModel::attended_keys(double visible) const {
   return budget_ + std::fmod(visible, compress_ratio_);  // the selected blocks and the tail
 }
 
+// glm5_next (glm_deepseek.md §2): KDA layers take the GDN terms (the same recurrence cost per head,
+// d_L x d_L fp32 state), DSA layers the attention terms with the absorbed MLA (queries of H r
+// values against the r-wide latent of the attended tokens only: at most index_topk + kp - 1) and the
+// indexer reading every cached pool key; the mHC maps count as mixer weights.
+void CostModel::init_glm5_next(const ModelConfig& config) {
+  const arch::Glm5NextConfig c = arch::parse_glm5_next_config(config);
+  const double h = static_cast<double>(c.hidden_size), n = static_cast<double>(c.hc_mult);
+  const double heads = static_cast<double>(c.num_heads), r = static_cast<double>(c.kv_lora_rank);
+  const double rq = static_cast<double>(c.q_lora_rank), dn = static_cast<double>(c.qk_nope_head_dim);
+  const double dv = static_cast<double>(c.v_head_dim), hi = static_cast<double>(c.index_n_heads);
+  const double di = static_cast<double>(c.index_head_dim), kp = static_cast<double>(c.index_kpool);
+  const double p = static_cast<double>(c.linear_dim()), dl = static_cast<double>(c.linear_head_dim);
+  const double hl = static_cast<double>(c.linear_num_heads), k = static_cast<double>(c.linear_conv_kernel);
+  hidden_ = h;
+  num_layers_ = c.num_layers;
+  head_params_ = static_cast<double>(c.vocab_size) * h;
+  const double mhc = 2.0 * ((2.0 + n) * n * n * h + (2.0 + n) * n + 3.0) + 2.0 * h;
+  attention_params_ = mhc + rq * h + rq + heads * dn * rq + r * h + r + heads * (dn + dv) * r + h * heads * dv +
+                      hi * di * rq + 2.0 * di * h + 2.0 * di + hi * h + kp * di;
+  gdn_params_ = mhc + 3.0 * p * h + 3.0 * p * k + 2.0 * (dl * h + p * dl) + p + hl + hl * h + dl + h * p;
+  gdn_value_heads_ = hl;
+  gdn_key_dim_ = dl;
+  gdn_value_dim_ = dl;
+  gdn_state_bytes_ = 4.0 * hl * dl * dl + 2.0 * (k - 1.0) * 3.0 * p;
+  q_dim_ = heads * r;  // absorbed queries: each head scores and mixes r-wide latents
+  kv_row_elements_ = r + 2.0 * di;  // written per token: the latent and [k^I | gamma]
+  dsa_latent_ = r;
+  dsa_pool_key_ = di;
+  dsa_kpool_ = kp;
+  dsa_attended_max_ = static_cast<double>(c.index_topk) + kp - 1.0;
+  for (const auto mixer : c.mixers) (mixer == arch::Glm5NextMixer::kDsa ? num_attention_layers_ : num_gdn_layers_)++;
+  dense_ffn_params_ = 3.0 * h * static_cast<double>(c.intermediate_size);
+  num_experts_ = c.num_experts;
+  top_k_ = c.top_k;
+  expert_params_ = 3.0 * h * static_cast<double>(c.moe_intermediate_size);
+  router_params_ = static_cast<double>(num_experts_) * h;
+  shared_expert_params_ = 3.0 * h * static_cast<double>(c.moe_intermediate_size * c.num_shared_experts);
+  for (const bool moe : c.moe) num_moe_layers_ += moe ? 1 : 0;
+  weight_bytes_ = 2.0 * (mixer_params() + ffn_params(static_cast<double>(num_experts_)) + head_params_);
+}
+
+double CostModel::attended(int64_t context) const {
+  const double visible = static_cast<double>(context + 1);
+  return dsa_attended_max_ > 0 ? std::min(visible, dsa_attended_max_) : attended_keys(visible);
+}
+
+double CostModel::decode_kv_elements(int64_t context) const {
+  if (dsa_attended_max_ <= 0) return attended(context) * kv_row_elements_;
+  // The attended latents, every cached pool key (the indexer scores them all) and the rows written.
+  return attended(context) * dsa_latent_ + std::floor(static_cast<double>(context + 1) / dsa_kpool_) * dsa_pool_key_ +
+         kv_row_elements_;
+}
+
 double CostModel::mixer_params() const {
   return static_cast<double>(num_attention_layers_) * (attention_params_ + index_params_) +
          static_cast<double>(num_gdn_layers_) * gdn_params_ + hc_params_ + ple_params_;
@@ -138,9 +196,10 @@ StepCost CostModel::decode(int64_t batch, int64_t context) const {
     experts_read = e * (1.0 - std::pow(1.0 - static_cast<double>(top_k_) / e, b));
   }
   const double weight_elements = mixer_params() + ffn_params(experts_read) + head_params_;
-  // Sparse attention reads only the selected keys; the indexer scores every complete block key.
+  // Sparse attention reads only the selected keys (QSA: the budget's blocks and the tail; DSA: the
+  // selected latents and every cached pool key); the QSA indexer scores every complete block key.
   const double visible = static_cast<double>(context + 1);
-  const double kv_elements = b * attended_keys(visible) * attention_layers * kv_row_elements_;
+  const double kv_elements = b * attention_layers * decode_kv_elements(context);
   const double block_keys = budget_ > 0 ? std::floor(visible / compress_ratio_) : 0.0;
   const double index_elements = b * attention_layers * block_keys * index_dim_;
   cost.bytes = 2.0 * (weight_elements + kv_elements + index_elements + b * (hidden_ + ple_row_elements_)) +
@@ -149,7 +208,7 @@ StepCost CostModel::decode(int64_t batch, int64_t context) const {
   // Recurrent decode per value head: decay, S^T k, the rank-1 update and S^T q, about 6 dk dv FLOPs.
   const double gdn_flops = gdn_layers * gdn_value_heads_ * 6.0 * gdn_key_dim_ * gdn_value_dim_;
   const double index_flops = attention_layers * 2.0 * index_heads_ * index_dim_ * block_keys;
-  cost.flops = 2.0 * b * active + b * attention_layers * 4.0 * q_dim_ * attended_keys(visible) + b * gdn_flops +
+  cost.flops = 2.0 * b * active + b * attention_layers * 4.0 * q_dim_ * attended(context) + b * gdn_flops +
                b * index_flops;
   return cost;
 }
@@ -162,7 +221,8 @@ StepCost CostModel::prefill(int64_t tokens) const {
   // Every row runs the per-token layers; only the last row reaches the LM head.
   const double per_token = mixer_params() + ffn_params(static_cast<double>(top_k_));
   // Causal attention: QK^T and PV over t(t+1)/2 query-key pairs, 2 FLOPs per multiply-add each
-  // (with QSA: the attended keys of each query, and the indexer's scores of its complete blocks).
+  // (QSA: the attended keys of each query, and the indexer's scores of its complete blocks; DSA:
+  // each query attends to at most index_topk + kp - 1 tokens).
   double pairs = t * (t + 1.0) / 2.0, scored_blocks = 0.0;
   if (budget_ > 0) {
     pairs = 0.0;
@@ -170,6 +230,8 @@ StepCost CostModel::prefill(int64_t tokens) const {
       pairs += attended_keys(static_cast<double>(i));
       scored_blocks += std::floor(static_cast<double>(i) / compress_ratio_);
     }
+  } else if (dsa_attended_max_ > 0 && t > dsa_attended_max_) {
+    pairs = dsa_attended_max_ * (dsa_attended_max_ + 1.0) / 2.0 + (t - dsa_attended_max_) * dsa_attended_max_;
   }
   const double attention = attention_layers * (4.0 * q_dim_ * pairs + 2.0 * index_heads_ * index_dim_ * scored_blocks);
   // Chunked delta rule per token and value head: the intra-chunk products (K K^T, Q K^T and the

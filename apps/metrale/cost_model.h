@@ -2,10 +2,10 @@
 // roofline fractions `metrale bench` reports. Bytes count each weight read once per step (the
 // embedding only for the rows gathered) and the keys/values each decode row reads; FLOPs count
 // the matrix products (2 per multiply-add), causal attention and, for hybrid models, the Gated
-// DeltaNet recurrence with its per-sequence state traffic (fp32 state read and written each step);
-// for qwen4_exp also the hyper-connection and PLE weights, the PLE rows and conv window, the QSA
-// indexer (its weights, the block keys each query scores) and sparse attention over at most the
-// budget's keys.
+// DeltaNet (or KDA) recurrence with its per-sequence state traffic (fp32 state read and written each
+// step); for qwen4_exp also the hyper-connection and PLE weights, the PLE rows and conv window, the
+// QSA indexer (its weights, the block keys each query scores) and sparse attention over at most the
+// budget's keys; glm5_next's DSA layers read only the attended latents and the pooled indexer keys.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +31,13 @@ class CostModel {
   double weight_bytes() const { return weight_bytes_; }
 
  private:
+  void init_glm5_next(const ModelConfig& config);
+  // Tokens a decode row of an attention layer attends to after `context` cached tokens (all of
+  // them, the QSA budget's keys, or at most the DSA selection), and the cache elements it reads and
+  // writes.
+  double attended(int64_t context) const;
+  double decode_kv_elements(int64_t context) const;
+
   // Parameters per layer kind (elements), bf16 weights (2 bytes each).
   double mixer_params() const;                          // every layer's attention or GDN weights
   double ffn_params(double experts_per_moe_layer) const;  // every layer's FFN weights
@@ -58,6 +65,9 @@ class CostModel {
   double head_params_ = 0;       // lm_head
   double hidden_ = 0, kv_row_elements_ = 0, q_dim_ = 0;
   double weight_bytes_ = 0;
+  // DSA layers (glm5_next): latent and pool-key widths, kp, and the most tokens a query attends to
+  // (0: dense attention).
+  double dsa_latent_ = 0, dsa_pool_key_ = 0, dsa_kpool_ = 1, dsa_attended_max_ = 0;
 };
 
 }  // namespace metrale::cli

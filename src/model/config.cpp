@@ -194,7 +194,15 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::filesyst
   result.num_layers = result.get_int("num_hidden_layers");
   result.num_heads = result.get_int("num_attention_heads");
   result.num_kv_heads = result.get_int("num_key_value_heads", result.num_heads);
-  result.head_dim = result.get_int("head_dim", result.num_heads > 0 ? result.hidden_size / result.num_heads : 0);
+  if (result.has("qk_nope_head_dim") || result.has("qk_rope_head_dim") || result.has("kv_lora_rank")) {
+    // MLA models: the attention head is the query's nope + rope parts; head_dim, when present, is
+    // not the head width (glm5_next forces it to 0, glm_moe_dsa to the rope dim). Their builders
+    // read the MLA fields themselves.
+    result.head_dim = result.get_int("qk_nope_head_dim", 0) + result.get_int("qk_rope_head_dim", 0);
+    if (result.head_dim <= 0 && result.num_heads > 0) result.head_dim = result.hidden_size / result.num_heads;
+  } else {
+    result.head_dim = result.get_int("head_dim", result.num_heads > 0 ? result.hidden_size / result.num_heads : 0);
+  }
   result.intermediate_size = result.get_int("intermediate_size", 0);
   result.rms_norm_eps = result.get_double("rms_norm_eps", 1e-6);
   result.tie_word_embeddings = result.get_bool("tie_word_embeddings", false);

@@ -14,24 +14,28 @@ namespace metrale {
 namespace {
 
 // Qwen3-Next: the MTP head's tensors (read when the config declares MTP layers).
-constexpr std::string_view kMtpTensors[] = {"mtp."};
+bool ignores_mtp(const ModelConfig&, std::string_view name) { return name.starts_with("mtp."); }
 // Qwen3.5 and qwen4_exp: the vision tower of the composite checkpoint and the MTP head's tensors
 // (qwen4_exp has no MTP drafter here; its hub files may carry mtp.*).
-constexpr std::string_view kQwen35Ignored[] = {"model.visual.", "mtp."};
+bool ignores_vision_and_mtp(const ModelConfig&, std::string_view name) {
+  return name.starts_with("model.visual.") || name.starts_with("mtp.");
+}
 
 constexpr ArchEntry kArchitectures[] = {
     {"qwen3", "Qwen3 dense (GQA, q/k norm, SwiGLU)", &arch::build_qwen3},
     {"qwen3_moe", "Qwen3 mixture of experts", &arch::build_qwen3_moe},
     {"qwen3_next", "Qwen3-Next hybrid (Gated DeltaNet + gated attention, MoE with shared expert)",
-     &arch::build_qwen3_next, kMtpTensors},
+     &arch::build_qwen3_next, ignores_mtp},
     {"qwen3_5", "Qwen3.5 text hybrid (Gated DeltaNet + gated attention, dense MLP)", &arch::build_qwen3_5,
-     kQwen35Ignored},
+     ignores_vision_and_mtp},
     {"qwen3_5_moe", "Qwen3.5-MoE text hybrid (Gated DeltaNet + gated attention, MoE with shared expert)",
-     &arch::build_qwen3_5_moe, kQwen35Ignored},
+     &arch::build_qwen3_5_moe, ignores_vision_and_mtp},
     {"qwen4_exp",
      "Qwen4-Exp / Qwen3.8-Flash-Next (hyper-connection streams, GDN + QSA sparse attention, PLE n-gram embeddings, "
      "MoE)",
-     &arch::build_qwen4_exp, kQwen35Ignored},
+     &arch::build_qwen4_exp, ignores_vision_and_mtp},
+    {"glm5_next", "GLM-5.3-Flash text (Kimi Delta Attention + DSA sparse MLA, mHC streams, sigmoid-routed MoE, MTP)",
+     &arch::build_glm5_next, &arch::glm5_next_ignores},
 };
 
 }  // namespace
@@ -75,16 +79,14 @@ std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device devic
 namespace {
 
 // The checkpoint's tensors the built model did not read, less those its architecture ignores on
-// purpose (and a tied embedding's stored lm_head copy): an error naming them, or a warning.
+// purpose (ArchEntry::ignores, and a tied embedding's stored lm_head copy): an error naming them, or a warning.
 void check_unused_tensors(const ArchEntry& entry, const ModelConfig& config, const WeightStore& store,
                           const LoadOptions& options) {
   std::vector<std::string> unexpected;
   size_t ignored = 0;
   for (const std::string& name : store.unused_names()) {
-    const bool on_purpose =
-        std::any_of(entry.ignored_prefixes.begin(), entry.ignored_prefixes.end(),
-                    [&](std::string_view prefix) { return name.starts_with(prefix); }) ||
-        (config.tie_word_embeddings && name == "lm_head.weight");
+    const bool on_purpose = (entry.ignores != nullptr && entry.ignores(config, name)) ||
+                            (config.tie_word_embeddings && name == "lm_head.weight");
     if (on_purpose) {
       ++ignored;
     } else {

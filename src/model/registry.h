@@ -14,14 +14,16 @@ namespace metrale {
 class Weights;
 
 using ArchBuilder = std::unique_ptr<Model> (*)(const ModelConfig&, Weights&);
+// Whether a checkpoint tensor (its full stored name) is one the architecture does not read on purpose.
+using IgnoredTensor = bool (*)(const ModelConfig&, std::string_view name);
 
 struct ArchEntry {
   std::string_view model_type;
   std::string_view description;
   ArchBuilder build;
-  // Checkpoint tensors the architecture leaves unread on purpose, by name prefix (a vision tower of
-  // a composite checkpoint; an MTP head's tensors when the config declares no MTP layers).
-  std::span<const std::string_view> ignored_prefixes = {};
+  // Checkpoint tensors the architecture leaves unread on purpose (a vision tower of a composite
+  // checkpoint; an MTP head's tensors when the config declares no MTP layers); null: none.
+  IgnoredTensor ignores = nullptr;
 };
 
 struct LoadOptions {

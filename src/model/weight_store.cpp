@@ -110,7 +110,11 @@ Weights::Weights(std::shared_ptr<const WeightStore> store, Device device, std::s
 Weights::Weights(const RandomWeights& random, Device device) : random_(random), device_(device), prefix_("model.") {}
 
 Weights Weights::with_prefix(std::string prefix) const {
-  if (store_) return Weights(store_, device_, std::move(prefix));
+  if (store_) {
+    Weights derived(store_, device_, std::move(prefix));
+    derived.aliases_ = aliases_;
+    return derived;
+  }
   RandomWeights random = random_;
   random.seed = random_.seed * 0x9E3779B97F4A7C15ull + 0x6D7470ull;  // "mtp": any fixed mix will do
   Weights derived(random, device_);
@@ -125,14 +129,23 @@ const WeightStore& Weights::store() const {
 
 std::string Weights::source_name() const { return store_ ? store_->dir().string() : std::string("random weights"); }
 
+void Weights::add_alias(const std::string& canonical, const std::string& stored) {
+  (*aliases_)[canonical] = stored;
+}
+
+const std::string& Weights::resolve(const std::string& name) const {
+  const auto it = aliases_->find(name);
+  return it == aliases_->end() ? name : it->second;
+}
+
 bool Weights::has(const std::string& key) const {
-  if (store_) return store_->has(prefix_ + key);
+  if (store_) return store_->has(resolve(prefix_ + key));
   // Random weights take the fused expert layout rather than per-expert keys.
   return key.find("experts.0.") == std::string::npos;
 }
 
 bool Weights::has_root(const std::string& name) const {
-  if (store_) return store_->has(name);
+  if (store_) return store_->has(resolve(name));
   if (name == "lm_head.weight") return !random_.tie_word_embeddings;
   return true;
 }
@@ -154,11 +167,11 @@ Tensor Weights::get(const std::string& key, const Shape& shape) { return get_roo
 
 void Weights::load_into(const std::string& key, const Tensor& destination) {
   METRALE_CHECK(destination.is_contiguous() && destination.device() == device_, "load_into {}", destination.describe());
-  const std::string name = prefix_ + key;
   if (!store_) {
     kernels::random_fill(destination, {random_.seed * 1000003u + random_index_++, 0.0f, random_.stddev});
     return;
   }
+  const std::string name = resolve(prefix_ + key);
   const Tensor view = store_->get(name);
   if (!(view.shape() == destination.shape())) {
     raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", store_->file_of(name).path().string(),
@@ -187,8 +200,9 @@ void Weights::load_into(const std::string& key, const Tensor& destination) {
   }
 }
 
-Tensor Weights::get_root(const std::string& name, const Shape& shape) {
-  if (!store_) return synthesize(name, shape);
+Tensor Weights::get_root(const std::string& requested, const Shape& shape) {
+  if (!store_) return synthesize(requested, shape);
+  const std::string name = resolve(requested);
   const Tensor view = store_->get(name);
   if (!(view.shape() == shape)) {
     raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", store_->file_of(name).path().string(),

@@ -78,6 +78,12 @@ class Weights {
   // Random weights: an independent stream seeded from this one.
   Weights with_prefix(std::string prefix) const;
 
+  // Checkpoint names under other spellings (a hub layout's renames): a lookup of `canonical` (a full
+  // name, prefix included) reads `stored`. Shared with every with_prefix() copy.
+  void add_alias(const std::string& canonical, const std::string& stored);
+  // The stored name a full name resolves to (itself unless aliased).
+  const std::string& resolve(const std::string& name) const;
+
   // Device copies made so far (empty on the CPU, where weights stay in the mapping).
   std::vector<Buffer> take_device_buffers() { return std::move(buffers_); }
   std::shared_ptr<const WeightStore> store_ptr() const { return store_; }
@@ -91,6 +97,9 @@ class Weights {
   Device device_;
   std::string prefix_;
   std::vector<Buffer> buffers_;
+  // Shared by with_prefix() copies: canonical full name -> stored name.
+  std::shared_ptr<std::unordered_map<std::string, std::string>> aliases_ =
+      std::make_shared<std::unordered_map<std::string, std::string>>();
 };
 
 }  // namespace metrale

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/cli_helpers.h"
+#include "common/tiny_glm5_checkpoint.h"
 #include "core/npy.h"
 #include "core/strings.h"
 
@@ -94,6 +95,27 @@ TEST(Cli, GenerateJsonFromTokenIds) {
                               " --prompt-ids 5,6,7 --max-tokens 8 --temperature 1 --seed 3 --ignore-eos --json";
   EXPECT_EQ(nlohmann::json::parse(run_metrale(sampled).out).at("token_ids"),
             nlohmann::json::parse(run_metrale(sampled).out).at("token_ids"));
+}
+
+// A tiny random glm5_next directory (tests/common/tiny_glm5_checkpoint.h, hub layout, with its MTP
+// layer) generates end to end, with the same greedy tokens with MTP and n-gram speculation.
+TEST(Cli, GenerateGlm5NextWithAndWithoutSpeculation) {
+  testing::TempDir dir;
+  const testing::TinyGlm5Spec spec;
+  testing::write_glm5_checkpoint(dir.path(), spec, testing::make_glm5_weights(spec, 61),
+                                 {testing::Glm5Layout::kHub, "model.language_model.", DType::kBF16});
+  const std::string base = "generate --model " + dir.path().string() +
+                           " --prompt-ids 5,6,7,8,5,6,7,8,5,6,7,8,9,10,11,12 --max-tokens 24 --temperature 0 "
+                           "--ignore-eos --json";
+  const auto plain = run_metrale(base);
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const auto tokens = nlohmann::json::parse(plain.out).at("token_ids");
+  EXPECT_EQ(tokens.size(), 24u);
+  for (const char* method : {"mtp", "ngram"}) {
+    const auto speculative = run_metrale(base + " --speculative-method " + method + " --num-drafts 2");
+    ASSERT_EQ(speculative.exit_code, 0) << method << ": " << speculative.err;
+    EXPECT_EQ(nlohmann::json::parse(speculative.out).at("token_ids"), tokens) << method;
+  }
 }
 
 }  // namespace

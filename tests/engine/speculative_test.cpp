@@ -16,6 +16,7 @@
 #include "engine/engine.h"
 #include "engine/request_helpers.h"
 #include "engine/speculator.h"
+#include "model/config.h"
 #include "model/registry.h"
 #include "runtime/buffer.h"
 #include "runtime/stream.h"
@@ -263,6 +264,58 @@ TEST_P(GreedyEquivalence, NgramGivesThePlainTokens) {
 INSTANTIATE_TEST_SUITE_P(Goldens, GreedyEquivalence,
                          ::testing::Values("qwen3_tied", "qwen3_untied", "qwen3_moe", "qwen3_next", "qwen3_5",
                                            "qwen3_5_moe"));
+
+// A tiny random glm5_next (KDA, DSA with a full and a shared indexer, dense and MoE layers, mHC
+// streams) with its MTP head: n-gram and MTP speculation give the plain tokens, through prefix hits
+// (the latent, indexer and pool blocks shared, the KDA slots restored), chunked prefill and
+// preemption; DSA is sparse beyond position index_topk + kp - 2 = 10.
+ModelFactory tiny_glm5_next() {
+  return [] {
+    const nlohmann::json config = {
+        {"model_type", "glm5_next_text"}, {"vocab_size", 61}, {"hidden_size", 32}, {"num_hidden_layers", 4},
+        {"num_attention_heads", 2}, {"q_lora_rank", 16}, {"kv_lora_rank", 16}, {"qk_nope_head_dim", 8},
+        {"qk_rope_head_dim", 0}, {"v_head_dim", 8}, {"index_n_heads", 8}, {"index_head_dim", 8},
+        {"index_topk", 8}, {"index_kpool", 4}, {"linear_num_heads", 2}, {"linear_head_dim", 8},
+        {"intermediate_size", 40}, {"moe_intermediate_size", 12}, {"n_routed_experts", 4},
+        {"num_experts_per_tok", 2}, {"n_shared_experts", 1},
+        {"layer_types", {"linear_attention", "deepseek_sparse_attention", "deepseek_sparse_attention",
+                         "linear_attention"}},
+        {"mlp_layer_types", {"dense", "sparse", "dense", "sparse"}}, {"index_topk_pattern", "FFSF"},
+        {"num_nextn_predict_layers", 1}, {"max_position_embeddings", 512}, {"eos_token_id", 2}};
+    return make_random_model(parse_model_config(config, "/virtual/glm5_next/config.json"), Device::cpu(), 9);
+  };
+}
+
+TEST(SpeculativeGlm5Next, NgramAndMtpGiveThePlainTokens) {
+  const ModelFactory factory = tiny_glm5_next();
+  const auto probe = factory();
+  ASSERT_TRUE(can_verify(*probe));
+  ASSERT_TRUE(probe->has_mtp());
+  auto prompt_set = prompts(probe->config().vocab_size, 13);
+  // The second prompt extends the whole first one, past its state checkpoint (its last block
+  // boundary): a prefix hit restores the KDA slots as well as the paged DSA caches.
+  prompt_set[1] = prompt_set[0];
+  prompt_set[1].insert(prompt_set[1].end(), {5, 9, 14, 22, 31});
+  const std::span<const EngineSetup> setups(kSetups, kSanitizedBuild ? 1 : std::size(kSetups));
+  for (const EngineSetup& setup : setups) {
+    EngineStats plain_stats;
+    const auto plain = generate(factory, setup, {}, prompt_set, 14, &plain_stats);
+    if (setup.prefix_caching) {
+      EXPECT_GT(plain_stats.prefix_cache_hits, 0) << setup.name;
+      EXPECT_GT(plain_stats.hybrid_state_restores, 0) << setup.name;
+    }
+    if (std::string(setup.name) == "tight-budget+preemption") {
+      EXPECT_GT(plain_stats.num_preemptions, 0);
+    }
+    for (const auto method : {SpeculativeMethod::kNgram, SpeculativeMethod::kMtp}) {
+      const std::string what = std::string("glm5_next ") + setup.name + " " + std::string(speculative_method_name(method));
+      EngineStats stats;
+      const auto spec = generate(factory, setup, spec_config(method, 3), prompt_set, 14, &stats);
+      expect_same(spec, plain, what);
+      EXPECT_GT(stats.verify_steps, 0) << what;
+    }
+  }
+}
 
 // The engine's own test model with exact integer state (tests/engine/test_models_helpers.h): it
 // throws when a slot does not hold the state of exactly the sequence's cached tokens, so a commit

@@ -945,6 +945,21 @@ def main():
             else:
                 log(f"[{case['name']}] FAILED: {e}")
                 failures.append(f"{case['name']}: {e}")
+    # glm5_next: the text stack plus an untied lm_head (glm5_goldens.py says why and how).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import glm5_goldens
+    env = dict(rel_l2=rel_l2, top2_margin=top2_margin, log=log, CaseFailure=CaseFailure, SEED_TRIES=SEED_TRIES,
+               MIN_GREEDY_MARGIN=MIN_GREEDY_MARGIN, MAX_RELOAD_REL_L2=MAX_RELOAD_REL_L2,
+               transformers_version=transformers.__version__, torch_version=torch.__version__)
+    for case in glm5_goldens.GLM5_CASES:
+        if args.only and case["name"] not in args.only:
+            continue
+        try:
+            summary.append(glm5_goldens.make_glm5_case(case, args.out, env))
+        except Exception as e:  # noqa: BLE001 - report every case, fail at the end
+            traceback.print_exc()
+            log(f"[{case['name']}] FAILED: {e}")
+            failures.append(f"{case['name']}: {e}")
     if args.default_model:
         try:
             make_default_model(args.default_model)

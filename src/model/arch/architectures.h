@@ -18,6 +18,10 @@ std::unique_ptr<Model> build_qwen3_next(const ModelConfig& config, Weights& weig
 std::unique_ptr<Model> build_qwen3_5(const ModelConfig& config, Weights& weights);
 std::unique_ptr<Model> build_qwen3_5_moe(const ModelConfig& config, Weights& weights);
 std::unique_ptr<Model> build_qwen4_exp(const ModelConfig& config, Weights& weights);
+std::unique_ptr<Model> build_glm5_next(const ModelConfig& config, Weights& weights);
+// The tensors of a glm5_next checkpoint the reference does not read either: the MTP layer when
+// no head is built, other layers' shared_head copies, a composite checkpoint's vision tower.
+bool glm5_next_ignores(const ModelConfig& config, std::string_view name);
 
 // Shared by the Qwen3 family files.
 AttentionConfig qwen3_attention_config(const ModelConfig& config);

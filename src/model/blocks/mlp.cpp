@@ -18,11 +18,13 @@ void SwiGluWeights::run(const StepContext& step, const Tensor& x, const Tensor& 
     kernels::linear(x, up, up_out);
   }
   const Tensor hidden = step.workspace.alloc(step.activation_dtype, {rows, width});
-  kernels::silu_mul(gate_out, up_out, hidden);
+  kernels::silu_mul(gate_out, up_out, hidden, limit);
   kernels::linear(hidden, down, out, accumulate);
 }
 
-Mlp::Mlp(Weights& weights, const std::string& prefix, int64_t hidden_size, int64_t intermediate_size) {
+Mlp::Mlp(Weights& weights, const std::string& prefix, int64_t hidden_size, int64_t intermediate_size,
+         float swiglu_limit) {
+  weights_.limit = swiglu_limit;
   if (weights.device().is_cuda()) {
     fused_gate_up_ = OwnedTensor(DType::kBF16, {2 * intermediate_size, hidden_size}, weights.device());
     weights.load_into(prefix + "gate_proj.weight", fused_gate_up_.tensor.slice(0, 0, intermediate_size));

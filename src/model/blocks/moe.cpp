@@ -23,15 +23,22 @@ Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) :
     router_ = load_bf16(weights, prefix + "gate.weight", {e_count, h});
     load_experts_device(weights, prefix);
   }
+  experts_.swiglu_limit = config.swiglu_limit;
+  if (config.correction_bias) {
+    OwnedTensor bias(DType::kF32, {e_count}, weights.device());
+    weights.load_into(prefix + "gate.e_score_correction_bias", *bias);
+    correction_bias_ = *bias;
+    owned_.push_back(std::move(bias));
+  }
   if (config.shared_expert_intermediate_size > 0) {
     const int64_t s = config.shared_expert_intermediate_size;
     const auto get = [&](const std::string& key, const Shape& shape) {
       return on_cpu ? weights.get(prefix + key, shape) : load_bf16(weights, prefix + key, shape);
     };
-    shared_expert_ = SwiGluWeights{get("shared_expert.gate_proj.weight", {s, h}),
-                                   get("shared_expert.up_proj.weight", {s, h}),
-                                   get("shared_expert.down_proj.weight", {h, s}), Tensor()};
-    shared_expert_gate_ = get("shared_expert_gate.weight", {1, h});
+    const std::string& shared = config.shared_expert_prefix;
+    shared_expert_ = SwiGluWeights{get(shared + "gate_proj.weight", {s, h}), get(shared + "up_proj.weight", {s, h}),
+                                   get(shared + "down_proj.weight", {h, s}), Tensor(), config.swiglu_limit};
+    if (config.shared_expert_gated) shared_expert_gate_ = get("shared_expert_gate.weight", {1, h});
   }
 }
 
@@ -97,7 +104,15 @@ void Moe::forward(const StepContext& step, const Tensor& x, const Tensor& out) {
   kernels::linear(x, router_, router_logits);
   const Tensor topk_ids = ws.alloc(DType::kI32, {tokens, k});
   const Tensor topk_weights = ws.alloc(DType::kF32, {tokens, k});
-  kernels::moe_route(router_logits, topk_ids, topk_weights, {static_cast<int>(k), config_.normalize_top_k});
+  kernels::MoeRouteParams route;
+  route.top_k = static_cast<int>(k);
+  route.normalize = config_.normalize_top_k;
+  route.scoring = config_.scoring;
+  route.correction_bias = correction_bias_;
+  route.n_group = config_.n_group;
+  route.topk_group = config_.topk_group;
+  route.routed_scaling_factor = config_.routed_scaling_factor;
+  kernels::moe_route(router_logits, topk_ids, topk_weights, route);
 
   // Routed experts: one fp32 output row per (token, slot), in slot order.
   const int64_t slots = tokens * k;
@@ -123,8 +138,10 @@ void Moe::forward(const StepContext& step, const Tensor& x, const Tensor& out) {
   if (shared_expert_) {
     shared_out = ws.alloc(DType::kF32, {tokens, h});
     shared_expert_->run(step, x, shared_out);
-    shared_gate_logits = ws.alloc(DType::kF32, {tokens, 1});
-    kernels::linear(x, shared_expert_gate_, shared_gate_logits);
+    if (!shared_expert_gate_.empty()) {
+      shared_gate_logits = ws.alloc(DType::kF32, {tokens, 1});
+      kernels::linear(x, shared_expert_gate_, shared_gate_logits);
+    }
   }
   kernels::moe_combine(slot_out, topk_weights, shared_out, shared_gate_logits, out);
 }

@@ -1,5 +1,8 @@
-// Sparse mixture of experts: softmax router, top-k, optional renormalisation, SwiGLU experts, and
-// an optional shared expert with a sigmoid gate (Qwen3-Next / Qwen3.5-MoE).
+// Sparse mixture of experts: a softmax router (Qwen) or the DeepSeek-V3 sigmoid router (correction
+// bias for the choice only, groups, routed_scaling_factor; glm_deepseek.md §1), top-k, optional
+// renormalisation, SwiGLU experts (optionally clamped), and an optional shared expert, with a sigmoid
+// gate (Qwen3-Next / Qwen3.5-MoE: <prefix>shared_expert.*, shared_expert_gate) or without one
+// (DeepSeek-V3 style: <prefix>shared_experts.*, added after the routed sum is rounded).
 //
 // Expert weights load from either checkpoint layout:
 //   per expert: <prefix>experts.{e}.{gate,up,down}_proj.weight  [I, H], [I, H], [H, I]
@@ -36,6 +39,14 @@ struct MoeConfig {
   int64_t expert_intermediate_size = 0;
   bool normalize_top_k = false;
   int64_t shared_expert_intermediate_size = 0;  // 0: no shared expert
+  kernels::MoeScoring scoring = kernels::MoeScoring::kSoftmax;
+  bool correction_bias = false;  // <prefix>gate.e_score_correction_bias [E], kept in fp32
+  int n_group = 1, topk_group = 1;
+  float routed_scaling_factor = 1.0f;
+  float swiglu_limit = 0.0f;  // > 0: the clamped SwiGLU in the routed and shared experts
+  // The shared expert's key prefix and whether it has a sigmoid gate (shared_expert_gate.weight).
+  std::string shared_expert_prefix = "shared_expert.";
+  bool shared_expert_gated = true;
 };
 
 class Moe : public FeedForward {
@@ -53,7 +64,8 @@ class Moe : public FeedForward {
   Tensor router_;                        // [E, H]
   kernels::MoeExpertWeights experts_;
   std::optional<SwiGluWeights> shared_expert_;
-  Tensor shared_expert_gate_;            // [1, H]
+  Tensor shared_expert_gate_;            // [1, H] (gated shared expert only)
+  Tensor correction_bias_;               // [E] f32 (sigmoid router only)
   std::vector<OwnedTensor> owned_;       // device copies this block made (CUDA only)
 };
 
