@@ -50,6 +50,8 @@ struct ServeOptions {
   double idle_timeout = 60;
   double read_timeout = 30;
   double shutdown_timeout = 30;
+  int64_t response_store_size = 1000;
+  std::string response_store_memory = "256MiB";
 };
 
 std::string default_model_name(const std::filesystem::path& dir) {
@@ -177,6 +179,8 @@ int run_serve(const ServeOptions& options) {
   config.transport.idle_timeout = seconds_flag(options.idle_timeout);
   config.transport.read_timeout = seconds_flag(options.read_timeout);
   config.transport.max_connections = connection_cap(options.max_connections);
+  config.response_store.max_responses = static_cast<size_t>(options.response_store_size);
+  config.response_store.max_bytes = parse_byte_size(options.response_store_memory, "--response-store-memory");
 
   std::filesystem::path model_dir;
   if (options.config.empty()) model_dir = resolve_model_dir(options.engine);
@@ -258,6 +262,12 @@ void register_serve(CLI::App& root, Action& action) {
   command->add_option("--shutdown-timeout", options->shutdown_timeout,
                       "on SIGTERM, seconds the running requests may take to finish before they are aborted")
       ->capture_default_str()->check(CLI::Range(0.0, 86400.0));
+  command->add_option("--response-store-size", options->response_store_size,
+                      "/v1/responses kept in memory for previous_response_id, least recently used out first (0: none)")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  command->add_option("--response-store-memory", options->response_store_memory,
+                      "memory the kept /v1/responses may take, all together")
+      ->capture_default_str();
   add_engine_options(*command, options->engine);
   command->callback([options, &action] { action = [options] { return run_serve(*options); }; });
 }

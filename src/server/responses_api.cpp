@@ -101,7 +101,7 @@ void refuse_unsupported_fields(const json& body) {
   if (auto top = get_integer(body, "top_logprobs"); top && *top != 0)
     throw unsupported("top_logprobs", "top_logprobs");
   // Chat-completions fields sent here by mistake: say which API they belong to.
-  for (const char* key : {"messages", "max_tokens", "max_completion_tokens", "response_format", "n", "stop"}) {
+  for (const char* key : {"messages", "max_tokens", "max_completion_tokens", "response_format", "n"}) {
     if (field(body, key) != nullptr) {
       throw invalid_request(fmt::format("'{}' is a /v1/chat/completions field; /v1/responses takes input, "
                                         "max_output_tokens and text.format",
@@ -309,6 +309,30 @@ ResponseTextFormat parse_text_format(const json& text) {
   return format;
 }
 
+// `stop`, a metrale extension (not in the OpenAI Responses API): strings that end the output, as on
+// /v1/chat/completions (the output ends before them, status "completed").
+void parse_stop(const json& body, const ProtocolLimits& limits, std::vector<std::string>& stop) {
+  const json* value = field(body, "stop");
+  if (value == nullptr) return;
+  if (value->is_string()) {
+    stop.push_back(value->get<std::string>());
+  } else if (value->is_array()) {
+    for (const json& item : *value) {
+      if (!item.is_string()) throw wrong_type("stop", "a string or a list of strings", item);
+      stop.push_back(item.get<std::string>());
+    }
+  } else {
+    throw wrong_type("stop", "a string or a list of strings", *value);
+  }
+  if (static_cast<int32_t>(stop.size()) > limits.max_stop_strings)
+    throw invalid_request(fmt::format("'stop' may hold at most {} strings", limits.max_stop_strings), "stop");
+  for (const std::string& text : stop) {
+    if (text.empty()) throw invalid_request("'stop' strings must not be empty", "stop");
+    if (text.size() > limits.max_stop_bytes)
+      throw invalid_request(fmt::format("'stop' strings may be at most {} bytes long", limits.max_stop_bytes), "stop");
+  }
+}
+
 void parse_sampling(const json& body, ResponsesRequest& request) {
   SamplingParams& sampling = request.params.sampling;
   if (auto value = get_number(body, "temperature")) {
@@ -342,6 +366,7 @@ ResponsesRequest parse_responses_request(const json& body, const SamplingParams&
   if (auto model = get_string(body, "model", "model")) request.params.model = *model;
   if (auto stream = get_bool(body, "stream")) request.params.stream = *stream;
   parse_sampling(body, request);
+  parse_stop(body, limits, request.params.stop);
 
   request.instructions = get_string(body, "instructions", "instructions");
   request.input_items = normalize_input(body, limits);

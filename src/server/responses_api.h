@@ -43,7 +43,8 @@ struct ResponseToolChoice {
 };
 
 struct ResponsesRequest {
-  // model, sampling (temperature, top_p), max_tokens (from max_output_tokens), stream; n is 1.
+  // model, sampling (temperature, top_p), max_tokens (from max_output_tokens), stream, stop (a
+  // metrale extension); n is 1.
   GenerationParams params;
   std::optional<std::string> instructions;
   // This request's input, normalized: an array of items, each with its "type" (messages' content a

@@ -240,6 +240,7 @@ std::shared_ptr<ResponseGeneration> ResponsesEndpoint::prepare(const std::string
   generation->builder.emplace(response_object(generation->identity, request), format, std::move(tools), random_seed());
 
   ChoiceOptions options;
+  options.stop = request.params.stop;
   options.reasoning = generation->reasoning;
   options.starts_in_reasoning = generation->starts_in_reasoning;
   generation->choice.emplace(context_.tokenizer, std::move(options));
@@ -351,6 +352,9 @@ std::vector<json> ResponsesEndpoint::apply(ResponseGeneration& generation, std::
       const ChoiceText delta = choice.on_token(event.sampled, event.finish_reason, event.time);
       if (!delta.reasoning.empty() && delta.text.empty()) ++generation.reasoning_tokens;
       take(delta);
+      // A stop string ended the output while its engine request still runs.
+      if (!was_finished && choice.stopped_by_string() && event.finish_reason == FinishReason::kNone)
+        context_.engine.cancel(generation.stream->id(), event.index);
     } else if (event.kind == StreamEvent::Kind::kFinished) {
       take(choice.on_end(event.finish_reason));
     }

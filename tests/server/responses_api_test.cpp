@@ -64,6 +64,11 @@ TEST(ResponsesRequest, SamplingFieldsAndDefaults) {
   EXPECT_FALSE(request.store);
 }
 
+TEST(ResponsesRequest, StopStringsAreAnExtension) {
+  EXPECT_EQ(parse({{"input", "x"}, {"stop", "END"}}).params.stop, std::vector<std::string>{"END"});
+  EXPECT_EQ(parse({{"input", "x"}, {"stop", {"a", "b"}}}).params.stop, (std::vector<std::string>{"a", "b"}));
+}
+
 TEST(ResponsesRequest, ItemsBecomeChatMessages) {
   const json input = json::parse(R"([
     {"role": "developer", "content": "Rules"},
@@ -176,6 +181,8 @@ TEST(ResponsesRequest, BadAndUnsupportedFieldsNameTheField) {
   expect_error({{"input", "x"}, {"top_logprobs", 2}}, "top_logprobs", "not supported");
   expect_error({{"input", "x"}, {"messages", json::array()}}, "messages", "/v1/chat/completions");
   expect_error({{"input", "x"}, {"max_tokens", 5}}, "max_tokens", "max_output_tokens");
+  expect_error({{"input", "x"}, {"stop", 3}}, "stop");
+  expect_error({{"input", "x"}, {"stop", {""}}}, "stop", "empty");
   expect_error({{"input", "x"}, {"temperature", 2.5}}, "temperature");
   expect_error({{"input", "x"}, {"top_p", 0}}, "top_p");
   expect_error({{"input", "x"}, {"max_output_tokens", 0}}, "max_output_tokens");
