@@ -68,6 +68,12 @@ const SafetensorsFile& WeightStore::file_of(const std::string& name) const {
   return *it->second;
 }
 
+uint64_t WeightStore::total_bytes() const {
+  uint64_t bytes = 0;
+  for (const auto& [name, file] : index_) bytes += get(name).nbytes();
+  return bytes;
+}
+
 std::vector<std::string> WeightStore::names() const {
   std::vector<std::string> result;
   result.reserve(index_.size());
@@ -96,7 +102,11 @@ Weights::Weights(std::shared_ptr<const WeightStore> store, Device device, std::s
 Weights::Weights(const RandomWeights& random, Device device) : random_(random), device_(device), prefix_("model.") {}
 
 Weights Weights::with_prefix(std::string prefix) const {
-  if (store_) return Weights(store_, device_, std::move(prefix));
+  if (store_) {
+    Weights derived(store_, device_, std::move(prefix));
+    derived.progress_ = progress_;
+    return derived;
+  }
   RandomWeights random = random_;
   random.seed = random_.seed * 0x9E3779B97F4A7C15ull + 0x6D7470ull;  // "mtp": any fixed mix will do
   Weights derived(random, device_);
@@ -154,6 +164,7 @@ void Weights::load_into(const std::string& key, const Tensor& destination) {
     raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
+  if (progress_) progress_->advance(1, view.nbytes());
   if (view.dtype() == destination.dtype()) {
     copy_bytes(destination.data(), device_, view.data(), Device::cpu(), view.nbytes());
     return;
@@ -184,6 +195,7 @@ Tensor Weights::get_root(const std::string& name, const Shape& shape) {
     raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
+  if (progress_) progress_->advance(1, view.nbytes());
   if (device_.is_cpu()) {
     // Mapped tensors are used in place, unless the file leaves them misaligned for their dtype.
     if (reinterpret_cast<uintptr_t>(view.data()) % view.element_size() == 0) return view;

@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/startup.h"
 #include "model/safetensors.h"
 
 namespace metrale {
@@ -24,6 +25,8 @@ class WeightStore {
   Tensor get(const std::string& name) const;
   const SafetensorsFile& file_of(const std::string& name) const;
   std::vector<std::string> names() const;
+  // The bytes of all its tensors (what loading reads at most).
+  uint64_t total_bytes() const;
 
  private:
   std::filesystem::path dir_;
@@ -74,6 +77,9 @@ class Weights {
   // Device copies made so far (empty on the CPU, where weights stay in the mapping).
   std::vector<Buffer> take_device_buffers() { return std::move(buffers_); }
   std::shared_ptr<const WeightStore> store_ptr() const { return store_; }
+  // Counts every tensor read from the checkpoint (get, get_root, load_into) into `progress`;
+  // with_prefix() views count into it too.
+  void set_progress(std::shared_ptr<StageProgress> progress) { progress_ = std::move(progress); }
 
  private:
   Tensor synthesize(const std::string& name, const Shape& shape);
@@ -84,6 +90,7 @@ class Weights {
   Device device_;
   std::string prefix_;
   std::vector<Buffer> buffers_;
+  std::shared_ptr<StageProgress> progress_;  // null: not counted
 };
 
 }  // namespace metrale
