@@ -1,10 +1,9 @@
 #include "core/startup.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <atomic>
-
-#include <fmt/format.h>
 
 #include "core/json_line.h"
 #include "core/log_level.h"
@@ -28,8 +27,12 @@ std::string rate_text(uint64_t bytes, double seconds) {
 
 }  // namespace
 
-void set_startup_reporting(bool on) { reporting().store(on, std::memory_order_relaxed); }
-bool startup_reporting() { return reporting().load(std::memory_order_relaxed); }
+void set_startup_reporting(bool on) {
+  reporting().store(on, std::memory_order_relaxed);
+}
+bool startup_reporting() {
+  return reporting().load(std::memory_order_relaxed);
+}
 
 std::string startup_line(bool json, std::string_view event, std::string_view message, const StartupFields& fields) {
   if (!json) return fmt::format("[metrale] {}\n", message);
@@ -40,10 +43,14 @@ std::string startup_line(bool json, std::string_view event, std::string_view mes
     std::visit(
         [&](const auto& value) {
           using Value = std::decay_t<decltype(value)>;
-          if constexpr (std::is_same_v<Value, std::string>) line.add(field.key, value);
-          else if constexpr (std::is_same_v<Value, int64_t>) line.add_int(field.key, value);
-          else if constexpr (std::is_same_v<Value, double>) line.add_number(field.key, value);
-          else line.add_bool(field.key, value);
+          if constexpr (std::is_same_v<Value, std::string>)
+            line.add(field.key, value);
+          else if constexpr (std::is_same_v<Value, int64_t>)
+            line.add_int(field.key, value);
+          else if constexpr (std::is_same_v<Value, double>)
+            line.add_number(field.key, value);
+          else
+            line.add_bool(field.key, value);
         },
         field.value);
   }
@@ -78,7 +85,9 @@ StageProgress::StageProgress(std::string event, std::string doing, std::string d
                  {{item_name_ + "_total", total_items_}, {"bytes_total", static_cast<int64_t>(total_bytes_)}});
 }
 
-StageProgress::~StageProgress() { finish(); }
+StageProgress::~StageProgress() {
+  finish();
+}
 
 double StageProgress::seconds() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();

@@ -1,6 +1,6 @@
 // The OpenAI-compatible HTTP server: POST /v1/completions, POST /v1/chat/completions (JSON or SSE
-// streams), the Responses API (/v1/responses: server/responses_endpoint.h), GET /v1/models, GET /health, GET /metrics, on the event-driven transport of
-// server/http_transport.h.
+// streams), the Responses API (/v1/responses: server/responses_endpoint.h), GET /v1/models,
+// GET /health, GET /metrics, on the event-driven transport of server/http_transport.h.
 //
 // Threads (DESIGN.md "Threads"): the transport's I/O threads hold the connections and run every
 // response; a small pool of workers parses, validates, renders the chat template, tokenizes and

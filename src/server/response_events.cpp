@@ -1,17 +1,21 @@
 #include "server/response_events.h"
 
-#include <ctime>
-
 #include <fmt/format.h>
+
+#include <ctime>
 
 namespace metrale::server {
 namespace {
 
 using json = nlohmann::ordered_json;
 
-json or_null(const std::optional<std::string>& value) { return value ? json(*value) : json(nullptr); }
+json or_null(const std::optional<std::string>& value) {
+  return value ? json(*value) : json(nullptr);
+}
 
-bool is_space(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
+bool is_space(char c) {
+  return c == ' ' || c == '\n' || c == '\t' || c == '\r';
+}
 
 json usage_object(const ResponseUsage& usage) {
   return json{{"input_tokens", usage.input_tokens},
@@ -110,10 +114,9 @@ void ResponseEventBuilder::open_item(json item, Open kind, std::vector<json>& ev
   events.push_back(event("response.output_item.added", {{"output_index", index}, {"item", item_}}));
   if (kind == Open::kReasoning || kind == Open::kMessage) {
     const char* part_type = kind == Open::kReasoning ? "reasoning_text" : "output_text";
-    events.push_back(event("response.content_part.added", {{"item_id", item_["id"]},
-                                                           {"output_index", index},
-                                                           {"content_index", 0},
-                                                           {"part", text_part(part_type, "")}}));
+    events.push_back(event(
+        "response.content_part.added",
+        {{"item_id", item_["id"]}, {"output_index", index}, {"content_index", 0}, {"part", text_part(part_type, "")}}));
   }
 }
 
@@ -147,15 +150,17 @@ void ResponseEventBuilder::close_item(std::vector<json>& events, const char* sta
 void ResponseEventBuilder::add_reasoning(const std::string& text, std::vector<json>& events) {
   if (text.empty()) return;
   if (open_ != Open::kReasoning) {
-    open_item({{"id", item_id("rs")}, {"type", "reasoning"}, {"status", "in_progress"}, {"summary", json::array()},
+    open_item({{"id", item_id("rs")},
+               {"type", "reasoning"},
+               {"status", "in_progress"},
+               {"summary", json::array()},
                {"content", json::array()}},
               Open::kReasoning, events);
   }
   text_ += text;
-  events.push_back(event("response.reasoning_text.delta", {{"item_id", item_["id"]},
-                                                           {"output_index", response_["output"].size()},
-                                                           {"content_index", 0},
-                                                           {"delta", text}}));
+  events.push_back(event(
+      "response.reasoning_text.delta",
+      {{"item_id", item_["id"]}, {"output_index", response_["output"].size()}, {"content_index", 0}, {"delta", text}}));
 }
 
 void ResponseEventBuilder::add_text(std::string text, std::vector<json>& events) {
@@ -164,7 +169,10 @@ void ResponseEventBuilder::add_text(std::string text, std::vector<json>& events)
     while (first < text.size() && is_space(text[first])) ++first;
     text.erase(0, first);
     if (text.empty()) return;
-    open_item({{"id", item_id("msg")}, {"type", "message"}, {"status", "in_progress"}, {"content", json::array()},
+    open_item({{"id", item_id("msg")},
+               {"type", "message"},
+               {"status", "in_progress"},
+               {"content", json::array()},
                {"role", "assistant"}},
               Open::kMessage, events);
   }
@@ -190,8 +198,9 @@ void ResponseEventBuilder::add_call_piece(const ToolCallDelta& piece, std::vecto
   }
   if (piece.arguments.empty()) return;
   text_ += piece.arguments;
-  events.push_back(event("response.function_call_arguments.delta",
-                         {{"item_id", item_["id"]}, {"output_index", response_["output"].size()}, {"delta", piece.arguments}}));
+  events.push_back(
+      event("response.function_call_arguments.delta",
+            {{"item_id", item_["id"]}, {"output_index", response_["output"].size()}, {"delta", piece.arguments}}));
 }
 
 void ResponseEventBuilder::add_tool_calls(const ToolParseDelta& delta, std::vector<json>& events) {

@@ -18,11 +18,10 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "server/openai_protocol.h"
 #include "server/responses_api.h"
@@ -83,7 +82,7 @@ class ResponseEventBuilder {
   nlohmann::ordered_json response_;
   std::optional<ToolCallParser> tool_parser_;
   int64_t sequence_ = 0;
-  std::string id_stem_;       // the response id's hex, shared by its items' ids
+  std::string id_stem_;  // the response id's hex, shared by its items' ids
   int32_t items_made_ = 0;
   Open open_ = Open::kNone;
   nlohmann::ordered_json item_;  // the open item

@@ -8,21 +8,20 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <unordered_map>
 
-#include <nlohmann/json.hpp>
-
 namespace metrale::server {
 
 struct ResponseStoreLimits {
-  size_t max_responses = 1000;            // 0: nothing is stored (previous_response_id always 404s)
-  size_t max_bytes = size_t{256} << 20;   // of the stored JSON, all responses together
+  size_t max_responses = 1000;           // 0: nothing is stored (previous_response_id always 404s)
+  size_t max_bytes = size_t{256} << 20;  // of the stored JSON, all responses together
 };
 
 struct StoredResponse {
-  nlohmann::ordered_json response;      // the response object as answered
+  nlohmann::ordered_json response;  // the response object as answered
   // The whole conversation up to and including this response: the items of the responses it
   // continues, its own input items and its output items (an array). previous_response_id replays it.
   nlohmann::ordered_json conversation;

@@ -1,11 +1,11 @@
 #include "server/responses_api.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <limits>
 #include <set>
 #include <string_view>
-
-#include <fmt/format.h>
 
 namespace metrale::server {
 namespace {
@@ -14,15 +14,23 @@ using json = nlohmann::ordered_json;
 
 const char* type_name(const json& value) {
   switch (value.type()) {
-    case json::value_t::null: return "null";
-    case json::value_t::boolean: return "boolean";
-    case json::value_t::string: return "string";
-    case json::value_t::array: return "array";
-    case json::value_t::object: return "object";
-    case json::value_t::number_float: return "number";
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "boolean";
+    case json::value_t::string:
+      return "string";
+    case json::value_t::array:
+      return "array";
+    case json::value_t::object:
+      return "object";
+    case json::value_t::number_float:
+      return "number";
     case json::value_t::number_integer:
-    case json::value_t::number_unsigned: return "integer";
-    default: return "value";
+    case json::value_t::number_unsigned:
+      return "integer";
+    default:
+      return "value";
   }
 }
 
@@ -91,15 +99,14 @@ void refuse_unsupported_fields(const json& body) {
   if (const json* include = field(body, "include")) {
     if (!include->is_array()) throw wrong_type("include", "a list of strings", *include);
     if (!include->empty()) {
-      throw unsupported("include", fmt::format("including {}", (*include)[0].is_string()
-                                                                   ? (*include)[0].get<std::string>()
-                                                                   : std::string("extra output data")));
+      throw unsupported("include",
+                        fmt::format("including {}", (*include)[0].is_string() ? (*include)[0].get<std::string>()
+                                                                              : std::string("extra output data")));
     }
   }
   if (auto truncation = get_string(body, "truncation", "truncation"); truncation && *truncation != "disabled")
     throw unsupported("truncation", fmt::format("truncation \"{}\"", *truncation));
-  if (auto top = get_integer(body, "top_logprobs"); top && *top != 0)
-    throw unsupported("top_logprobs", "top_logprobs");
+  if (auto top = get_integer(body, "top_logprobs"); top && *top != 0) throw unsupported("top_logprobs", "top_logprobs");
   // Chat-completions fields sent here by mistake: say which API they belong to.
   for (const char* key : {"messages", "max_tokens", "max_completion_tokens", "response_format", "n"}) {
     if (field(body, key) != nullptr) {
@@ -112,7 +119,8 @@ void refuse_unsupported_fields(const json& body) {
 }
 
 // The text of content parts of the given types (input_text, output_text, reasoning_text, ...).
-std::string join_text_parts(const json& parts, const std::string& param, std::initializer_list<std::string_view> types) {
+std::string join_text_parts(const json& parts, const std::string& param,
+                            std::initializer_list<std::string_view> types) {
   std::string text;
   for (size_t j = 0; j < parts.size(); ++j) {
     const json& part = parts[j];
@@ -139,8 +147,9 @@ std::string join_text_parts(const json& parts, const std::string& param, std::in
 json normalize_message(const json& item, const std::string& param) {
   const std::string role = required_string(item, "role", param + ".role");
   if (role != "user" && role != "assistant" && role != "system" && role != "developer")
-    throw invalid_request(fmt::format("'{}.role' must be user, assistant, system or developer, got \"{}\"", param, role),
-                          param + ".role");
+    throw invalid_request(
+        fmt::format("'{}.role' must be user, assistant, system or developer, got \"{}\"", param, role),
+        param + ".role");
   const json* content = field(item, "content");
   if (content == nullptr) throw invalid_request(fmt::format("'{}.content' is required", param), param + ".content");
   const bool assistant = role == "assistant";
@@ -211,9 +220,10 @@ json normalize_input(const json& body, const ProtocolLimits& limits) {
   const json* input = field(body, "input");
   if (input == nullptr) throw invalid_request("'input' is required", "input");
   if (input->is_string()) {
-    return json::array({json{{"type", "message"},
-                             {"role", "user"},
-                             {"content", json::array({json{{"type", "input_text"}, {"text", input->get<std::string>()}}})}}});
+    return json::array(
+        {json{{"type", "message"},
+              {"role", "user"},
+              {"content", json::array({json{{"type", "input_text"}, {"text", input->get<std::string>()}}})}}});
   }
   if (!input->is_array()) throw wrong_type("input", "a string or a list of items", *input);
   if (input->size() > limits.max_messages)
@@ -240,7 +250,8 @@ json parse_tools(const json& body, const ProtocolLimits& limits) {
     const std::string name = required_string(tool, "name", param + ".name");
     if (name.empty()) throw invalid_request(fmt::format("'{}.name' must not be empty", param), param + ".name");
     if (!names.insert(name).second)
-      throw invalid_request(fmt::format("'{}.name': the function '{}' is declared twice", param, name), param + ".name");
+      throw invalid_request(fmt::format("'{}.name': the function '{}' is declared twice", param, name),
+                            param + ".name");
     json entry = {{"type", "function"}, {"name", name}};
     if (auto description = get_string(tool, "description", param + ".description")) entry["description"] = *description;
     const json* parameters = field(tool, "parameters");
@@ -260,10 +271,13 @@ ResponseToolChoice parse_tool_choice(const json& value, const json& tools) {
   if (value.is_string()) {
     const std::string mode = value.get<std::string>();
     if (mode == "auto") return choice;
-    if (mode == "none") choice.mode = ResponseToolChoice::Mode::kNone;
-    else if (mode == "required") choice.mode = ResponseToolChoice::Mode::kRequired;
-    else throw invalid_request(fmt::format("'tool_choice' must be auto, none, required or a function, got \"{}\"", mode),
-                               "tool_choice");
+    if (mode == "none")
+      choice.mode = ResponseToolChoice::Mode::kNone;
+    else if (mode == "required")
+      choice.mode = ResponseToolChoice::Mode::kRequired;
+    else
+      throw invalid_request(fmt::format("'tool_choice' must be auto, none, required or a function, got \"{}\"", mode),
+                            "tool_choice");
     if (choice.mode == ResponseToolChoice::Mode::kRequired && tools.empty())
       throw invalid_request("'tool_choice' \"required\" needs at least one function in 'tools'", "tool_choice");
     return choice;
@@ -276,9 +290,9 @@ ResponseToolChoice parse_tool_choice(const json& value, const json& tools) {
   bool declared = false;
   for (const json& tool : tools) declared = declared || tool["name"] == choice.function;
   if (!declared)
-    throw invalid_request(fmt::format("'tool_choice' names the function '{}', which 'tools' does not declare",
-                                      choice.function),
-                          "tool_choice.name");
+    throw invalid_request(
+        fmt::format("'tool_choice' names the function '{}', which 'tools' does not declare", choice.function),
+        "tool_choice.name");
   return choice;
 }
 
@@ -424,7 +438,8 @@ class MessageBuilder {
     const std::string type = item["type"].get<std::string>();
     if (type == "message") {
       const std::string role = item["role"].get<std::string>();
-      const std::string text = join_text_parts(item["content"], "content", {"input_text", "output_text", "text", "refusal"});
+      const std::string text =
+          join_text_parts(item["content"], "content", {"input_text", "output_text", "text", "refusal"});
       if (role == "assistant") {
         json& message = open_assistant(/*for_content=*/true);
         message["content"] = message["content"].get<std::string>() + text;
@@ -484,8 +499,10 @@ ChatRequest to_chat_request(const ResponsesRequest& request, const json& history
   ChatRequest chat;
   chat.params = request.params;
   MessageBuilder builder;
-  if (request.instructions) builder.add({{"type", "message"}, {"role", "system"},
-                                         {"content", json::array({json{{"type", "input_text"}, {"text", *request.instructions}}})}});
+  if (request.instructions)
+    builder.add({{"type", "message"},
+                 {"role", "system"},
+                 {"content", json::array({json{{"type", "input_text"}, {"text", *request.instructions}}})}});
   for (const json& item : history) builder.add(item);
   for (const json& item : request.input_items) builder.add(item);
   chat.messages = builder.take();

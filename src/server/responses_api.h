@@ -14,11 +14,10 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "server/openai_protocol.h"
 
@@ -29,9 +28,9 @@ namespace metrale::server {
 struct ResponseTextFormat {
   enum class Kind : uint8_t { kText, kJsonObject, kJsonSchema };
   Kind kind = Kind::kText;
-  std::string name;                       // kJsonSchema: the schema's name (required by the API)
+  std::string name;  // kJsonSchema: the schema's name (required by the API)
   std::string description;
-  nlohmann::ordered_json schema;          // kJsonSchema: the JSON schema, an object
+  nlohmann::ordered_json schema;  // kJsonSchema: the JSON schema, an object
   bool strict = false;
 };
 
@@ -59,8 +58,8 @@ struct ResponsesRequest {
   bool parallel_tool_calls = true;
   // Echoed in the response object as sent (or their defaults).
   nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
-  nlohmann::ordered_json reasoning;       // null or {effort, summary}
-  nlohmann::ordered_json text;            // the request's `text` object ({format, verbosity})
+  nlohmann::ordered_json reasoning;  // null or {effort, summary}
+  nlohmann::ordered_json text;       // the request's `text` object ({format, verbosity})
   nlohmann::ordered_json tool_choice_json = "auto";
   std::optional<double> temperature;
   std::optional<double> top_p;

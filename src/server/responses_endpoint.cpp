@@ -1,10 +1,10 @@
 #include "server/responses_endpoint.h"
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <ctime>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -96,9 +96,9 @@ void ResponsesEndpoint::handle(const std::shared_ptr<Exchange>& exchange) {
   const HttpRequest& request = exchange->request();
   const auto wrong_method = [&](const char* allowed) {
     exchange->respond(405, "application/json",
-                      dump_json(error_body(ApiError(405, "invalid_request_error",
-                                                    fmt::format("{} {}: method not allowed (use {})", request.method,
-                                                                request.path, allowed)))),
+                      dump_json(error_body(ApiError(
+                          405, "invalid_request_error",
+                          fmt::format("{} {}: method not allowed (use {})", request.method, request.path, allowed)))),
                       {{"Allow", allowed}});
   };
   if (request.path == kRoute) {
@@ -107,8 +107,8 @@ void ResponsesEndpoint::handle(const std::shared_ptr<Exchange>& exchange) {
   }
   const std::string id = request.path.substr(kRoute.size() + 1);
   if (id.find('/') != std::string::npos) {
-    return send_error(*exchange, ApiError(404, "not_found_error",
-                                          fmt::format("{} {}: no such route", request.method, request.path)));
+    return send_error(
+        *exchange, ApiError(404, "not_found_error", fmt::format("{} {}: no such route", request.method, request.path)));
   }
   const auto not_found = [&] {
     send_error(*exchange, ApiError(404, "invalid_request_error",
@@ -130,7 +130,8 @@ void ResponsesEndpoint::handle(const std::shared_ptr<Exchange>& exchange) {
 }
 
 void ResponsesEndpoint::start(const std::shared_ptr<Exchange>& exchange) {
-  if (context_.draining) return send_error(*exchange, ApiError(503, "service_unavailable", "the server is shutting down"));
+  if (context_.draining)
+    return send_error(*exchange, ApiError(503, "service_unavailable", "the server is shutting down"));
   ++context_.active;
   context_.post_work([this, exchange] {
     std::shared_ptr<ResponseGeneration> generation;
@@ -259,10 +260,10 @@ void ResponsesEndpoint::submit(ResponseGeneration& generation) const {
   requests.push_back(std::move(request));
   SubmitResult submitted = engine.submit(std::move(requests));
   if (submitted.status == SubmitStatus::kQueueFull) {
-    throw ApiError(429, "rate_limit_error",
-                   fmt::format("the server is busy: {} requests are already waiting; retry later",
-                               engine.max_queued_requests()),
-                   "", "queue_full");
+    throw ApiError(
+        429, "rate_limit_error",
+        fmt::format("the server is busy: {} requests are already waiting; retry later", engine.max_queued_requests()),
+        "", "queue_full");
   }
   if (submitted.status == SubmitStatus::kShuttingDown)
     throw ApiError(503, "service_unavailable", "the server is shutting down");
@@ -300,7 +301,9 @@ bool ResponsesEndpoint::begin(ResponseGeneration& generation, Exchange& exchange
   if (first.kind == StreamEvent::Kind::kError) {
     generation.closed = true;
     switch (first.error_kind) {
-      case StreamErrorKind::kInvalidRequest: send_error(exchange, invalid_request(first.error_message)); break;
+      case StreamErrorKind::kInvalidRequest:
+        send_error(exchange, invalid_request(first.error_message));
+        break;
       case StreamErrorKind::kShuttingDown:
         send_error(exchange, ApiError(503, "service_unavailable", first.error_message));
         break;
@@ -403,8 +406,9 @@ void ResponsesEndpoint::record(const ResponseGeneration& generation) {
   if (choice.first_token_time())
     record.ttft_seconds = std::chrono::duration<double>(*choice.first_token_time() - submitted).count();
   if (choice.num_tokens() > 1) {
-    record.tpot_seconds = std::chrono::duration<double>(*choice.last_token_time() - *choice.first_token_time()).count() /
-                          static_cast<double>(choice.num_tokens() - 1);
+    record.tpot_seconds =
+        std::chrono::duration<double>(*choice.last_token_time() - *choice.first_token_time()).count() /
+        static_cast<double>(choice.num_tokens() - 1);
   }
   context_.metrics.record_choice(record);
 }

@@ -41,8 +41,8 @@ struct ResponsesContext {
   ResponseStore& store;
   // Runs a task on the server's worker pool.
   std::function<void(std::function<void()>)> post_work;
-  std::atomic<int64_t>& active;        // generations in flight (the drain waits for them)
-  const std::atomic<bool>& draining;   // new requests get 503
+  std::atomic<int64_t>& active;       // generations in flight (the drain waits for them)
+  const std::atomic<bool>& draining;  // new requests get 503
 };
 
 class ResponsesEndpoint {

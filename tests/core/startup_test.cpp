@@ -60,9 +60,9 @@ TEST(JsonLine, RecordShape) {
 TEST_F(StartupTest, LinesInBothFormats) {
   EXPECT_EQ(startup_line(false, "ready", "serving on http://h:1", {{"url", std::string("http://h:1")}}),
             "[metrale] serving on http://h:1\n");
-  const std::string json = startup_line(true, "ready", "serving \"m\"", {{"url", std::string("http://h:1")},
-                                                                         {"port", int64_t{1}},
-                                                                         {"chat_template", true}});
+  const std::string json =
+      startup_line(true, "ready", "serving \"m\"",
+                   {{"url", std::string("http://h:1")}, {"port", int64_t{1}}, {"chat_template", true}});
   EXPECT_NE(json.find("\"level\":\"info\",\"event\":\"ready\",\"msg\":\"serving \\\"m\\\"\",\"url\":\"http://h:1\","
                       "\"port\":1,\"chat_template\":true}\n"),
             std::string::npos)

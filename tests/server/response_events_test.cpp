@@ -94,7 +94,7 @@ struct Generated {
 
 // Feeds (reasoning, content) pieces, then finishes; checks the client's snapshot against the response.
 Generated run(ResponseEventBuilder builder, const std::vector<std::pair<std::string, std::string>>& pieces,
-        const std::string& finish_reason = "stop") {
+              const std::string& finish_reason = "stop") {
   Generated result;
   const auto keep = [&](std::vector<json> events) {
     for (json& event : events) result.events.push_back(std::move(event));
@@ -125,11 +125,12 @@ std::vector<std::pair<std::string, std::string>> pieces_of(const std::string& te
 
 TEST(ResponseEvents, TextStreamsAsOneMessage) {
   const Generated result = run(make_builder(), {{"", "Hello"}, {"", ", "}, {"", "world"}});
-  const std::vector<std::string> expected = {
-      "response.created",           "response.in_progress",       "response.output_item.added",
-      "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
-      "response.output_text.delta", "response.output_text.done",  "response.content_part.done",
-      "response.output_item.done",  "response.completed"};
+  const std::vector<std::string> expected = {"response.created",           "response.in_progress",
+                                             "response.output_item.added", "response.content_part.added",
+                                             "response.output_text.delta", "response.output_text.delta",
+                                             "response.output_text.delta", "response.output_text.done",
+                                             "response.content_part.done", "response.output_item.done",
+                                             "response.completed"};
   EXPECT_EQ(types(result), expected);
   const json& response = result.response;
   EXPECT_EQ(response["status"], "completed");
@@ -233,10 +234,15 @@ TEST(ResponseEvents, FeedAfterFinishIsIgnored) {
 }
 
 TEST(ResponseEvents, ResponseObjectEchoesTheRequest) {
-  const ResponsesRequest request = parse_responses_request(
-      {{"input", "x"}, {"instructions", "I"}, {"max_output_tokens", 9}, {"temperature", 0.5}, {"store", false},
-       {"previous_response_id", "resp_1"}, {"metadata", {{"k", "v"}}}, {"tool_choice", "none"}},
-      SamplingParams{});
+  const ResponsesRequest request = parse_responses_request({{"input", "x"},
+                                                            {"instructions", "I"},
+                                                            {"max_output_tokens", 9},
+                                                            {"temperature", 0.5},
+                                                            {"store", false},
+                                                            {"previous_response_id", "resp_1"},
+                                                            {"metadata", {{"k", "v"}}},
+                                                            {"tool_choice", "none"}},
+                                                           SamplingParams{});
   const json object = response_object({"resp_2", 5, "demo"}, request);
   EXPECT_EQ(object["id"], "resp_2");
   EXPECT_EQ(object["created_at"], 5);

@@ -21,7 +21,9 @@ SamplingParams defaults() {
   return params;
 }
 
-ResponsesRequest parse(const json& body) { return parse_responses_request(body, defaults()); }
+ResponsesRequest parse(const json& body) {
+  return parse_responses_request(body, defaults());
+}
 
 void expect_error(const json& body, const std::string& param, const std::string& fragment = {}) {
   try {
@@ -36,7 +38,9 @@ void expect_error(const json& body, const std::string& param, const std::string&
   }
 }
 
-json user(const std::string& text) { return {{"role", "user"}, {"content", text}}; }
+json user(const std::string& text) {
+  return {{"role", "user"}, {"content", text}};
+}
 
 TEST(ResponsesRequest, StringInputIsOneUserMessageAfterTheInstructions) {
   const ResponsesRequest request = parse({{"input", "Hi"}, {"instructions", "Be brief"}, {"model", "m"}});
@@ -55,7 +59,11 @@ TEST(ResponsesRequest, SamplingFieldsAndDefaults) {
   EXPECT_FALSE(request.params.max_tokens);
   EXPECT_TRUE(request.store);
   EXPECT_FALSE(request.params.stream);
-  request = parse({{"input", "x"}, {"temperature", 0.0}, {"top_p", 0.5}, {"max_output_tokens", 7}, {"stream", true},
+  request = parse({{"input", "x"},
+                   {"temperature", 0.0},
+                   {"top_p", 0.5},
+                   {"max_output_tokens", 7},
+                   {"stream", true},
                    {"store", false}});
   EXPECT_FLOAT_EQ(request.params.sampling.temperature, 0.0f);
   EXPECT_FLOAT_EQ(request.params.sampling.top_p, 0.5f);
@@ -110,9 +118,11 @@ TEST(ResponsesRequest, AssistantTextAndItsCallsShareOneMessage) {
 }
 
 TEST(ResponsesRequest, HistoryComesFirstAndInstructionsStayInFront) {
-  const json history = json::array({json{{"type", "message"}, {"role", "user"},
+  const json history = json::array({json{{"type", "message"},
+                                         {"role", "user"},
                                          {"content", json::array({{{"type", "input_text"}, {"text", "first"}}})}},
-                                    json{{"type", "message"}, {"role", "assistant"},
+                                    json{{"type", "message"},
+                                         {"role", "assistant"},
                                          {"content", json::array({{{"type", "output_text"}, {"text", "answer"}}})}}});
   const ChatRequest chat = to_chat_request(parse({{"input", "second"}, {"instructions", "I"}}), history);
   const json expected = json::parse(R"([{"role":"system","content":"I"},{"role":"user","content":"first"},
@@ -165,9 +175,16 @@ TEST(ResponsesRequest, ReasoningEffortNoneTurnsThinkingOff) {
 
 TEST(ResponsesRequest, AcceptedFieldsAtTheirDefaults) {
   // What clients send by default (the Agents SDK sends include: [] and truncation: "disabled").
-  EXPECT_NO_THROW(parse({{"input", "x"}, {"include", json::array()}, {"truncation", "disabled"}, {"background", false},
-                         {"top_logprobs", 0}, {"parallel_tool_calls", false}, {"metadata", {{"k", "v"}}},
-                         {"user", "u"}, {"service_tier", "auto"}, {"stream_options", json::object()}}));
+  EXPECT_NO_THROW(parse({{"input", "x"},
+                         {"include", json::array()},
+                         {"truncation", "disabled"},
+                         {"background", false},
+                         {"top_logprobs", 0},
+                         {"parallel_tool_calls", false},
+                         {"metadata", {{"k", "v"}}},
+                         {"user", "u"},
+                         {"service_tier", "auto"},
+                         {"stream_options", json::object()}}));
 }
 
 TEST(ResponsesRequest, BadAndUnsupportedFieldsNameTheField) {
@@ -176,7 +193,8 @@ TEST(ResponsesRequest, BadAndUnsupportedFieldsNameTheField) {
   expect_error({{"input", "x"}, {"background", true}}, "background", "not supported");
   expect_error({{"input", "x"}, {"conversation", "conv_1"}}, "conversation", "not supported");
   expect_error({{"input", "x"}, {"prompt", {{"id", "p"}}}}, "prompt", "not supported");
-  expect_error({{"input", "x"}, {"include", {"reasoning.encrypted_content"}}}, "include", "reasoning.encrypted_content");
+  expect_error({{"input", "x"}, {"include", {"reasoning.encrypted_content"}}}, "include",
+               "reasoning.encrypted_content");
   expect_error({{"input", "x"}, {"truncation", "auto"}}, "truncation", "not supported");
   expect_error({{"input", "x"}, {"top_logprobs", 2}}, "top_logprobs", "not supported");
   expect_error({{"input", "x"}, {"messages", json::array()}}, "messages", "/v1/chat/completions");
@@ -189,22 +207,26 @@ TEST(ResponsesRequest, BadAndUnsupportedFieldsNameTheField) {
   expect_error({{"input", "x"}, {"stream", "yes"}}, "stream");
   expect_error({{"input", "x"}, {"tools", {{{"type", "web_search"}}}}}, "tools[0].type", "web_search");
   expect_error({{"input", "x"}, {"tools", {{{"type", "function"}}}}}, "tools[0].name");
-  expect_error({{"input", "x"}, {"tools", {{{"type", "function"}, {"name", "f"}}, {{"type", "function"}, {"name", "f"}}}}},
-               "tools[1].name", "twice");
+  expect_error(
+      {{"input", "x"}, {"tools", {{{"type", "function"}, {"name", "f"}}, {{"type", "function"}, {"name", "f"}}}}},
+      "tools[1].name", "twice");
   expect_error({{"input", "x"}, {"tool_choice", "sometimes"}}, "tool_choice");
   expect_error({{"input", "x"}, {"tool_choice", "required"}}, "tool_choice", "at least one function");
-  expect_error({{"input", "x"}, {"tools", {{{"type", "function"}, {"name", "f"}}}},
+  expect_error({{"input", "x"},
+                {"tools", {{{"type", "function"}, {"name", "f"}}}},
                 {"tool_choice", {{"type", "function"}, {"name", "g"}}}},
                "tool_choice.name", "'g'");
-  expect_error({{"input", "x"}, {"text", {{"format", {{"type", "json_schema"}, {"name", "n"}}}}}}, "text.format.schema");
+  expect_error({{"input", "x"}, {"text", {{"format", {{"type", "json_schema"}, {"name", "n"}}}}}},
+               "text.format.schema");
   expect_error({{"input", "x"}, {"text", {{"format", {{"type", "yaml"}}}}}}, "text.format.type");
   expect_error({{"input", "x"}, {"metadata", {{"k", 1}}}}, "metadata.k");
   expect_error({{"input", json::array({user("a"), {{"type", "item_reference"}, {"id", "msg_1"}}})}}, "input[1]",
                "item_reference");
   expect_error({{"input", json::array({{{"type", "web_search_call"}}})}}, "input[0].type", "web_search_call");
-  expect_error({{"input", json::array({{{"role", "user"},
-                                         {"content", json::array({{{"type", "input_image"}, {"image_url", "u"}}})}}})}},
-               "input[0].content[0]", "input_image");
+  expect_error(
+      {{"input",
+        json::array({{{"role", "user"}, {"content", json::array({{{"type", "input_image"}, {"image_url", "u"}}})}}})}},
+      "input[0].content[0]", "input_image");
   expect_error({{"input", json::array({{{"role", "tool"}, {"content", "x"}}})}}, "input[0].role");
   expect_error({{"input", json::array({{{"type", "function_call"}, {"name", "f"}, {"arguments", "{}"}}})}},
                "input[0].call_id");
@@ -228,8 +250,8 @@ TEST(ResponsesRequest, ConversationRendersWithTheQwen3Template) {
     {"type": "function_call_output", "call_id": "call_a", "output": "sunny"}
   ])");
   const json tools = json::parse(R"([{"type": "function", "name": "weather", "parameters": {"type": "object"}}])");
-  const ChatRequest chat = to_chat_request(parse({{"input", input}, {"tools", tools}, {"instructions", "Be brief"}}),
-                                           json::array());
+  const ChatRequest chat =
+      to_chat_request(parse({{"input", input}, {"tools", tools}, {"instructions", "Be brief"}}), json::array());
   ChatTemplateInputs inputs;
   inputs.messages = chat.messages;
   inputs.tools = chat.tools;
