@@ -5,7 +5,8 @@ namespace metrale::server {
 void ResponseStore::put(StoredResponse stored) {
   if (limits_.max_responses == 0) return;
   const std::string id = stored.response.at("id").get<std::string>();
-  const size_t size = stored.response.dump().size() + stored.conversation.dump().size() + id.size();
+  const size_t size =
+      stored.response.dump().size() + stored.conversation.dump().size() + stored.input_items.dump().size() + id.size();
   auto shared = std::make_shared<const StoredResponse>(std::move(stored));
   std::lock_guard lock(mutex_);
   if (const auto it = index_.find(id); it != index_.end()) {

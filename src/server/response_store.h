@@ -25,6 +25,8 @@ struct StoredResponse {
   // The whole conversation up to and including this response: the items of the responses it
   // continues, its own input items and its output items (an array). previous_response_id replays it.
   nlohmann::ordered_json conversation;
+  // The response's own input items, each with an id (GET /v1/responses/{id}/input_items).
+  nlohmann::ordered_json input_items = nlohmann::ordered_json::array();
 };
 
 class ResponseStore {

@@ -196,7 +196,9 @@ json normalize_item(const json& item, const std::string& param) {
     } else {
       throw wrong_type(param + ".output", "a string or a list of content parts", *output);
     }
-    return json{{"type", "function_call_output"}, {"call_id", call_id}, {"output", std::move(text)}};
+    json result = {{"type", "function_call_output"}, {"call_id", call_id}, {"output", std::move(text)}};
+    if (auto id = get_string(item, "id", param + ".id")) result["id"] = *id;
+    return result;
   }
   if (type == "reasoning") {
     std::string text;

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <ctime>
 #include <random>
 
@@ -105,7 +107,13 @@ void ResponsesEndpoint::handle(const std::shared_ptr<Exchange>& exchange) {
     if (request.method != "POST") return wrong_method("POST");
     return start(exchange);
   }
-  const std::string id = request.path.substr(kRoute.size() + 1);
+  std::string id = request.path.substr(kRoute.size() + 1);
+  constexpr std::string_view kInputItems = "/input_items";
+  if (id.size() > kInputItems.size() && id.ends_with(kInputItems)) {
+    if (request.method != "GET" && request.method != "HEAD") return wrong_method("GET");
+    id.resize(id.size() - kInputItems.size());
+    if (id.find('/') == std::string::npos) return list_input_items(*exchange, id);
+  }
   if (id.find('/') != std::string::npos) {
     return send_error(
         *exchange, ApiError(404, "not_found_error", fmt::format("{} {}: no such route", request.method, request.path)));
@@ -127,6 +135,68 @@ void ResponsesEndpoint::handle(const std::shared_ptr<Exchange>& exchange) {
   } else {
     wrong_method("GET, DELETE");
   }
+}
+
+namespace {
+
+// The value of `key` in the target's query ("" when absent); values are ids and numbers, taken as sent.
+std::string query_value(std::string_view target, std::string_view key) {
+  const size_t question = target.find('?');
+  if (question == std::string_view::npos) return {};
+  std::string_view query = target.substr(question + 1);
+  while (!query.empty()) {
+    const size_t amp = query.find('&');
+    const std::string_view pair = query.substr(0, amp);
+    const size_t equals = pair.find('=');
+    if (pair.substr(0, equals) == key)
+      return std::string(equals == std::string_view::npos ? "" : pair.substr(equals + 1));
+    if (amp == std::string_view::npos) break;
+    query.remove_prefix(amp + 1);
+  }
+  return {};
+}
+
+}  // namespace
+
+void ResponsesEndpoint::list_input_items(Exchange& exchange, const std::string& id) const {
+  const std::string_view target = exchange.request().target;
+  const std::string order = query_value(target, "order");
+  const std::string after = query_value(target, "after");
+  const std::string limit_text = query_value(target, "limit");
+  int64_t limit = 20;
+  if (!limit_text.empty()) {
+    char* end = nullptr;
+    limit = std::strtoll(limit_text.c_str(), &end, 10);
+    if (*end != '\0' || limit < 1 || limit > 100)
+      return send_error(exchange, invalid_request("'limit' must be an integer from 1 to 100", "limit"));
+  }
+  if (!order.empty() && order != "asc" && order != "desc")
+    return send_error(exchange, invalid_request("'order' must be asc or desc", "order"));
+  const auto stored = context_.store.get(id);
+  if (!stored) {
+    return send_error(exchange,
+                      ApiError(404, "invalid_request_error", fmt::format("no response with id '{}' is stored", id),
+                               "response_id", "response_not_found"));
+  }
+  std::vector<const json*> items;
+  for (const json& item : stored->input_items) items.push_back(&item);
+  if (order != "asc") std::reverse(items.begin(), items.end());  // the API's default: newest first
+  size_t begin = 0;
+  if (!after.empty()) {
+    while (begin < items.size() && (*items[begin])["id"] != after) ++begin;
+    if (begin == items.size())
+      return send_error(exchange, invalid_request(fmt::format("'after': no input item '{}'", after), "after"));
+    ++begin;
+  }
+  const size_t end = std::min(items.size(), begin + static_cast<size_t>(limit));
+  json data = json::array();
+  for (size_t i = begin; i < end; ++i) data.push_back(*items[i]);
+  json page = {{"object", "list"},
+               {"data", data},
+               {"first_id", data.empty() ? json(nullptr) : data.front()["id"]},
+               {"last_id", data.empty() ? json(nullptr) : data.back()["id"]},
+               {"has_more", end < items.size()}};
+  exchange.respond(200, "application/json", dump_json(page));
 }
 
 void ResponsesEndpoint::start(const std::shared_ptr<Exchange>& exchange) {
@@ -388,7 +458,21 @@ bool ResponsesEndpoint::finish(ResponseGeneration& generation, Exchange& exchang
     StoredResponse stored;
     stored.response = generation.builder->response();
     stored.conversation = std::move(generation.history);
-    for (const json& item : generation.request.input_items) stored.conversation.push_back(item);
+    // Input items keep the ids the client gave them; the others get one, as the API numbers them.
+    const std::string stem = generation.identity.id.substr(generation.identity.id.find('_') + 1);
+    for (size_t i = 0; i < generation.request.input_items.size(); ++i) {
+      json item = generation.request.input_items[i];
+      if (!item.contains("id")) {
+        const std::string type = item["type"];
+        const char* prefix = type == "message"         ? "msg"
+                             : type == "reasoning"     ? "rs"
+                             : type == "function_call" ? "fc"
+                                                       : "fco";
+        item["id"] = fmt::format("{}_{}in{:04x}", prefix, stem, i);
+      }
+      stored.input_items.push_back(std::move(item));
+      stored.conversation.push_back(generation.request.input_items[i]);
+    }
     for (const json& item : generation.builder->output()) stored.conversation.push_back(item);
     context_.store.put(std::move(stored));
   }

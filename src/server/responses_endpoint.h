@@ -1,10 +1,11 @@
-// POST /v1/responses, GET /v1/responses/{id}, DELETE /v1/responses/{id}: the Responses API on the
-// server's engine. A request is parsed (server/responses_api.h), its conversation (the stored
-// previous response's, then its own input) rendered by the chat template and tokenized on a
-// worker, submitted to the engine as one generation, and answered from the I/O thread's pump like a
-// chat completion (http_server.h "Threads"): as one response object, or as the typed SSE events of
-// server/response_events.h. The model's tool calls are parsed with the format the chat template
-// writes (text/tool_calls/); `store` keeps the finished response in the ResponseStore.
+// POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: the
+// Responses API on the server's engine. A request is parsed (server/responses_api.h), its
+// conversation (the stored previous response's, then its own input) rendered by the chat template
+// and tokenized on a worker, submitted to the engine as one generation, and answered from the I/O
+// thread's pump like a chat completion (http_server.h "Threads"): as one response object, or as the
+// typed SSE events of server/response_events.h. The model's tool calls are parsed with the format
+// the chat template writes (text/tool_calls/); `store` keeps the finished response in the
+// ResponseStore.
 #pragma once
 
 #include <atomic>
@@ -52,13 +53,16 @@ class ResponsesEndpoint {
   ResponsesEndpoint(const ResponsesEndpoint&) = delete;
   ResponsesEndpoint& operator=(const ResponsesEndpoint&) = delete;
 
-  // Whether `path` is one of this endpoint's routes (/v1/responses, /v1/responses/{id}).
+  // Whether `path` is one of this endpoint's routes (/v1/responses, /v1/responses/{id},
+  // /v1/responses/{id}/input_items).
   static bool owns(std::string_view path);
   // On the exchange's I/O thread, for a path owns() accepted (authorization already checked).
   void handle(const std::shared_ptr<Exchange>& exchange);
 
  private:
   void start(const std::shared_ptr<Exchange>& exchange);
+  // GET /v1/responses/{id}/input_items: a cursor page (after, limit, order) of the stored input items.
+  void list_input_items(Exchange& exchange, const std::string& id) const;
   std::shared_ptr<ResponseGeneration> prepare(const std::string& body) const;
   void submit(ResponseGeneration& generation) const;
   bool step(ResponseGeneration& generation, Exchange& exchange);

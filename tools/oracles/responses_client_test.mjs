@@ -212,6 +212,27 @@ test('function tool round trip: previous_response_id, then replayed with store: 
   assert.equal(streamed.output_text, continued.output_text);
 });
 
+test('input items of a stored response', async ({ client, model }) => {
+  const call = { type: 'function_call', call_id: 'call_items', name: 'get_weather', arguments: '{}' };
+  const input = [{ role: 'user', content: 'First' }, call,
+    { type: 'function_call_output', call_id: 'call_items', output: 'done', id: 'fco_given' }];
+  const response = await client.responses.create({ model, input, tools: [weatherTool], max_output_tokens: 2 });
+  const ascending = await client.responses.inputItems.list(response.id, { order: 'asc' });
+  assert.deepEqual(ascending.data.map((item) => item.type), ['message', 'function_call', 'function_call_output']);
+  assert.equal(ascending.data[2].id, 'fco_given');
+  assert.ok(ascending.data.every((item) => typeof item.id === 'string' && item.id.length > 3));
+  assert.equal(new Set(ascending.data.map((item) => item.id)).size, 3);
+  assert.equal(ascending.data[0].content[0].text, 'First');
+  assert.equal(ascending.has_more, false);
+  // Newest first by default; pages of one follow the cursor.
+  const descending = await client.responses.inputItems.list(response.id);
+  assert.deepEqual(descending.data.map((item) => item.id), ascending.data.map((item) => item.id).reverse());
+  const ids = [];
+  for await (const item of client.responses.inputItems.list(response.id, { order: 'asc', limit: 1 })) ids.push(item.id);
+  assert.deepEqual(ids, ascending.data.map((item) => item.id));
+  await assert.rejects(client.responses.inputItems.list('resp_000000000000000000000000'), (e) => e.status === 404);
+});
+
 test('reasoning items reach the prompt', async ({ client, model }) => {
   const base = [{ role: 'user', content: 'Why?' }];
   const answer = { type: 'message', role: 'assistant', content: [{ type: 'output_text', text: 'Because.', annotations: [] }] };
