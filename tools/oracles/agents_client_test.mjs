@@ -117,6 +117,17 @@ await check('streamed agent run gives the same output', async () => {
   assert.ok(eventTypes.has('raw:response_done'), [...eventTypes].join(', '));
 });
 
+await check('a second turn continues the first with previousResponseId', async () => {
+  const first = await runner.run(makeAgent(), 'What is the weather in Paris?');
+  const second = await runner.run(makeAgent(), 'And in Rome?', { previousResponseId: first.lastResponseId });
+  const firstStored = await storedResponse(first);
+  const secondStored = await storedResponse(second);
+  assert.equal(secondStored.previous_response_id, first.lastResponseId);
+  assert.equal(secondStored.status, 'completed');
+  // The first turn's input and output are in the second prompt.
+  assert.ok(secondStored.usage.input_tokens > firstStored.usage.input_tokens + firstStored.usage.output_tokens);
+});
+
 await check('a forced tool call is refused with the field named', async () => {
   await assert.rejects(runner.run(makeAgent({ toolChoice: 'required' }), 'Weather in Paris?'), (error) => {
     assert.match(String(error.message ?? error), /tool_choice/);
