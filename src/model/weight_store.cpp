@@ -70,7 +70,8 @@ const SafetensorsFile& WeightStore::file_of(const std::string& name) const {
 
 uint64_t WeightStore::total_bytes() const {
   uint64_t bytes = 0;
-  for (const auto& [name, file] : index_) bytes += get(name).nbytes();
+  // Through the files, not get(): sizing the checkpoint reads no tensor.
+  for (const auto& [name, file] : index_) bytes += file->view(name).nbytes();
   return bytes;
 }
 
