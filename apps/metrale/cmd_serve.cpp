@@ -18,6 +18,7 @@
 #include "commands.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/startup.h"
 #include "core/strings.h"
 #include "engine/async_engine.h"
 #include "model/config.h"
@@ -50,6 +51,9 @@ struct ServeOptions {
   double idle_timeout = 60;
   double read_timeout = 30;
   double shutdown_timeout = 30;
+  std::string log_format = "text";
+  int64_t response_store_size = 1000;
+  std::string response_store_memory = "256MiB";
 };
 
 std::string default_model_name(const std::filesystem::path& dir) {
@@ -157,6 +161,8 @@ void drain_and_stop(server::HttpServer& http, AsyncEngine& engine, const sigset_
 }
 
 int run_serve(const ServeOptions& options) {
+  set_log_format(options.log_format == "json" ? LogFormat::kJson : LogFormat::kText);
+  set_startup_reporting(true);
   // Stop signals are taken by one watcher thread (sigwait), so they must be blocked before any
   // other thread exists; every thread started later inherits the mask.
   sigset_t stop_signals;
@@ -177,12 +183,16 @@ int run_serve(const ServeOptions& options) {
   config.transport.idle_timeout = seconds_flag(options.idle_timeout);
   config.transport.read_timeout = seconds_flag(options.read_timeout);
   config.transport.max_connections = connection_cap(options.max_connections);
+  config.response_store.max_responses = static_cast<size_t>(options.response_store_size);
+  config.response_store.max_bytes = parse_byte_size(options.response_store_memory, "--response-store-memory");
 
   std::filesystem::path model_dir;
   if (options.config.empty()) model_dir = resolve_model_dir(options.engine);
   const std::filesystem::path tokenizer_dir = !options.tokenizer.empty() ? std::filesystem::path(options.tokenizer)
                                               : !model_dir.empty()       ? model_dir
                                                                          : default_model_dir();
+  report_startup("tokenizer", fmt::format("loading the tokenizer from {}", tokenizer_dir.string()),
+                 {{"path", tokenizer_dir.string()}});
   Tokenizer tokenizer = Tokenizer::from_dir(tokenizer_dir);
   if (!options.served_model_name.empty()) config.served_model_name = options.served_model_name;
   else if (!model_dir.empty()) config.served_model_name = default_model_name(model_dir);
@@ -204,10 +214,21 @@ int run_serve(const ServeOptions& options) {
                      options.shutdown_timeout);
     drain_and_stop(http, engine, stop_signals, options.shutdown_timeout);
   });
-  std::printf("metrale: serving '%s' (context %lld tokens) on http://%s:%d%s\n", config.served_model_name.c_str(),
-              static_cast<long long>(engine.plan().max_model_len), config.host.c_str(), port,
+  // The address is the contract for people and scripts: one stdout line, and with --log-format json
+  // a "ready" record too.
+  const std::string url = fmt::format("http://{}:{}", config.host, port);
+  std::printf("metrale: serving '%s' (context %lld tokens) on %s%s\n", config.served_model_name.c_str(),
+              static_cast<long long>(engine.plan().max_model_len), url.c_str(),
               http.has_chat_template() ? "" : " (no chat template: /v1/chat/completions is off)");
   std::fflush(stdout);
+  if (log_format() == LogFormat::kJson) {
+    report_startup("ready", fmt::format("serving '{}' on {}", config.served_model_name, url),
+                   {{"url", url},
+                    {"model", config.served_model_name},
+                    {"max_model_len", engine.plan().max_model_len},
+                    {"chat_template", http.has_chat_template()}});
+  }
+  set_startup_reporting(false);
   http.serve();
   served = true;
   // serve() returns after stop(); wake the watcher if it still waits (it did not call stop()).
@@ -258,6 +279,15 @@ void register_serve(CLI::App& root, Action& action) {
   command->add_option("--shutdown-timeout", options->shutdown_timeout,
                       "on SIGTERM, seconds the running requests may take to finish before they are aborted")
       ->capture_default_str()->check(CLI::Range(0.0, 86400.0));
+  command->add_option("--log-format", options->log_format,
+                      "stderr lines: text for people, json (one JSON object a line) for log collectors")
+      ->capture_default_str()->check(CLI::IsMember({"text", "json"}));
+  command->add_option("--response-store-size", options->response_store_size,
+                      "/v1/responses kept in memory for previous_response_id, least recently used out first (0: none)")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  command->add_option("--response-store-memory", options->response_store_memory,
+                      "memory the kept /v1/responses may take, all together")
+      ->capture_default_str();
   add_engine_options(*command, options->engine);
   command->callback([options, &action] { action = [options] { return run_serve(*options); }; });
 }

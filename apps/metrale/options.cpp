@@ -1,5 +1,6 @@
 #include "options.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -9,6 +10,7 @@
 #include "core/error.h"
 #include "core/strings.h"
 #include "core/log.h"
+#include "core/startup.h"
 #include "model/registry.h"
 #include "runtime/thread_pool.h"
 
@@ -226,7 +228,22 @@ std::unique_ptr<Engine> make_engine_for(std::unique_ptr<Model> model, const Engi
   check_engine_options(options, model->config());
   EngineConfig config = engine_config_from(options);
   config.scheduler.max_prefill_chunk = max_prefill_chunk;
-  return std::make_unique<Engine>(std::move(model), config);
+  report_startup("engine_start", "planning memory and building the engine");
+  const auto started = std::chrono::steady_clock::now();
+  auto engine = std::make_unique<Engine>(std::move(model), config);
+  const EnginePlan& plan = engine->plan();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  report_startup("engine_done", fmt::format("engine ready in {:.1f} s: {}", seconds, plan.describe()),
+                 {{"seconds", seconds},
+                  {"max_model_len", plan.max_model_len},
+                  {"max_num_seqs", static_cast<int64_t>(plan.max_num_seqs)},
+                  {"num_kv_blocks", static_cast<int64_t>(plan.num_kv_blocks)},
+                  {"block_size", static_cast<int64_t>(plan.block_size)},
+                  {"kv_cache_bytes", static_cast<int64_t>(plan.kv_cache_bytes)},
+                  {"num_state_slots", static_cast<int64_t>(plan.num_state_slots)},
+                  {"prefix_caching", plan.prefix_caching},
+                  {"cuda_graph_batch_sizes", static_cast<int64_t>(plan.graph_batch_sizes.size())}});
+  return engine;
 }
 
 std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk) {

@@ -6,6 +6,8 @@
 #include <mutex>
 #include <string>
 
+#include "core/json_line.h"
+
 namespace metrale {
 namespace {
 
@@ -24,17 +26,43 @@ std::atomic<LogLevel>& level_storage() {
   return level;
 }
 
+std::atomic<LogFormat>& format_storage() {
+  static std::atomic<LogFormat> format{LogFormat::kText};
+  return format;
+}
+
+std::mutex& sink_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
 }  // namespace
 
 LogLevel log_level() { return level_storage().load(std::memory_order_relaxed); }
 void set_log_level(LogLevel level) { level_storage().store(level, std::memory_order_relaxed); }
+LogFormat log_format() { return format_storage().load(std::memory_order_relaxed); }
+void set_log_format(LogFormat format) { format_storage().store(format, std::memory_order_relaxed); }
+
+void log_write_raw(std::string_view line) {
+  std::lock_guard lock(sink_mutex());
+  std::fwrite(line.data(), 1, line.size(), stderr);
+  std::fflush(stderr);
+}
 
 void log_write(LogLevel level, std::string_view message) {
-  static std::mutex mutex;
+  if (log_format() == LogFormat::kJson) {
+    JsonLine line(level);
+    line.add("msg", message);
+    log_write_raw(line.finish());
+    return;
+  }
   static constexpr const char* kNames[] = {"debug", "info", "warn", "error"};
-  std::lock_guard lock(mutex);
-  std::fprintf(stderr, "[metrale %s] %.*s\n", kNames[static_cast<int>(level)],
-               static_cast<int>(message.size()), message.data());
+  std::string line = "[metrale ";
+  line += kNames[static_cast<int>(level)];
+  line += "] ";
+  line += message;
+  line += '\n';
+  log_write_raw(line);
 }
 
 }  // namespace metrale

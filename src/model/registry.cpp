@@ -120,7 +120,13 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   Weights weights(store, device);
   METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {}", entry->model_type, dir.string(), weights.prefix(),
                    device.to_string());
+  // Counted as they are read; the count may end below the total (tensors an architecture skips).
+  auto progress = std::make_shared<StageProgress>(
+      "weights", fmt::format("loading weights of {} from {} on {}", entry->model_type, dir.string(), device.to_string()),
+      "loaded weights", "tensors", static_cast<int64_t>(store->names().size()), store->total_bytes());
+  weights.set_progress(progress);
   std::unique_ptr<Model> model = entry->build(config, weights);
+  progress->finish();
   check_unused_tensors(*entry, config, *store, options);
   return model;
 }

@@ -82,6 +82,13 @@ const SafetensorsFile& WeightStore::file_of(const std::string& name) const {
   return *it->second;
 }
 
+uint64_t WeightStore::total_bytes() const {
+  uint64_t bytes = 0;
+  // Through the files, not get(): sizing the checkpoint reads no tensor.
+  for (const auto& [name, file] : index_) bytes += file->view(name).nbytes();
+  return bytes;
+}
+
 std::vector<std::string> WeightStore::names() const {
   std::vector<std::string> result;
   result.reserve(index_.size());
@@ -113,6 +120,7 @@ Weights Weights::with_prefix(std::string prefix) const {
   if (store_) {
     Weights derived(store_, device_, std::move(prefix));
     derived.aliases_ = aliases_;
+    derived.progress_ = progress_;
     return derived;
   }
   RandomWeights random = random_;
@@ -181,6 +189,7 @@ void Weights::load_into(const std::string& key, const Tensor& destination) {
     raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
+  if (progress_) progress_->advance(1, view.nbytes());
   if (view.dtype() == destination.dtype()) {
     copy_bytes(destination.data(), device_, view.data(), Device::cpu(), view.nbytes());
     return;
@@ -212,6 +221,7 @@ Tensor Weights::get_root(const std::string& requested, const Shape& shape) {
     raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
+  if (progress_) progress_->advance(1, view.nbytes());
   if (device_.is_cpu()) {
     // Mapped tensors are used in place, unless the file leaves them misaligned for their dtype.
     if (reinterpret_cast<uintptr_t>(view.data()) % view.element_size() == 0) return view;

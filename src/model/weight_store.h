@@ -12,6 +12,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "core/startup.h"
 #include "model/safetensors.h"
 
 namespace metrale {
@@ -28,6 +29,8 @@ class WeightStore {
   std::vector<std::string> names() const;
   // Tensors no get() has read, sorted: after a model is built, the checkpoint's tensors it ignored.
   std::vector<std::string> unused_names() const;
+  // The bytes of all its tensors (what loading reads at most).
+  uint64_t total_bytes() const;
 
  private:
   std::filesystem::path dir_;
@@ -87,6 +90,9 @@ class Weights {
   // Device copies made so far (empty on the CPU, where weights stay in the mapping).
   std::vector<Buffer> take_device_buffers() { return std::move(buffers_); }
   std::shared_ptr<const WeightStore> store_ptr() const { return store_; }
+  // Counts every tensor read from the checkpoint (get, get_root, load_into) into `progress`;
+  // with_prefix() views count into it too.
+  void set_progress(std::shared_ptr<StageProgress> progress) { progress_ = std::move(progress); }
 
  private:
   Tensor synthesize(const std::string& name, const Shape& shape);
@@ -100,6 +106,7 @@ class Weights {
   // Shared by with_prefix() copies: canonical full name -> stored name.
   std::shared_ptr<std::unordered_map<std::string, std::string>> aliases_ =
       std::make_shared<std::unordered_map<std::string, std::string>>();
+  std::shared_ptr<StageProgress> progress_;  // null: not counted
 };
 
 }  // namespace metrale

@@ -15,6 +15,7 @@
 #include "core/strings.h"
 #include "server/choice_output.h"
 #include "server/health.h"
+#include "server/responses_endpoint.h"
 #include "text/chat_template.h"
 
 namespace metrale::server {
@@ -125,6 +126,7 @@ std::string_view route_of(std::string_view path) {
   for (const std::string_view route : kRoutes) {
     if (path == route) return route;
   }
+  if (ResponsesEndpoint::owns(path)) return "/v1/responses";
   return "other";
 }
 
@@ -141,6 +143,8 @@ struct HttpServer::Impl {
   std::atomic<int64_t> active{0};
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   WorkerPool workers;
+  ResponseStore response_store;
+  std::unique_ptr<ResponsesEndpoint> responses;
   HttpTransport transport;
 
   Impl(AsyncEngine& engine_ref, Tokenizer tokenizer_handle, ServerConfig server_config)
@@ -148,6 +152,7 @@ struct HttpServer::Impl {
         tokenizer(std::move(tokenizer_handle)),
         config(std::move(server_config)),
         workers(config.http_workers),
+        response_store(config.response_store),
         transport(
             config.transport, [this](const std::shared_ptr<Exchange>& exchange) { handle(exchange); },
             [this](std::string_view path, int status) { metrics.record_http(route_of(path), status); }) {
@@ -159,6 +164,11 @@ struct HttpServer::Impl {
         METRALE_LOG_WARN("the model's chat template cannot be used, /v1/chat/completions is off: {}", e.what());
       }
     }
+    responses = std::make_unique<ResponsesEndpoint>(ResponsesContext{
+        engine, tokenizer, chat_template ? &*chat_template : nullptr, template_uses_think,
+        select_tool_call_format(engine.model_config().model_type, tokenizer.chat_template()), config.served_model_name,
+        config.default_sampling, config.limits, metrics, response_store,
+        [this](std::function<void()> task) { workers.post(std::move(task)); }, active, draining});
   }
 
   // What /health answers: 503 while draining, else the engine's own health (server/health.h).
@@ -235,6 +245,8 @@ void HttpServer::Impl::handle(const std::shared_ptr<Exchange>& exchange) {
   } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
     if (request.method != "POST") return wrong_method("POST");
     start_generation(exchange, path == "/v1/chat/completions");
+  } else if (ResponsesEndpoint::owns(path)) {
+    responses->handle(exchange);
   } else {
     send_error(*exchange, ApiError(404, "not_found_error", fmt::format("{} {}: no such route", request.method, path)));
   }

@@ -1,6 +1,6 @@
 // The OpenAI-compatible HTTP server: POST /v1/completions, POST /v1/chat/completions (JSON or SSE
-// streams), GET /v1/models, GET /health, GET /metrics, on the event-driven transport of
-// server/http_transport.h.
+// streams), the Responses API (/v1/responses: server/responses_endpoint.h), GET /v1/models,
+// GET /health, GET /metrics, on the event-driven transport of server/http_transport.h.
 //
 // Threads (DESIGN.md "Threads"): the transport's I/O threads hold the connections and run every
 // response; a small pool of workers parses, validates, renders the chat template, tokenizes and
@@ -23,6 +23,7 @@
 #include "server/http_transport.h"
 #include "server/metrics.h"
 #include "server/openai_protocol.h"
+#include "server/response_store.h"
 #include "text/tokenizer.h"
 
 namespace metrale::server {
@@ -37,6 +38,7 @@ struct ServerConfig {
   TransportLimits transport;            // sizes, timeouts, the connection cap, I/O threads
   SamplingParams default_sampling;      // for fields a request does not set (the model's generation_config)
   ProtocolLimits limits;
+  ResponseStoreLimits response_store;   // /v1/responses kept for previous_response_id
 };
 
 class HttpServer {

@@ -6,11 +6,13 @@
 # - With -DMETRALE_FUZZ=ON (clang; `make fuzz`, `make fuzz-ci`) each target is also a libFuzzer
 #   executable, fuzz_<target>.
 set(METRALE_FUZZ_DIR ${PROJECT_SOURCE_DIR}/tests/fuzz)
-set(METRALE_FUZZ_TARGETS request safetensors config tokenizer chat_template reasoning sse)
+set(METRALE_FUZZ_TARGETS request responses safetensors config tokenizer chat_template reasoning sse)
 
 add_library(metrale_fuzz_support STATIC
   ${METRALE_FUZZ_DIR}/fuzz_support.cpp
   ${PROJECT_SOURCE_DIR}/src/server/openai_protocol.cpp
+  ${PROJECT_SOURCE_DIR}/src/server/responses_api.cpp
+  ${PROJECT_SOURCE_DIR}/src/server/response_events.cpp
   ${PROJECT_SOURCE_DIR}/src/model/safetensors.cpp
   ${PROJECT_SOURCE_DIR}/src/model/config.cpp)
 metrale_target_options(metrale_fuzz_support)

@@ -55,6 +55,32 @@ def request_seeds():
     write("request", "bad-utf8", b'\x00{"prompt": "\xff\xfe", "stop": "\xc3"}')
 
 
+def responses_seeds():
+    # Byte 0: bit 0 the Hermes tool-call parser, bits 1-3 the piece size; the body; NUL; generated text.
+    tools = [{"type": "function", "name": "weather", "parameters": {"type": "object",
+                                                                     "properties": {"city": {"type": "string"}}}}]
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    seeds = {
+        "tool-call": (1, {"input": "Weather?", "tools": tools}, "Sure." + call + "\n" + call),
+        "items": (6, {"input": [{"role": "user", "content": "q"},
+                                {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}]},
+                                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                {"type": "function_call_output", "call_id": "c", "output": "o"},
+                                {"type": "message", "role": "assistant",
+                                 "content": [{"type": "output_text", "text": "a", "annotations": []}]}],
+                      "instructions": "I", "previous_response_id": "resp_1", "store": False},
+                  "Let me think. The answer is 4."),
+        "formats": (3, {"input": "x", "stream": True, "max_output_tokens": 5, "temperature": 0, "top_p": 0.5,
+                        "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}},
+                        "tool_choice": {"type": "function", "name": "weather"}, "tools": tools, "stop": ["\n"]},
+                    '<tool_call>{"name": broken</tool_call> trailing'),
+        "refused": (0, {"input": "x", "tools": [{"type": "web_search"}], "background": True}, ""),
+    }
+    for name, (options, body, text) in seeds.items():
+        write("responses", name, bytes([options]) + json.dumps(body).encode() + b"\0" + text.encode())
+    write("responses", "bad-utf8", b'\x0f{"input": "\xff\xfe"}\0\xc3(\xa0\xa1 text')
+
+
 def safetensors_file(entries, data, pad=True, metadata=None):
     header = {}
     if metadata:
@@ -184,6 +210,7 @@ def sse_seeds():
 
 def main():
     request_seeds()
+    responses_seeds()
     safetensors_seeds()
     config_seeds()
     tokenizer_seeds()
