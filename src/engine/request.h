@@ -2,12 +2,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "engine/ngram_index.h"
 #include "engine/sampler.h"
+#include "engine/token_constraint.h"
 
 namespace metrale {
 
@@ -28,6 +30,9 @@ struct Request {
   bool ignore_eos = false;                // do not stop on the model's EOS ids
   std::vector<int32_t> stop_token_ids;    // extra ids that end generation (the id is kept in the output)
   bool return_prompt_logits = false;      // keep the logits of every prompt position (scoring)
+  // Constrained decoding (engine/token_constraint.h): which tokens may come next; null: any. Owned
+  // by this request alone (n > 1 gives each choice its own).
+  std::shared_ptr<TokenConstraint> constraint;
 };
 
 enum class SequenceStatus { kWaiting, kRunning, kFinished };
