@@ -8,6 +8,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include "core/error.h"
@@ -15,6 +16,7 @@
 #include "core/strings.h"
 #include "server/choice_output.h"
 #include "server/health.h"
+#include "server/structured_output.h"
 #include "text/chat_template.h"
 
 namespace metrale::server {
@@ -104,6 +106,10 @@ struct Generation {
   std::vector<std::string> echo_texts;  // per prompt, when echo
   bool reasoning = false;
   bool starts_in_reasoning = false;
+  // Chat with tools: the tools whose calls the answer is parsed for (empty: no parsing).
+  std::vector<ToolDefinition> parsed_tools;
+  // Constrained decoding: the grammar every choice follows (null: none).
+  std::shared_ptr<const grammar::CompiledGrammar> grammar;
 
   std::shared_ptr<RequestStream> stream;
   std::vector<ChoiceOutput> choices;  // [prompt * n + j]
@@ -144,6 +150,7 @@ struct HttpServer::Impl {
   std::optional<ChatTemplate> chat_template;
   bool template_uses_think = false;
   ServerMetrics metrics;
+  std::unique_ptr<StructuredOutputs> structured;
   std::atomic<bool> draining{false};
   std::atomic<int64_t> active{0};
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
@@ -166,6 +173,30 @@ struct HttpServer::Impl {
         METRALE_LOG_WARN("the model's chat template cannot be used, /v1/chat/completions is off: {}", e.what());
       }
     }
+    structured = std::make_unique<StructuredOutputs>(tokenizer, engine.model_config().vocab_size, stop_token_ids(),
+                                                     pick_tool_format());
+  }
+
+  // The model's EOS ids: a complete constrained output ends with one.
+  std::vector<int32_t> stop_token_ids() const {
+    std::vector<int32_t> ids;
+    for (const int64_t id : engine.model_config().eos_token_ids) ids.push_back(static_cast<int32_t>(id));
+    return ids;
+  }
+
+  std::optional<ToolCallFormat> pick_tool_format() const {
+    if (config.tool_call_parser == "none") return std::nullopt;
+    if (!config.tool_call_parser.empty()) {
+      auto format = tool_call_format_from_name(config.tool_call_parser);
+      if (!format) {
+        raise(ErrorCode::kInvalidArgument, "--tool-call-parser {}: unknown (known: {}, or none)", config.tool_call_parser,
+              fmt::join(tool_call_format_names(), ", "));
+      }
+      return format;
+    }
+    auto format = select_tool_call_format(engine.model_config().model_type, tokenizer.chat_template());
+    if (format) METRALE_LOG_INFO("tool calls are parsed as {}", tool_call_format_name(*format));
+    return format;
   }
 
   // What /health answers: 503 while draining, else the engine's own health (server/health.h).
@@ -297,6 +328,14 @@ std::shared_ptr<Generation> HttpServer::Impl::prepare(const std::string& body, b
     ChatRequest request = parse_chat_request(request_json, config.default_sampling, config.limits);
     generation->params = std::move(request.params);
     if (!chat_template) throw invalid_request("this model has no chat template; use /v1/completions", "messages");
+    OutputConstraintSpec spec;
+    spec.response_format = generation->params.response_format;
+    spec.tool_choice = request.tool_choice;
+    spec.tools = request.tool_definitions;
+    spec.parallel_tool_calls = request.parallel_tool_calls;
+    generation->grammar = structured->grammar_for(spec);
+    if (structured->tool_format() && request.tool_choice.mode != ToolChoiceMode::kNone)
+      generation->parsed_tools = request.tool_definitions;
     ChatTemplateInputs inputs;
     inputs.messages = std::move(request.messages);
     inputs.tools = std::move(request.tools);
@@ -319,6 +358,9 @@ std::shared_ptr<Generation> HttpServer::Impl::prepare(const std::string& body, b
   } else {
     CompletionRequest request = parse_completion_request(request_json, config.default_sampling, config.limits);
     generation->params = std::move(request.params);
+    OutputConstraintSpec spec;
+    spec.response_format = generation->params.response_format;
+    generation->grammar = structured->grammar_for(spec);
     for (const std::string& text : request.text_prompts) {
       generation->prompts.push_back(tokenizer.encode(text, /*add_special_tokens=*/true));
       if (request.echo) generation->echo_texts.push_back(text);
@@ -373,6 +415,8 @@ void HttpServer::Impl::submit(Generation& generation) {
   const GenerationParams& params = generation.params;
   std::vector<Request> requests;
   const int64_t context = engine.plan().max_model_len;
+  thread_local std::mt19937_64 id_generator{std::random_device{}()};
+  const uint64_t tool_id_seed = id_generator();
   for (size_t p = 0; p < generation.prompts.size(); ++p) {
     const auto& prompt = generation.prompts[p];
     for (int32_t j = 0; j < params.n; ++j) {
@@ -387,6 +431,13 @@ void HttpServer::Impl::submit(Generation& generation) {
       request.max_tokens = static_cast<int32_t>(std::min<int64_t>(params.max_tokens.value_or(room), room));
       request.ignore_eos = params.ignore_eos;
       request.stop_token_ids = params.stop_token_ids;
+      if (generation.grammar) {
+        GrammarConstraintOptions constraint;
+        constraint.reasoning = generation.reasoning;
+        constraint.starts_in_reasoning = generation.starts_in_reasoning;
+        constraint.max_tokens = request.max_tokens;
+        request.constraint = structured->constraint(generation.grammar, constraint);
+      }
       requests.push_back(std::move(request));
 
       ChoiceOptions options;
@@ -397,6 +448,16 @@ void HttpServer::Impl::submit(Generation& generation) {
       options.reasoning = generation.reasoning;
       options.starts_in_reasoning = generation.starts_in_reasoning;
       if (!generation.echo_texts.empty()) options.text_offset = count_code_points(generation.echo_texts[p]);
+      if (!generation.parsed_tools.empty()) {
+        options.tool_format = structured->tool_format();
+        options.tools = generation.parsed_tools;
+        options.tool_id_seed = tool_id_seed + index;
+        // DeepSeek's markers may be special tokens, which the detokenizer must then keep.
+        const ToolCallFormat format = *options.tool_format;
+        if (format == ToolCallFormat::kDeepSeekV3 || format == ToolCallFormat::kDeepSeekV31 ||
+            format == ToolCallFormat::kDeepSeekV32)
+          options.skip_special_tokens = false;
+      }
       generation.choices.emplace_back(tokenizer, std::move(options));
     }
   }
@@ -554,7 +615,8 @@ std::vector<ChoiceText> HttpServer::Impl::apply(Generation& generation, std::vec
   const auto keep = [&](ChoiceText delta, size_t index, bool was_finished) {
     const bool ended_now = !was_finished && generation.choices[index].finished();
     if (ended_now) record_choice(generation, index);
-    if (ended_now || !delta.text.empty() || !delta.reasoning.empty() || !delta.logprobs.empty())
+    if (ended_now || !delta.text.empty() || !delta.reasoning.empty() || !delta.logprobs.empty() ||
+        !delta.tool_calls.empty())
       deltas.push_back(std::move(delta));
   };
   for (StreamEvent& event : events) {
