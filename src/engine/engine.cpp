@@ -269,6 +269,9 @@ int64_t Engine::add_request(Request request) {
   if (request.max_tokens == 0 && !request.return_prompt_logits)
     raise(ErrorCode::kInvalidArgument, "max_tokens must be at least 1");
   request.sampling.validate();
+  if (request.prompt_logprobs > SamplingParams::kMaxTopLogprobs)
+    raise(ErrorCode::kInvalidArgument, "prompt_logprobs must be at most {}, got {}", SamplingParams::kMaxTopLogprobs,
+          request.prompt_logprobs);
   for (const auto& entry : request.sampling.logit_bias) {
     if (entry.first >= vocab)
       raise(ErrorCode::kInvalidArgument, "logit_bias token id {} is outside the vocabulary [0, {})", entry.first, vocab);
@@ -290,7 +293,11 @@ int64_t Engine::add_request(Request request) {
   sequence->tokens = request.prompt;
   sequence->num_prompt = prompt_len;
   sequence->seed = request.sampling.seed.value_or(seed_source_());
-  if (request.return_prompt_logits) sequence->prompt_logits.assign(static_cast<size_t>(prompt_len * vocab), 0.0f);
+  if (request.return_prompt_logits && request.prompt_logprobs >= 0) {
+    sequence->prompt_logprobs.assign(static_cast<size_t>(prompt_len), SampledToken{});
+  } else if (request.return_prompt_logits) {
+    sequence->prompt_logits.assign(static_cast<size_t>(prompt_len * vocab), 0.0f);
+  }
   sequence->request = std::move(request);
   Sequence* raw = sequence.get();
   sequences_.emplace(raw->id, std::move(sequence));
@@ -442,6 +449,7 @@ void Engine::emit(const LogitRowUse& use, std::vector<SampledToken>& emitted, st
     TokenEvent event;
     event.request_id = sequence.id;
     event.sampled = std::move(sampled);
+    if (sequence.num_output() == 0) event.prompt_logprobs = std::move(sequence.prompt_logprobs);
     sequence.tokens.push_back(event.sampled.token);
     ++stats_.generated_tokens;
     const auto reason = stop_reason(sequence, event.sampled.token);

@@ -81,6 +81,15 @@ void StepSampler::copy_prompt_logits(const LogitRowUse& use, const Tensor& logit
     const int64_t position = use.first_position + r;
     if (position >= sequence.num_prompt) break;
     const float* row = logits.data_as<const float>() + (use.first_row + r) * vocab_;
+    if (sequence.request.prompt_logprobs >= 0) {
+      // The row of position p predicts prompt token p + 1.
+      if (position + 1 < sequence.num_prompt) {
+        const int32_t next = sequence.tokens[static_cast<size_t>(position + 1)];
+        sequence.prompt_logprobs[static_cast<size_t>(position + 1)] =
+            describe_token(std::span<const float>(row, static_cast<size_t>(vocab_)), next, sequence.request.prompt_logprobs);
+      }
+      continue;
+    }
     std::copy(row, row + vocab_, sequence.prompt_logits.begin() + position * vocab_);
   }
 }

@@ -69,6 +69,23 @@ void ChoiceOutput::accumulate(const ChoiceText& delta) {
   accumulated_.finish_reason = delta.finish_reason;
 }
 
+void ChoiceOutput::on_prompt_logprobs(std::span<const int32_t> prompt, const std::vector<SampledToken>& logprobs) {
+  if (!options_.logprobs) return;
+  int64_t offset = 0;
+  for (size_t i = 0; i < prompt.size() && i < logprobs.size(); ++i) {
+    const SampledToken& described = logprobs[i];
+    LogprobEntry entry;
+    entry.chosen = render(prompt[i], described.logprob);
+    entry.has_logprob = described.token >= 0;
+    entry.text_offset = offset;
+    const auto count = std::min<size_t>(described.top_logprobs.size(), static_cast<size_t>(*options_.logprobs));
+    for (size_t k = 0; k < count; ++k)
+      entry.top.push_back(render(described.top_logprobs[k].first, described.top_logprobs[k].second));
+    offset += count_code_points(entry.chosen.token);
+    prompt_entries_.push_back(std::move(entry));
+  }
+}
+
 ChoiceText ChoiceOutput::on_token(const SampledToken& token, FinishReason finish, SteadyClock::time_point time) {
   ChoiceText delta;
   delta.index = options_.index;
@@ -80,6 +97,10 @@ ChoiceText ChoiceOutput::on_token(const SampledToken& token, FinishReason finish
   // A token that stops by EOS or a stop token id ends the output without being part of its text.
   const bool stop_token = finish == FinishReason::kStop;
   const std::string piece = stop_token ? std::string() : detokenizer_.push(token.token);
+  if (!prompt_entries_.empty()) {
+    delta.logprobs = std::move(prompt_entries_);
+    prompt_entries_.clear();
+  }
   if (options_.logprobs) {
     LogprobEntry entry;
     entry.chosen = render(token.token, token.logprob);

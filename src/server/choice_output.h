@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,9 @@ class ChoiceOutput {
   // now (possibly nothing; finish_reason set when the choice ends here). Tokens after the choice
   // has ended (e.g. by a stop string, while its abort is on its way) are ignored.
   ChoiceText on_token(const SampledToken& token, FinishReason finish, SteadyClock::time_point time);
+  // The prompt's logprobs (echo with logprobs: Request::prompt_logprobs), `prompt` its token ids:
+  // their entries lead the next delta's logprobs, with text offsets from the start of the prompt.
+  void on_prompt_logprobs(std::span<const int32_t> prompt, const std::vector<SampledToken>& logprobs);
   // The choice ends without a token: aborted by the engine, or the server gives up on it.
   ChoiceText on_end(FinishReason reason);
   // The engine failed: the choice ends with finish_reason "error".
@@ -85,6 +89,7 @@ class ChoiceOutput {
   std::optional<SteadyClock::time_point> first_token_;
   std::optional<SteadyClock::time_point> last_token_;
   ChoiceText accumulated_;
+  std::vector<LogprobEntry> prompt_entries_;  // waiting for the next delta
 };
 
 }  // namespace metrale::server

@@ -332,6 +332,13 @@ ToolChoice parse_tool_choice(const json& value, const std::vector<ToolDefinition
 
 }  // namespace
 
+std::vector<int32_t> token_ids_field(const json& body, const std::string& key) {
+  const json* value = field(body, key);
+  if (value == nullptr) throw invalid_request(fmt::format("'{}' is required", key), key);
+  if (!value->is_array()) throw wrong_type(key, "a list of token ids", *value);
+  return token_id_list(*value, key);
+}
+
 ResponseFormat parse_response_format(const json& value, const std::string& param) {
   ResponseFormat format;
   if (value.is_null()) return format;
@@ -484,6 +491,12 @@ json completion_logprobs(const ChoiceText& choice) {
   json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(), offsets = json::array();
   for (const LogprobEntry& entry : choice.logprobs) {
     tokens.push_back(entry.chosen.token);
+    offsets.push_back(entry.text_offset);
+    if (!entry.has_logprob) {
+      token_logprobs.push_back(nullptr);
+      top_logprobs.push_back(nullptr);
+      continue;
+    }
     token_logprobs.push_back(finite_logprob(entry.chosen.logprob));
     json top = json::object();
     for (const TokenAlternative& alternative : entry.top) {
@@ -491,7 +504,6 @@ json completion_logprobs(const ChoiceText& choice) {
       if (!top.contains(alternative.token)) top[alternative.token] = finite_logprob(alternative.logprob);
     }
     top_logprobs.push_back(std::move(top));
-    offsets.push_back(entry.text_offset);
   }
   return json{{"tokens", std::move(tokens)},
               {"token_logprobs", std::move(token_logprobs)},

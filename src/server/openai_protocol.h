@@ -101,7 +101,7 @@ struct CompletionRequest {
   // Exactly one of the two is non-empty; each entry is one prompt (n choices each).
   std::vector<std::string> text_prompts;
   std::vector<std::vector<int32_t>> token_prompts;
-  bool echo = false;
+  bool echo = false;  // with logprobs: the prompt's tokens get logprob entries too (legacy shape)
 };
 
 struct ChatRequest {
@@ -121,6 +121,8 @@ CompletionRequest parse_completion_request(const nlohmann::ordered_json& body, c
                                            const ProtocolLimits& limits = {});
 ChatRequest parse_chat_request(const nlohmann::ordered_json& body, const SamplingParams& defaults,
                                const ProtocolLimits& limits = {});
+// The list of token ids in body[key] (required); 400 naming `key` otherwise.
+std::vector<int32_t> token_ids_field(const nlohmann::ordered_json& body, const std::string& key);
 // Parses a body as JSON; throws ApiError 400 on malformed JSON, a number out of range (1e400), a
 // nesting deeper than limits.max_json_depth (checked before parsing) or a body that is not an object.
 nlohmann::ordered_json parse_json_body(std::string_view body, const ProtocolLimits& limits = {});
@@ -133,6 +135,7 @@ struct TokenAlternative {
 };
 struct LogprobEntry {
   TokenAlternative chosen;
+  bool has_logprob = true;  // false: the first prompt token of an echo (nothing predicts it): null
   std::vector<TokenAlternative> top;
   int64_t text_offset = 0;  // completions: code points of the choice's text before this token
 };

@@ -171,6 +171,50 @@ function openaiTests() {
     const bad = await post(server, '/v1/completions', { prompt: 'x', logit_bias: { 5: 300 } });
     assert.equal(bad.status, 400);
   });
+
+  test('echo with logprobs, /tokenize, /detokenize, GET /v1/models/{id}', async (server) => {
+    const api = openai(server);
+    const prompt = 'The quick brown fox';
+    const { json: tokenized, status } = await post(server, '/tokenize', { prompt, add_special_tokens: false,
+                                                                          return_token_strs: true });
+    assert.equal(status, 200);
+    assert.equal(tokenized.count, tokenized.tokens.length);
+    assert.equal(tokenized.token_strs.length, tokenized.tokens.length);
+    assert.ok(tokenized.max_model_len > 0);
+    const { json: detokenized } = await post(server, '/detokenize', { tokens: tokenized.tokens });
+    assert.equal(detokenized.prompt, prompt);
+    const chat = await post(server, '/tokenize', { messages: [{ role: 'user', content: 'hi' }] });
+    assert.ok(chat.json.count > 3);
+    // Legacy echo: the prompt's tokens lead the logprobs, the first with null; then the generated ones.
+    const whole = await api.completions.create({ model: 'default', prompt, max_tokens: 3, echo: true, logprobs: 2,
+                                                 temperature: 0 });
+    const { tokens, token_logprobs, top_logprobs, text_offset } = whole.choices[0].logprobs;
+    const count = tokenized.count;
+    assert.equal(tokens.length, count + 3);
+    assert.equal(token_logprobs[0], null);
+    assert.equal(top_logprobs[0], null);
+    assert.ok(token_logprobs.slice(1).every((value) => typeof value === 'number' && value <= 0));
+    assert.ok(top_logprobs.slice(1).every((top) => Object.keys(top).length >= 1));
+    assert.equal(tokens.slice(0, count).join(''), prompt);
+    assert.equal(text_offset[0], 0);
+    assert.ok(whole.choices[0].text.startsWith(prompt));
+    // A prompt token's logprob is at most the best alternative's, and the same when the prompt ends
+    // after it (the rows of a shorter prompt are the same causal positions).
+    for (let i = 1; i < count; i += 1) {
+      assert.ok(token_logprobs[i] <= Math.max(...Object.values(top_logprobs[i])) + 1e-4, `prompt token ${i}`);
+    }
+    const shorter = await api.completions.create({ model: 'default', prompt: tokenized.tokens.slice(0, 3), max_tokens: 1,
+                                                   echo: true, logprobs: 2, temperature: 0 });
+    const short = shorter.choices[0].logprobs.token_logprobs;
+    for (let i = 1; i < 3; i += 1) assert.ok(Math.abs(short[i] - token_logprobs[i]) < 1e-3, `${short[i]} vs ${token_logprobs[i]}`);
+    // The generated tokens are those of the same request without echo.
+    const plain = await api.completions.create({ model: 'default', prompt, max_tokens: 3, logprobs: 2, temperature: 0 });
+    assert.deepEqual(tokens.slice(count), plain.choices[0].logprobs.tokens);
+    const model = await api.models.retrieve('default');
+    assert.equal(model.id, 'default');
+    assert.equal(model.object, 'model');
+    await assert.rejects(api.models.retrieve('other'), (error) => error.status === 404);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
