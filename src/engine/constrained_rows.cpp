@@ -1,6 +1,7 @@
 #include "engine/constrained_rows.h"
 
 #include <algorithm>
+#include <bit>
 #include <limits>
 #include <utility>
 
@@ -19,12 +20,23 @@ bool apply_token_bitmask(std::span<float> logits, std::span<const uint32_t> bitm
   }
   if (!any) return false;
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  // A constrained row is mostly masked words (all 32 tokens out), which become plain fills.
   for (size_t word = 0; word * 32 < vocab; ++word) {
     const uint32_t bits = bitmask[word];
     if (bits == ~0u) continue;
-    const size_t end = std::min(vocab, word * 32 + 32);
-    for (size_t t = word * 32; t < end; ++t) {
-      if (((bits >> (t & 31)) & 1u) == 0) logits[t] = kMasked;
+    const size_t begin = word * 32;
+    const size_t end = std::min(vocab, begin + 32);
+    if (bits == 0u) {
+      std::fill(logits.begin() + static_cast<std::ptrdiff_t>(begin), logits.begin() + static_cast<std::ptrdiff_t>(end),
+                kMasked);
+      continue;
+    }
+    // Branch-free select on the bit patterns, so that the loop vectorises.
+    constexpr uint32_t kMaskedBits = std::bit_cast<uint32_t>(kMasked);
+    for (size_t t = begin; t < end; ++t) {
+      const uint32_t keep = 0u - ((bits >> (t - begin)) & 1u);
+      const uint32_t value = std::bit_cast<uint32_t>(logits[t]);
+      logits[t] = std::bit_cast<float>((value & keep) | (kMaskedBits & ~keep));
     }
   }
   return true;
