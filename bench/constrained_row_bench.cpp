@@ -59,8 +59,12 @@ const Setup* setup() {
     s->tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_dir(dir));
     s->info = metrale::grammar::TokenizerInfo::from_tokenizer(*s->tokenizer, kLogits);
     auto vocabulary = std::make_shared<ConstraintVocabulary>();
+    vocabulary->first_byte.assign(static_cast<size_t>(s->tokenizer->vocab_size()), ConstraintVocabulary::kNoFirstByte);
     for (int32_t id = 0; id < s->tokenizer->vocab_size(); ++id) {
-      if (!s->tokenizer->is_special(id) && s->tokenizer->token_bytes(id).size() == 1) vocabulary->byte_tokens.push_back(id);
+      const std::string_view bytes = s->tokenizer->token_bytes(id);
+      if (s->tokenizer->is_special(id) || bytes.empty()) continue;
+      vocabulary->first_byte[static_cast<size_t>(id)] = static_cast<uint8_t>(bytes[0]);
+      if (bytes.size() == 1) vocabulary->byte_tokens.push_back(id);
     }
     vocabulary->stop_token_ids = {151645};
     s->vocabulary = vocabulary;

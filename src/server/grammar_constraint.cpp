@@ -1,6 +1,8 @@
 #include "server/grammar_constraint.h"
 
 #include <algorithm>
+#include <array>
+#include <bit>
 
 namespace metrale::server {
 namespace {
@@ -13,6 +15,8 @@ void set_bit(std::span<uint32_t> bitmask, int32_t token) {
 // Tokens left before the closing phase must begin: a margin over the fewest bytes, since a token
 // taken freely may lengthen the way to the end (an optional member opened) by more than it uses.
 constexpr int64_t kClosingMargin = 8;
+// Tokens left, over the fewest bytes, below which the output may no longer grow.
+constexpr int64_t kTightMargin = 64;
 
 }  // namespace
 
@@ -33,11 +37,54 @@ GrammarConstraint::GrammarConstraint(std::shared_ptr<const grammar::CompiledGram
   }
 }
 
+int64_t GrammarConstraint::tokens_left() const {
+  return options_.max_tokens - static_cast<int64_t>(history_.size());
+}
+
 bool GrammarConstraint::closing() const {
   if (options_.max_tokens <= 0) return false;
-  const int64_t left = options_.max_tokens - static_cast<int64_t>(history_.size());
   const int64_t needed = matcher_.min_remaining_bytes() + 1 + (phase_ == Phase::kReasoning ? 1 : 0);
-  return left <= needed + kClosingMargin;
+  return tokens_left() <= needed + kClosingMargin;
+}
+
+bool GrammarConstraint::tight() const {
+  if (options_.max_tokens <= 0) return false;
+  return tokens_left() <= matcher_.min_remaining_bytes() + 1 + kTightMargin;
+}
+
+void GrammarConstraint::restrict_to_fitting(std::span<uint32_t> bitmask) {
+  if (matcher_.can_terminate()) {
+    // Complete: end now rather than open something new (another call, an optional member).
+    std::fill(bitmask.begin(), bitmask.end(), 0u);
+    for (const int32_t stop : vocabulary_->stop_token_ids) set_bit(bitmask, stop);
+    return;
+  }
+  // The first bytes after which the fewest bytes still fit the tokens left (this token included).
+  const int64_t room = tokens_left() - 2 - kClosingMargin;
+  std::array<bool, 257> fits{};
+  fits[ConstraintVocabulary::kNoFirstByte] = true;
+  bool any = false;
+  for (const int32_t token : vocabulary_->byte_tokens) {
+    if (!matcher_.accept_token(token)) continue;
+    const int32_t after = matcher_.min_remaining_bytes();
+    matcher_.rollback(1);
+    const uint16_t byte = vocabulary_->first_byte[static_cast<size_t>(token)];
+    if (after <= room) {
+      fits[byte] = true;
+      any = true;
+    }
+  }
+  if (!any) return;  // the closing phase takes over at the next step
+  const auto& first = vocabulary_->first_byte;
+  for (size_t word = 0; word < bitmask.size(); ++word) {
+    uint32_t bits = bitmask[word];
+    while (bits != 0) {
+      const int bit = std::countr_zero(bits);
+      bits &= bits - 1;
+      const size_t token = word * 32 + static_cast<size_t>(bit);
+      if (token < first.size() && !fits[first[token]]) bitmask[word] &= ~(1u << bit);
+    }
+  }
 }
 
 void GrammarConstraint::fill_closing_mask(std::span<uint32_t> bitmask) {
@@ -78,6 +125,9 @@ bool GrammarConstraint::fill_next_mask(std::span<uint32_t> bitmask) {
     case Phase::kStart:
       if (closing()) {
         fill_closing_mask(bitmask);
+      } else if (tight()) {
+        matcher_.fill_next_token_bitmask(bitmask);
+        restrict_to_fitting(bitmask);
       } else {
         matcher_.fill_next_token_bitmask(bitmask);
         set_bit(bitmask, *vocabulary_->think_open);
@@ -88,6 +138,7 @@ bool GrammarConstraint::fill_next_mask(std::span<uint32_t> bitmask) {
         fill_closing_mask(bitmask);
       } else {
         matcher_.fill_next_token_bitmask(bitmask);
+        if (tight()) restrict_to_fitting(bitmask);
       }
       return true;
   }

@@ -6,10 +6,12 @@
 //   `<think>` token is allowed beside the grammar's first tokens). Inside the block every token but
 //   the stop tokens is allowed (the answer must still come) until the `</think>` token; then the
 //   grammar starts.
-// - Budget: the choice has `max_tokens` tokens. Once the tokens left barely cover the fewest bytes
-//   that complete the grammar (GrammarMatcher::min_remaining_bytes), only tokens that bring the end
-//   closer are allowed (single bytes and the grammar's special tokens, each tried on the matcher),
-//   and a think block still open is closed, so the output is complete whatever the model prefers.
+// - Budget: the choice has `max_tokens` tokens. When the tokens left come near the fewest bytes that
+//   complete the grammar (GrammarMatcher::min_remaining_bytes), the output stops growing: a complete
+//   output may only end, and a token may only begin with a byte after which the rest still fits.
+//   Once they barely cover it, only tokens that bring the end closer are allowed (single bytes and
+//   the grammar's special tokens, each tried on the matcher), and a think block still open is
+//   closed, so the output is complete whatever the model prefers.
 // - Rollback undoes tokens in either phase (speculative drafts).
 #pragma once
 
@@ -31,6 +33,9 @@ struct ConstraintVocabulary {
   std::optional<int32_t> think_open;   // the `<think>` token, when it is one token
   std::optional<int32_t> think_close;  // the `</think>` token, when it is one token
   std::vector<int32_t> byte_tokens;    // ids of the tokens that are exactly one byte
+  // [vocab]: each token's first byte; kNoFirstByte for tokens without bytes and special tokens.
+  std::vector<uint16_t> first_byte;
+  static constexpr uint16_t kNoFirstByte = 256;
   std::vector<int32_t> stop_token_ids; // end the output once the grammar is complete
 };
 
@@ -55,7 +60,10 @@ class GrammarConstraint : public TokenConstraint {
     Phase before;
     bool matcher;  // the token went to the matcher
   };
+  int64_t tokens_left() const;
   bool closing() const;  // the budget forces the end
+  bool tight() const;    // the budget stops the output from growing
+  void restrict_to_fitting(std::span<uint32_t> bitmask);
   void fill_closing_mask(std::span<uint32_t> bitmask);
 
   grammar::GrammarMatcher matcher_;

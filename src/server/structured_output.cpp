@@ -43,10 +43,14 @@ const std::shared_ptr<const ConstraintVocabulary>& StructuredOutputs::vocabulary
     vocabulary->think_open = single_token("<think>");
     vocabulary->think_close = single_token("</think>");
     const int64_t known = std::min<int64_t>(tokenizer_.vocab_size(), vocab_size_);
+    vocabulary->first_byte.assign(static_cast<size_t>(known), ConstraintVocabulary::kNoFirstByte);
     for (int64_t id = 0; id < known; ++id) {
       const auto token = static_cast<int32_t>(id);
-      if (!tokenizer_.is_special(token) && tokenizer_.token_bytes(token).size() == 1)
-        vocabulary->byte_tokens.push_back(token);
+      if (tokenizer_.is_special(token)) continue;
+      const std::string_view bytes = tokenizer_.token_bytes(token);
+      if (bytes.empty()) continue;
+      vocabulary->first_byte[static_cast<size_t>(id)] = static_cast<uint8_t>(bytes[0]);
+      if (bytes.size() == 1) vocabulary->byte_tokens.push_back(token);
     }
     vocabulary->stop_token_ids = stop_token_ids_;
     if (vocabulary->stop_token_ids.empty()) {

@@ -49,7 +49,10 @@ class GrammarConstraintTest : public ::testing::Test {
     shared->think_open = vocab_.think_open;
     shared->think_close = vocab_.think_close;
     for (int32_t id = 0; id < static_cast<int32_t>(vocab_.tokens.size()); ++id) {
-      if (vocab_.tokens[static_cast<size_t>(id)].size() == 1) shared->byte_tokens.push_back(id);
+      const std::string& bytes = vocab_.tokens[static_cast<size_t>(id)];
+      const bool special = id == vocab_.end;
+      shared->first_byte.push_back(special ? ConstraintVocabulary::kNoFirstByte : static_cast<uint8_t>(bytes[0]));
+      if (bytes.size() == 1) shared->byte_tokens.push_back(id);
     }
     shared->stop_token_ids = {vocab_.end};
     shared_ = shared;

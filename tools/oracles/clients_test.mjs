@@ -172,6 +172,37 @@ function openaiTests() {
     assert.equal(bad.status, 400);
   });
 
+  test('structured output and forced calls with n-gram speculative decoding', async () => {
+    // A server that drafts from the prompt: the JSON in the prompt gives the drafter something to
+    // propose, and the grammar must check (and roll back) what it proposes.
+    const speculative = await startServer(metrale, ['--threads', '2', '--kv-cache-memory', '256MiB', '--model', modelDir,
+                                                    '--served-model-name', 'default', '--speculative-method', 'ngram',
+                                                    '--no-adaptive-speculation']);
+    try {
+      const api = openai(speculative);
+      const example = '{"name": "Ada", "age": 36, "tags": ["a", "b"]}';
+      const content = `Repeat: ${example} ${example} ${example}`;
+      for (const temperature of [0, 1]) {
+        const whole = await api.chat.completions.create({
+          model: 'default', max_tokens: 80, temperature, seed: 4, n: 2, messages: [{ role: 'user', content }],
+          response_format: { type: 'json_schema', json_schema: { name: 'person', schema: personSchema } } });
+        for (const choice of whole.choices) Person.parse(JSON.parse(choice.message.content));
+        const call = await api.chat.completions.create({ model: 'default', max_tokens: 120, temperature, n: 2,
+                                                         messages: [{ role: 'user', content }], tools: [weatherTool],
+                                                         tool_choice: 'required' });
+        for (const choice of call.choices) {
+          assert.equal(choice.finish_reason, 'tool_calls');
+          WeatherArgs.parse(JSON.parse(choice.message.tool_calls[0].function.arguments));
+        }
+      }
+      const metrics = await (await fetch(`${speculative.url}/metrics`)).text();
+      const drafted = metrics.match(/^metrale_spec_decode_num_draft_tokens_total (\d+)/m);
+      assert.ok(drafted && Number(drafted[1]) > 0, 'the drafter proposed nothing: the test checked no draft');
+    } finally {
+      await speculative.stop();
+    }
+  });
+
   test('echo with logprobs, /tokenize, /detokenize, GET /v1/models/{id}', async (server) => {
     const api = openai(server);
     const prompt = 'The quick brown fox';
