@@ -27,6 +27,7 @@
 #include "runtime/thread_pool.h"
 #include "server/http_server.h"
 #include "text/tokenizer.h"
+#include "text/tool_calls/tool_call_parser.h"
 
 namespace metrale::cli {
 namespace {
@@ -190,6 +191,11 @@ int run_serve(const ServeOptions& options) {
   else config.served_model_name = std::filesystem::path(options.config).stem().string();
   config.default_sampling = load_generation_defaults(model_dir.empty() ? tokenizer_dir : model_dir);
   config.tool_call_parser = options.tool_call_parser;
+  if (!config.tool_call_parser.empty() && config.tool_call_parser != "none" &&
+      !tool_call_format_from_name(config.tool_call_parser)) {
+    raise(ErrorCode::kInvalidArgument, "--tool-call-parser {}: unknown (known: {}, or none)", config.tool_call_parser,
+          fmt::join(tool_call_format_names(), ", "));
+  }
 
   AsyncEngineConfig async_config;
   async_config.max_queued_requests = options.max_queued_requests;

@@ -107,6 +107,7 @@ SpeculativeConfig ngram(int32_t drafts) {
   config.num_drafts = drafts;
   config.ngram_min = 1;
   config.ngram_max = 3;
+  config.adaptive = false;  // the controller's choices depend on step timings: keep the drafts fixed
   return config;
 }
 
