@@ -145,6 +145,11 @@ function openaiTests() {
     const value = JSON.parse(object.choices[0].message.content);
     assert.equal(typeof value, 'object');
     assert.ok(value !== null && !Array.isArray(value));
+    // /v1/completions takes response_format too.
+    const completion = await api.completions.create({ model: 'default', prompt: 'A person:', max_tokens: 150,
+                                                      response_format: { type: 'json_schema',
+                                                                         json_schema: { name: 'person', schema: personSchema } } });
+    Person.parse(JSON.parse(completion.choices[0].text));
   });
 
   test('an unsupported schema keyword is a 400 naming it', async (server) => {
