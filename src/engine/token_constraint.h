@@ -13,7 +13,8 @@
 // A mask-free row (fill_next_mask returned false: e.g. inside a reasoning block) samples unmasked.
 //
 // One object is used by one thread at a time (the engine hands it between its thread and the mask
-// worker with a happens-before edge); it must not throw (a failure should leave the row free).
+// worker with a happens-before edge). An exception from it fails the step (and so its requests),
+// as any other failure inside a step does.
 #pragma once
 
 #include <cstdint>
