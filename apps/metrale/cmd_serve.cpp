@@ -28,6 +28,7 @@
 #include "runtime/thread_pool.h"
 #include "server/http_server.h"
 #include "text/tokenizer.h"
+#include "text/tool_calls/tool_call_parser.h"
 
 namespace metrale::cli {
 namespace {
@@ -42,6 +43,7 @@ struct ServeOptions {
   std::optional<std::string> api_key;
   std::string api_key_file;
   std::string served_model_name;
+  std::string tool_call_parser;
   int64_t max_queued_requests = 1024;
   int http_threads = 2;
   int http_workers = 4;
@@ -198,6 +200,12 @@ int run_serve(const ServeOptions& options) {
   else if (!model_dir.empty()) config.served_model_name = default_model_name(model_dir);
   else config.served_model_name = std::filesystem::path(options.config).stem().string();
   config.default_sampling = load_generation_defaults(model_dir.empty() ? tokenizer_dir : model_dir);
+  config.tool_call_parser = options.tool_call_parser;
+  if (!config.tool_call_parser.empty() && config.tool_call_parser != "none" &&
+      !tool_call_format_from_name(config.tool_call_parser)) {
+    raise(ErrorCode::kInvalidArgument, "--tool-call-parser {}: unknown (known: {}, or none)", config.tool_call_parser,
+          fmt::join(tool_call_format_names(), ", "));
+  }
 
   AsyncEngineConfig async_config;
   async_config.max_queued_requests = options.max_queued_requests;
@@ -256,6 +264,9 @@ void register_serve(CLI::App& root, Action& action) {
   command->add_option("--api-key-file", options->api_key_file, "read the API key from the first line of this file");
   command->add_option("--served-model-name", options->served_model_name,
                       "the model name clients use (default: the model directory's name)");
+  command->add_option("--tool-call-parser", options->tool_call_parser,
+                      "how tool calls are read from chat outputs: hermes, qwen3_coder, glm45, deepseek_v3, deepseek_v31, "
+                      "deepseek_v32 (aliases too), or none (default: from the chat template, else the model type)");
   command->add_option("--max-queued-requests", options->max_queued_requests,
                       "requests that may wait for a running slot before new ones get 429")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 30));

@@ -255,6 +255,7 @@ void AsyncEngine::route(const std::vector<TokenEvent>& events) {
     StreamEvent event =
         make_event(has_token ? StreamEvent::Kind::kToken : StreamEvent::Kind::kFinished, owner->second.index);
     event.sampled = token_event.sampled;
+    event.prompt_logprobs = token_event.prompt_logprobs;
     event.finish_reason = token_event.finish_reason;
     group.stream->push(std::move(event));
     if (!token_event.finished()) continue;

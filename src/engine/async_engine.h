@@ -52,6 +52,7 @@ struct StreamEvent {
   Kind kind = Kind::kToken;
   int32_t index = 0;
   SampledToken sampled;                              // kToken
+  std::vector<SampledToken> prompt_logprobs;         // kToken, the first one (Request::prompt_logprobs)
   FinishReason finish_reason = FinishReason::kNone;  // kToken (when it ends the request), kFinished
   StreamErrorKind error_kind = StreamErrorKind::kInternal;  // kError
   std::string error_message;                                // kError

@@ -279,6 +279,13 @@ int64_t Engine::add_request(Request request) {
   if (request.max_tokens == 0 && !request.return_prompt_logits)
     raise(ErrorCode::kInvalidArgument, "max_tokens must be at least 1");
   request.sampling.validate();
+  if (request.prompt_logprobs > SamplingParams::kMaxTopLogprobs)
+    raise(ErrorCode::kInvalidArgument, "prompt_logprobs must be at most {}, got {}", SamplingParams::kMaxTopLogprobs,
+          request.prompt_logprobs);
+  for (const auto& entry : request.sampling.logit_bias) {
+    if (entry.first >= vocab)
+      raise(ErrorCode::kInvalidArgument, "logit_bias token id {} is outside the vocabulary [0, {})", entry.first, vocab);
+  }
   const int64_t prompt_len = static_cast<int64_t>(request.prompt.size());
   if (prompt_len > plan_.max_model_len) {
     raise(ErrorCode::kInvalidArgument, "the prompt has {} tokens but the model's context is {}", prompt_len,
@@ -296,7 +303,11 @@ int64_t Engine::add_request(Request request) {
   sequence->tokens = request.prompt;
   sequence->num_prompt = prompt_len;
   sequence->seed = request.sampling.seed.value_or(seed_source_());
-  if (request.return_prompt_logits) sequence->prompt_logits.assign(static_cast<size_t>(prompt_len * vocab), 0.0f);
+  if (request.return_prompt_logits && request.prompt_logprobs >= 0) {
+    sequence->prompt_logprobs.assign(static_cast<size_t>(prompt_len), SampledToken{});
+  } else if (request.return_prompt_logits) {
+    sequence->prompt_logits.assign(static_cast<size_t>(prompt_len * vocab), 0.0f);
+  }
   sequence->request = std::move(request);
   Sequence* raw = sequence.get();
   sequences_.emplace(raw->id, std::move(sequence));
@@ -369,6 +380,7 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
   const SchedulePlan plan = schedule_step();
   if (plan.empty()) return;
   const auto schedule_end = std::chrono::steady_clock::now();
+  sampler_->begin_step(plan);  // constrained rows' masks, overlapping the forward
   StepResult result = forward(plan);
   faults_.hit(FaultSite::kSample);
   StepTokens tokens = sampler_->sample(plan, result, *runner_);
@@ -465,6 +477,7 @@ void Engine::emit(const LogitRowUse& use, std::vector<SampledToken>& emitted, st
     TokenEvent event;
     event.request_id = sequence.id;
     event.sampled = std::move(sampled);
+    if (sequence.num_output() == 0) event.prompt_logprobs = std::move(sequence.prompt_logprobs);
     sequence.tokens.push_back(event.sampled.token);
     ++stats_.generated_tokens;
     const auto reason = stop_reason(sequence, event.sampled.token);
@@ -479,6 +492,7 @@ void Engine::emit(const LogitRowUse& use, std::vector<SampledToken>& emitted, st
 
 void Engine::abandon_step(const std::string& what, size_t first_step_event, std::vector<TokenEvent>& events) {
   ++stats_.failed_steps;
+  sampler_->abandon();  // the mask worker may still hold the step's sequences
   // The requests of the step: those it scheduled, or every running one when it failed before its
   // schedule was made. Those that finished in it before the failure keep their events.
   std::vector<Sequence*> failing = step_scheduled_ ? step_sequences_ : running_;

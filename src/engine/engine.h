@@ -55,6 +55,7 @@ struct EngineConfig {
 struct TokenEvent {
   int64_t request_id = 0;
   SampledToken sampled;              // token, logprob, top logprobs (token -1: an event without one)
+  std::vector<SampledToken> prompt_logprobs;  // the first token's event: Sequence::prompt_logprobs
   FinishReason finish_reason = FinishReason::kNone;  // set on the event that finishes the request
   std::string error;                 // kError: why the request failed
   bool finished() const { return finish_reason != FinishReason::kNone; }

@@ -2,12 +2,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "engine/ngram_index.h"
 #include "engine/sampler.h"
+#include "engine/token_constraint.h"
 
 namespace metrale {
 
@@ -28,6 +30,13 @@ struct Request {
   bool ignore_eos = false;                // do not stop on the model's EOS ids
   std::vector<int32_t> stop_token_ids;    // extra ids that end generation (the id is kept in the output)
   bool return_prompt_logits = false;      // keep the logits of every prompt position (scoring)
+  // With return_prompt_logits: >= 0 keeps, instead of the logits, each prompt token's logprob given
+  // the tokens before it and this many top alternatives (Sequence::prompt_logprobs; the legacy API's
+  // echo with logprobs).
+  int32_t prompt_logprobs = -1;
+  // Constrained decoding (engine/token_constraint.h): which tokens may come next; null: any. Owned
+  // by this request alone (n > 1 gives each choice its own).
+  std::shared_ptr<TokenConstraint> constraint;
 };
 
 enum class SequenceStatus { kWaiting, kRunning, kFinished };
@@ -44,6 +53,9 @@ struct Sequence {
   int64_t arrival = 0;          // admission order, for FCFS and preemption
   int32_t num_preemptions = 0;
   std::vector<float> prompt_logits;  // [num_prompt, vocab] when requested
+  // [num_prompt] with Request::prompt_logprobs: entry i describes prompt token i (entry 0, which
+  // nothing predicts, has token -1). Handed to the first token's event.
+  std::vector<SampledToken> prompt_logprobs;
   std::string error;                 // FinishReason::kError: why the request failed
 
   // Speculative decoding (engine/speculator.h). Drafts proposed to follow tokens.back(): verified by

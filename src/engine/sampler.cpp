@@ -464,6 +464,10 @@ Sampler& Sampler::operator=(Sampler&&) noexcept = default;
 
 void SamplingParams::validate() const {
   // Every float test is written so that NaN fails it.
+  for (const auto& [id, bias] : logit_bias) {
+    if (id < 0) raise(ErrorCode::kInvalidArgument, "logit_bias names the token id {}, which is negative", id);
+    if (!(bias >= -kMaxLogitBias && bias <= kMaxLogitBias)) raise_out_of_range("logit_bias", bias, "in [-100, 100]");
+  }
   if (!(std::isfinite(temperature) && temperature >= 0.0f)) {
     raise_out_of_range("temperature", temperature, "finite and >= 0 (0 means greedy)");
   }

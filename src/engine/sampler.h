@@ -31,9 +31,14 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;   // [-2, 2]; applied to ids in output
   std::optional<uint64_t> seed;     // same seed -> same tokens, independent of batching
   int32_t top_logprobs = 0;         // how many alternatives to report (0..kMaxTopLogprobs)
+  // Added to the raw logits before everything else (OpenAI's logit_bias): (token id, bias in
+  // [-100, 100]), ids distinct. Reported logprobs are those of the biased row. StepSampler applies it
+  // (the Sampler itself does not read it).
+  std::vector<std::pair<int32_t, float>> logit_bias;
 
   static constexpr float kGreedyTemperature = 1e-5f;
   static constexpr int32_t kMaxTopLogprobs = 20;
+  static constexpr float kMaxLogitBias = 100.0f;
 
   // Throws Error(kInvalidArgument) naming the first field out of range and its allowed range.
   // NaN is out of range for every float field.

@@ -16,7 +16,14 @@ struct StepSampler::DeviceSampling {
 };
 
 StepSampler::StepSampler(const SpeculativeConfig& speculative, int64_t vocab_size, int64_t max_num_seqs)
-    : speculative_(speculative), vocab_(vocab_size), max_num_seqs_(max_num_seqs) {}
+    : speculative_(speculative),
+      vocab_(vocab_size),
+      max_num_seqs_(max_num_seqs),
+      constrained_(std::make_unique<ConstrainedRows>(vocab_size)) {}
+
+void StepSampler::begin_step(const SchedulePlan& plan) { constrained_->begin(plan); }
+
+void StepSampler::abandon() noexcept { constrained_->abandon(); }
 
 StepSampler::~StepSampler() = default;
 StepSampler::StepSampler(StepSampler&&) noexcept = default;
@@ -24,6 +31,7 @@ StepSampler& StepSampler::operator=(StepSampler&&) noexcept = default;
 
 StepTokens StepSampler::sample(const SchedulePlan& plan, StepResult& result, Runner& runner) {
   const size_t num_uses = result.uses.size();
+  constrained_->wait();
   StepTokens tokens;
   tokens.emitted.resize(num_uses);
   tokens.accepted.assign(num_uses, 0);
@@ -58,6 +66,7 @@ StepTokens StepSampler::sample(const SchedulePlan& plan, StepResult& result, Run
     } else {
       tokens.emitted[u] = accept_chunk(use, result.logits, tokens.accepted[u]);
     }
+    ConstrainedRows::accept(*use.chunk.sequence, tokens.emitted[u]);
   }
   // Every sequence keeps its known rows and its accepted drafts; the recurrent layers' slots
   // advance over exactly those rows.
@@ -72,6 +81,15 @@ void StepSampler::copy_prompt_logits(const LogitRowUse& use, const Tensor& logit
     const int64_t position = use.first_position + r;
     if (position >= sequence.num_prompt) break;
     const float* row = logits.data_as<const float>() + (use.first_row + r) * vocab_;
+    if (sequence.request.prompt_logprobs >= 0) {
+      // The row of position p predicts prompt token p + 1.
+      if (position + 1 < sequence.num_prompt) {
+        const int32_t next = sequence.tokens[static_cast<size_t>(position + 1)];
+        sequence.prompt_logprobs[static_cast<size_t>(position + 1)] =
+            describe_token(std::span<const float>(row, static_cast<size_t>(vocab_)), next, sequence.request.prompt_logprobs);
+      }
+      continue;
+    }
     std::copy(row, row + vocab_, sequence.prompt_logits.begin() + position * vocab_);
   }
 }
@@ -84,7 +102,8 @@ bool StepSampler::all_greedy(const StepResult& result) const {
     const bool replay = speculative_.replay_accept_rate >= 0.0;
     if (!replay && !params.is_greedy()) return false;
     if (params.top_logprobs > 0 || params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f ||
-        params.frequency_penalty != 0.0f || use.chunk.sequence->request.return_prompt_logits)
+        params.frequency_penalty != 0.0f || use.chunk.sequence->request.return_prompt_logits ||
+        ConstrainedRows::needs_processing(*use.chunk.sequence))
       return false;
   }
   return true;
@@ -150,6 +169,8 @@ std::vector<SampledToken> StepSampler::accept_chunk(const LogitRowUse& use, cons
   for (int64_t i = 0; i <= num_drafts; ++i) {
     float* row = logits.data_as<float>() + (first + i) * vocab_;
     const std::span<float> raw(row, static_cast<size_t>(vocab_));
+    // Bias and mask first: every choice below (and every reported logprob) sees the processed row.
+    if (ConstrainedRows::needs_processing(sequence)) constrained_->process_row(sequence, i, raw);
     const auto step = static_cast<uint64_t>(sequence.num_output() + i);
     const bool last = i == num_drafts;
     const int32_t draft = last ? -1 : sequence.draft_tokens[static_cast<size_t>(i)];
@@ -202,7 +223,8 @@ bool StepSampler::sample_on_device(const StepResult& result, std::vector<Sampled
     const SamplingParams& params = sequence.request.sampling;
     if (!use.chunk.samples || use.num_rows != 1 || use.first_row != i || sequence.request.max_tokens == 0 ||
         sequence.request.return_prompt_logits || params.top_logprobs > 0 || params.repetition_penalty != 1.0f ||
-        params.presence_penalty != 0.0f || params.frequency_penalty != 0.0f) {
+        params.presence_penalty != 0.0f || params.frequency_penalty != 0.0f ||
+        ConstrainedRows::needs_processing(sequence)) {
       return false;
     }
   }

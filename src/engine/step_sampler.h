@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/constrained_rows.h"
 #include "engine/runner.h"
 #include "engine/sampler.h"
 #include "engine/speculator.h"
@@ -32,7 +33,14 @@ class StepSampler {
   StepSampler(StepSampler&&) noexcept;
   StepSampler& operator=(StepSampler&&) noexcept;
 
-  // The tokens of every chunk of `plan` (result.logits may be replaced by a host copy).
+  // Before the forward of `plan`: starts the token masks of its constrained rows (engine/
+  // constrained_rows.h), which the forward overlaps.
+  void begin_step(const SchedulePlan& plan);
+  // The step failed: waits for the mask worker, dropping its work.
+  void abandon() noexcept;
+  // The tokens of every chunk of `plan` (result.logits may be replaced by a host copy). Rows with a
+  // logit bias or a constraint sample on the host, after their bias and mask; the tokens a
+  // constrained chunk emits advance its constraint.
   StepTokens sample(const SchedulePlan& plan, StepResult& result, Runner& runner);
   // Every sequence of the step samples greedily (or acceptance is replayed), without penalties, top
   // logprobs or prompt logits: its next token is the argmax, its MTP drafts the head's argmax, and a
@@ -55,6 +63,7 @@ class StepSampler {
   int64_t vocab_ = 0;
   int64_t max_num_seqs_ = 0;
   Sampler sampler_;
+  std::unique_ptr<ConstrainedRows> constrained_;
   std::vector<float> host_logits_;  // logits rows copied from the device for sampling
   std::vector<float> scratch_;      // [V] a row for acceptance
   std::vector<float> probs_;        // [V] the target distribution

@@ -15,7 +15,11 @@ ChoiceOutput::ChoiceOutput(const Tokenizer& tokenizer, ChoiceOptions options)
       options_(std::move(options)),
       detokenizer_(tokenizer, options_.skip_special_tokens),
       stop_(options_.stop),
-      reasoning_(options_.starts_in_reasoning) {
+      output_(options_.reasoning ? std::optional<ReasoningParser>(std::in_place, options_.starts_in_reasoning)
+                                 : std::nullopt,
+              options_.tool_format ? std::optional<ToolCallParser>(std::in_place, *options_.tool_format, options_.tools,
+                                                                   ToolCallParserOptions{options_.tool_id_seed})
+                                   : std::nullopt) {
   accumulated_.index = options_.index;
   accumulated_.has_logprobs = options_.logprobs.has_value();
 }
@@ -30,18 +34,17 @@ TokenAlternative ChoiceOutput::render(int32_t token, float logprob) const {
 }
 
 void ChoiceOutput::emit(std::string text, bool final, ChoiceText& delta) {
-  if (!options_.reasoning) {
-    delta.text += text;
-    return;
-  }
-  ReasoningDelta split = reasoning_.feed(text);
-  delta.text += split.content;
-  delta.reasoning += split.reasoning;
-  if (final) {
-    split = reasoning_.finish();
+  const auto add = [&](OutputDelta split) {
     delta.text += split.content;
     delta.reasoning += split.reasoning;
-  }
+    for (ToolCallDelta& call : split.tool_calls) delta.tool_calls.push_back(std::move(call));
+  };
+  add(output_.feed(text));
+  if (final) add(output_.finish());
+}
+
+std::string ChoiceOutput::final_reason(const std::string& reason) const {
+  return reason == "stop" && output_.num_tool_calls() > 0 ? "tool_calls" : reason;
 }
 
 std::string ChoiceOutput::end_of_text() {
@@ -53,8 +56,34 @@ std::string ChoiceOutput::end_of_text() {
 void ChoiceOutput::accumulate(const ChoiceText& delta) {
   accumulated_.text += delta.text;
   accumulated_.reasoning += delta.reasoning;
+  for (const ToolCallDelta& piece : delta.tool_calls) {
+    auto call = std::find_if(accumulated_.tool_calls.begin(), accumulated_.tool_calls.end(),
+                             [&](const ToolCallDelta& known) { return known.index == piece.index; });
+    if (call == accumulated_.tool_calls.end()) {
+      accumulated_.tool_calls.push_back(piece);
+    } else {
+      call->arguments += piece.arguments;
+    }
+  }
   accumulated_.logprobs.insert(accumulated_.logprobs.end(), delta.logprobs.begin(), delta.logprobs.end());
   accumulated_.finish_reason = delta.finish_reason;
+}
+
+void ChoiceOutput::on_prompt_logprobs(std::span<const int32_t> prompt, const std::vector<SampledToken>& logprobs) {
+  if (!options_.logprobs) return;
+  int64_t offset = 0;
+  for (size_t i = 0; i < prompt.size() && i < logprobs.size(); ++i) {
+    const SampledToken& described = logprobs[i];
+    LogprobEntry entry;
+    entry.chosen = render(prompt[i], described.logprob);
+    entry.has_logprob = described.token >= 0;
+    entry.text_offset = offset;
+    const auto count = std::min<size_t>(described.top_logprobs.size(), static_cast<size_t>(*options_.logprobs));
+    for (size_t k = 0; k < count; ++k)
+      entry.top.push_back(render(described.top_logprobs[k].first, described.top_logprobs[k].second));
+    offset += count_code_points(entry.chosen.token);
+    prompt_entries_.push_back(std::move(entry));
+  }
 }
 
 ChoiceText ChoiceOutput::on_token(const SampledToken& token, FinishReason finish, SteadyClock::time_point time) {
@@ -68,6 +97,10 @@ ChoiceText ChoiceOutput::on_token(const SampledToken& token, FinishReason finish
   // A token that stops by EOS or a stop token id ends the output without being part of its text.
   const bool stop_token = finish == FinishReason::kStop;
   const std::string piece = stop_token ? std::string() : detokenizer_.push(token.token);
+  if (!prompt_entries_.empty()) {
+    delta.logprobs = std::move(prompt_entries_);
+    prompt_entries_.clear();
+  }
   if (options_.logprobs) {
     LogprobEntry entry;
     entry.chosen = render(token.token, token.logprob);
@@ -87,6 +120,7 @@ ChoiceText ChoiceOutput::on_token(const SampledToken& token, FinishReason finish
     finish_reason_ = stop_.matched() ? "stop" : finish_reason_string(finish);
   }
   emit(std::move(text), finished(), delta);
+  if (finished()) finish_reason_ = final_reason(finish_reason_);
   delta.finish_reason = finish_reason_;
   accumulate(delta);
   return delta;
@@ -105,6 +139,7 @@ ChoiceText ChoiceOutput::end(const std::string& finish_reason) {
   std::string text = end_of_text();
   finish_reason_ = stop_.matched() ? "stop" : finish_reason;
   emit(std::move(text), /*final=*/true, delta);
+  finish_reason_ = final_reason(finish_reason_);
   delta.finish_reason = finish_reason_;
   accumulate(delta);
   return delta;

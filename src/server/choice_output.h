@@ -1,10 +1,13 @@
 // The text side of one choice: the generated token ids of one engine request become the text a
 // client sees. Tokens go through the incremental detokenizer, then the stop-string matcher, then
-// (chat) the <think> reasoning splitter; logprobs are rendered as token text on the way.
+// (chat) the <think> reasoning splitter and the tool-call parser (text/tool_calls/output_parser.h);
+// logprobs are rendered as token text on the way. A choice that made tool calls finishes with
+// "tool_calls" instead of "stop".
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -13,6 +16,7 @@
 #include "server/stop_strings.h"
 #include "text/reasoning_parser.h"
 #include "text/tokenizer.h"
+#include "text/tool_calls/output_parser.h"
 
 namespace metrale::server {
 
@@ -24,6 +28,11 @@ struct ChoiceOptions {
   bool reasoning = false;            // split <think> reasoning from the content (chat)
   bool starts_in_reasoning = false;  // the prompt opened the think block
   int64_t text_offset = 0;           // code points before the generated text (the echoed prompt)
+  // Tool calls parsed from the answer (chat with tools): the format, the declared tools, and the
+  // seed of the call ids.
+  std::optional<ToolCallFormat> tool_format;
+  std::vector<ToolDefinition> tools;
+  uint64_t tool_id_seed = 0;
 };
 
 // The string finish_reason of the OpenAI API for an engine finish ("stop", "length", "abort").
@@ -40,6 +49,9 @@ class ChoiceOutput {
   // now (possibly nothing; finish_reason set when the choice ends here). Tokens after the choice
   // has ended (e.g. by a stop string, while its abort is on its way) are ignored.
   ChoiceText on_token(const SampledToken& token, FinishReason finish, SteadyClock::time_point time);
+  // The prompt's logprobs (echo with logprobs: Request::prompt_logprobs), `prompt` its token ids:
+  // their entries lead the next delta's logprobs, with text offsets from the start of the prompt.
+  void on_prompt_logprobs(std::span<const int32_t> prompt, const std::vector<SampledToken>& logprobs);
   // The choice ends without a token: aborted by the engine, or the server gives up on it.
   ChoiceText on_end(FinishReason reason);
   // The engine failed: the choice ends with finish_reason "error".
@@ -60,6 +72,8 @@ class ChoiceOutput {
   // Routes released text through the reasoning splitter into `delta`; `final` flushes it.
   void emit(std::string text, bool final, ChoiceText& delta);
   void accumulate(const ChoiceText& delta);
+  // "tool_calls" for a choice that stopped after making calls.
+  std::string final_reason(const std::string& reason) const;
   // The text released when the output ends: the detokenizer's and the stop matcher's remainders.
   std::string end_of_text();
   ChoiceText end(const std::string& finish_reason);
@@ -68,13 +82,14 @@ class ChoiceOutput {
   ChoiceOptions options_;
   IncrementalDetokenizer detokenizer_;
   StopStringMatcher stop_;
-  ReasoningParser reasoning_;
+  OutputParser output_;
   int64_t num_tokens_ = 0;
   int64_t code_points_ = 0;  // of the detokenized text so far, for text_offset
   std::string finish_reason_;
   std::optional<SteadyClock::time_point> first_token_;
   std::optional<SteadyClock::time_point> last_token_;
   ChoiceText accumulated_;
+  std::vector<LogprobEntry> prompt_entries_;  // waiting for the next delta
 };
 
 }  // namespace metrale::server

@@ -8,6 +8,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include "core/error.h"
@@ -16,6 +17,7 @@
 #include "server/choice_output.h"
 #include "server/health.h"
 #include "server/responses_endpoint.h"
+#include "server/structured_output.h"
 #include "text/chat_template.h"
 
 namespace metrale::server {
@@ -96,8 +98,13 @@ struct Generation {
   ResponseMeta meta;
   std::vector<std::vector<int32_t>> prompts;
   std::vector<std::string> echo_texts;  // per prompt, when echo
+  bool echo_logprobs = false;           // echo with logprobs: the prompt tokens' logprobs too
   bool reasoning = false;
   bool starts_in_reasoning = false;
+  // Chat with tools: the tools whose calls the answer is parsed for (empty: no parsing).
+  std::vector<ToolDefinition> parsed_tools;
+  // Constrained decoding: the grammar every choice follows (null: none).
+  std::shared_ptr<const grammar::CompiledGrammar> grammar;
 
   std::shared_ptr<RequestStream> stream;
   std::vector<ChoiceOutput> choices;  // [prompt * n + j]
@@ -122,11 +129,12 @@ struct Generation {
 
 std::string_view route_of(std::string_view path) {
   static constexpr std::string_view kRoutes[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                                 "/metrics"};
+                                                 "/metrics", "/tokenize", "/detokenize"};
   for (const std::string_view route : kRoutes) {
     if (path == route) return route;
   }
   if (ResponsesEndpoint::owns(path)) return "/v1/responses";
+  if (path.rfind("/v1/models/", 0) == 0) return "/v1/models/{id}";
   return "other";
 }
 
@@ -139,6 +147,7 @@ struct HttpServer::Impl {
   std::optional<ChatTemplate> chat_template;
   bool template_uses_think = false;
   ServerMetrics metrics;
+  std::unique_ptr<StructuredOutputs> structured;
   std::atomic<bool> draining{false};
   std::atomic<int64_t> active{0};
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
@@ -164,11 +173,36 @@ struct HttpServer::Impl {
         METRALE_LOG_WARN("the model's chat template cannot be used, /v1/chat/completions is off: {}", e.what());
       }
     }
+    structured = std::make_unique<StructuredOutputs>(tokenizer, engine.model_config().vocab_size, stop_token_ids(),
+                                                     pick_tool_format());
     responses = std::make_unique<ResponsesEndpoint>(ResponsesContext{
-        engine, tokenizer, chat_template ? &*chat_template : nullptr, template_uses_think,
-        select_tool_call_format(engine.model_config().model_type, tokenizer.chat_template()), config.served_model_name,
-        config.default_sampling, config.limits, metrics, response_store,
+        engine, tokenizer, chat_template ? &*chat_template : nullptr, template_uses_think, structured->tool_format(),
+        config.served_model_name, config.default_sampling, config.limits, metrics, response_store,
         [this](std::function<void()> task) { workers.post(std::move(task)); }, active, draining});
+    structured = std::make_unique<StructuredOutputs>(tokenizer, engine.model_config().vocab_size, stop_token_ids(),
+                                                     pick_tool_format());
+  }
+
+  // The model's EOS ids: a complete constrained output ends with one.
+  std::vector<int32_t> stop_token_ids() const {
+    std::vector<int32_t> ids;
+    for (const int64_t id : engine.model_config().eos_token_ids) ids.push_back(static_cast<int32_t>(id));
+    return ids;
+  }
+
+  std::optional<ToolCallFormat> pick_tool_format() const {
+    if (config.tool_call_parser == "none") return std::nullopt;
+    if (!config.tool_call_parser.empty()) {
+      auto format = tool_call_format_from_name(config.tool_call_parser);
+      if (!format) {
+        raise(ErrorCode::kInvalidArgument, "--tool-call-parser {}: unknown (known: {}, or none)", config.tool_call_parser,
+              fmt::join(tool_call_format_names(), ", "));
+      }
+      return format;
+    }
+    auto format = select_tool_call_format(engine.model_config().model_type, tokenizer.chat_template());
+    if (format) METRALE_LOG_INFO("tool calls are parsed as {}", tool_call_format_name(*format));
+    return format;
   }
 
   // What /health answers: 503 while draining, else the engine's own health (server/health.h).
@@ -184,6 +218,11 @@ struct HttpServer::Impl {
   }
 
   void start_generation(const std::shared_ptr<Exchange>& exchange, bool chat);
+  // POST /tokenize and /detokenize (vLLM's shapes), on a worker.
+  void start_tokenize(const std::shared_ptr<Exchange>& exchange, bool detokenize);
+  std::string tokenize_body(const std::string& body, bool detokenize) const;
+  // The prompt text of chat messages, as /v1/chat/completions renders it.
+  std::string render_chat(ChatRequest& request) const;
   std::shared_ptr<Generation> prepare(const std::string& body, bool chat) const;
   void submit(Generation& generation);
 
@@ -218,7 +257,8 @@ void HttpServer::Impl::handle(const std::shared_ptr<Exchange>& exchange) {
   const HttpRequest& request = exchange->request();
   const std::string& path = request.path;
   if (draining) exchange->close_after_response();
-  if (path.rfind("/v1/", 0) == 0 && !authorized(request)) {
+  const bool protected_path = path.rfind("/v1/", 0) == 0 || path == "/tokenize" || path == "/detokenize";
+  if (protected_path && !authorized(request)) {
     send_error(*exchange,
                ApiError(401, "authentication_error", "invalid or missing API key (send Authorization: Bearer <key>)",
                         "", "invalid_api_key"),
@@ -242,6 +282,21 @@ void HttpServer::Impl::handle(const std::shared_ptr<Exchange>& exchange) {
     if (!get) return wrong_method("GET");
     exchange->respond(200, "application/json",
                       dump_json(models_response(config.served_model_name, created, engine.plan().max_model_len)));
+  } else if (path.rfind("/v1/models/", 0) == 0) {
+    if (!get) return wrong_method("GET");
+    const std::string id = path.substr(std::string_view("/v1/models/").size());
+    if (id != config.served_model_name) {
+      send_error(*exchange, ApiError(404, "invalid_request_error",
+                                     fmt::format("the model '{}' does not exist; this server serves '{}'", id,
+                                                 config.served_model_name),
+                                     "model", "model_not_found"));
+      return;
+    }
+    const json list = models_response(config.served_model_name, created, engine.plan().max_model_len);
+    exchange->respond(200, "application/json", dump_json(list["data"][0]));
+  } else if (path == "/tokenize" || path == "/detokenize") {
+    if (request.method != "POST") return wrong_method("POST");
+    start_tokenize(exchange, path == "/detokenize");
   } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
     if (request.method != "POST") return wrong_method("POST");
     start_generation(exchange, path == "/v1/chat/completions");
@@ -294,6 +349,82 @@ void HttpServer::Impl::start_generation(const std::shared_ptr<Exchange>& exchang
   });
 }
 
+void HttpServer::Impl::start_tokenize(const std::shared_ptr<Exchange>& exchange, bool detokenize) {
+  workers.post([this, exchange, detokenize] {
+    std::string body;
+    std::optional<ApiError> failure;
+    try {
+      body = tokenize_body(exchange->request().body, detokenize);
+    } catch (const ApiError& error) {
+      failure = error;
+    } catch (const Error& error) {
+      failure = invalid_request(error.what());
+    } catch (const std::exception& error) {
+      METRALE_LOG_ERROR("tokenize failed: {}", error.what());
+      failure = ApiError(500, "server_error", "internal error (the server log has the details)");
+    }
+    exchange->post([exchange, body = std::move(body), failure] {
+      if (failure) {
+        send_error(*exchange, *failure);
+      } else {
+        exchange->respond(200, "application/json", body);
+      }
+    });
+  });
+}
+
+std::string HttpServer::Impl::tokenize_body(const std::string& body, bool detokenize) const {
+  const json request = parse_json_body(body, config.limits);
+  if (request.contains("model") && request["model"].is_string() && request["model"] != config.served_model_name)
+    throw ApiError(404, "invalid_request_error", fmt::format("the model '{}' does not exist", request["model"].get<std::string>()),
+                   "model", "model_not_found");
+  if (detokenize) {
+    const std::vector<int32_t> tokens = token_ids_field(request, "tokens");
+    for (const int32_t id : tokens) {
+      if (id >= tokenizer.vocab_size())
+        throw invalid_request(fmt::format("'tokens' holds the id {}, outside the vocabulary", id), "tokens");
+    }
+    return dump_json(json{{"prompt", tokenizer.decode(tokens, /*skip_special_tokens=*/false)}});
+  }
+  std::vector<int32_t> ids;
+  if (request.contains("messages")) {
+    ChatRequest chat = parse_chat_request(request, config.default_sampling, config.limits);
+    ids = tokenizer.encode(render_chat(chat), /*add_special_tokens=*/false);
+  } else {
+    if (!request.contains("prompt") || !request["prompt"].is_string())
+      throw invalid_request("'prompt' (a string) or 'messages' is required", "prompt");
+    bool add_special = true;
+    if (request.contains("add_special_tokens")) {
+      if (!request["add_special_tokens"].is_boolean()) throw invalid_request("'add_special_tokens' must be a boolean", "add_special_tokens");
+      add_special = request["add_special_tokens"].get<bool>();
+    }
+    ids = tokenizer.encode(request["prompt"].get<std::string>(), add_special);
+  }
+  json reply = {{"count", ids.size()}, {"max_model_len", engine.plan().max_model_len}, {"tokens", ids}};
+  if (request.value("return_token_strs", false)) {
+    json strings = json::array();
+    for (const int32_t id : ids) strings.push_back(tokenizer.id_to_token(id));
+    reply["token_strs"] = std::move(strings);
+  } else {
+    reply["token_strs"] = nullptr;
+  }
+  return dump_json(reply);
+}
+
+std::string HttpServer::Impl::render_chat(ChatRequest& request) const {
+  if (!chat_template) throw invalid_request("this model has no chat template; use /v1/completions", "messages");
+  ChatTemplateInputs inputs;
+  inputs.messages = std::move(request.messages);
+  inputs.tools = std::move(request.tools);
+  inputs.add_generation_prompt = request.add_generation_prompt;
+  inputs.extra = std::move(request.chat_template_kwargs);
+  try {
+    return chat_template->render(inputs);
+  } catch (const Error& e) {
+    throw invalid_request(fmt::format("the chat template failed on these messages: {}", e.what()), "messages");
+  }
+}
+
 std::shared_ptr<Generation> HttpServer::Impl::prepare(const std::string& body, bool chat) const {
   const json request_json = parse_json_body(body, config.limits);
   auto generation = std::make_shared<Generation>();
@@ -302,17 +433,15 @@ std::shared_ptr<Generation> HttpServer::Impl::prepare(const std::string& body, b
     ChatRequest request = parse_chat_request(request_json, config.default_sampling, config.limits);
     generation->params = std::move(request.params);
     if (!chat_template) throw invalid_request("this model has no chat template; use /v1/completions", "messages");
-    ChatTemplateInputs inputs;
-    inputs.messages = std::move(request.messages);
-    inputs.tools = std::move(request.tools);
-    inputs.add_generation_prompt = request.add_generation_prompt;
-    inputs.extra = std::move(request.chat_template_kwargs);
-    std::string prompt;
-    try {
-      prompt = chat_template->render(inputs);
-    } catch (const Error& e) {
-      throw invalid_request(fmt::format("the chat template failed on these messages: {}", e.what()), "messages");
-    }
+    OutputConstraintSpec spec;
+    spec.response_format = generation->params.response_format;
+    spec.tool_choice = request.tool_choice;
+    spec.tools = request.tool_definitions;
+    spec.parallel_tool_calls = request.parallel_tool_calls;
+    generation->grammar = structured->grammar_for(spec);
+    if (structured->tool_format() && request.tool_choice.mode != ToolChoiceMode::kNone)
+      generation->parsed_tools = request.tool_definitions;
+    const std::string prompt = render_chat(request);
     generation->prompts.push_back(tokenizer.encode(prompt, /*add_special_tokens=*/false));
     generation->reasoning = template_uses_think;
     // The prompt leaves a think block open (thinking models' generation prompts): the output
@@ -324,6 +453,9 @@ std::shared_ptr<Generation> HttpServer::Impl::prepare(const std::string& body, b
   } else {
     CompletionRequest request = parse_completion_request(request_json, config.default_sampling, config.limits);
     generation->params = std::move(request.params);
+    OutputConstraintSpec spec;
+    spec.response_format = generation->params.response_format;
+    generation->grammar = structured->grammar_for(spec);
     for (const std::string& text : request.text_prompts) {
       generation->prompts.push_back(tokenizer.encode(text, /*add_special_tokens=*/true));
       if (request.echo) generation->echo_texts.push_back(text);
@@ -332,6 +464,7 @@ std::shared_ptr<Generation> HttpServer::Impl::prepare(const std::string& body, b
       if (request.echo) generation->echo_texts.push_back(tokenizer.decode(ids, /*skip_special_tokens=*/false));
       generation->prompts.push_back(std::move(ids));
     }
+    generation->echo_logprobs = request.echo && generation->params.logprobs.has_value();
     generation->meta.id = make_response_id("cmpl-");
   }
   GenerationParams& params = generation->params;
@@ -378,6 +511,8 @@ void HttpServer::Impl::submit(Generation& generation) {
   const GenerationParams& params = generation.params;
   std::vector<Request> requests;
   const int64_t context = engine.plan().max_model_len;
+  thread_local std::mt19937_64 id_generator{std::random_device{}()};
+  const uint64_t tool_id_seed = id_generator();
   for (size_t p = 0; p < generation.prompts.size(); ++p) {
     const auto& prompt = generation.prompts[p];
     for (int32_t j = 0; j < params.n; ++j) {
@@ -392,6 +527,17 @@ void HttpServer::Impl::submit(Generation& generation) {
       request.max_tokens = static_cast<int32_t>(std::min<int64_t>(params.max_tokens.value_or(room), room));
       request.ignore_eos = params.ignore_eos;
       request.stop_token_ids = params.stop_token_ids;
+      if (generation.echo_logprobs) {
+        request.return_prompt_logits = true;
+        request.prompt_logprobs = *params.logprobs;
+      }
+      if (generation.grammar) {
+        GrammarConstraintOptions constraint;
+        constraint.reasoning = generation.reasoning;
+        constraint.starts_in_reasoning = generation.starts_in_reasoning;
+        constraint.max_tokens = request.max_tokens;
+        request.constraint = structured->constraint(generation.grammar, constraint);
+      }
       requests.push_back(std::move(request));
 
       ChoiceOptions options;
@@ -402,6 +548,16 @@ void HttpServer::Impl::submit(Generation& generation) {
       options.reasoning = generation.reasoning;
       options.starts_in_reasoning = generation.starts_in_reasoning;
       if (!generation.echo_texts.empty()) options.text_offset = count_code_points(generation.echo_texts[p]);
+      if (!generation.parsed_tools.empty()) {
+        options.tool_format = structured->tool_format();
+        options.tools = generation.parsed_tools;
+        options.tool_id_seed = tool_id_seed + index;
+        // DeepSeek's markers may be special tokens, which the detokenizer must then keep.
+        const ToolCallFormat format = *options.tool_format;
+        if (format == ToolCallFormat::kDeepSeekV3 || format == ToolCallFormat::kDeepSeekV31 ||
+            format == ToolCallFormat::kDeepSeekV32)
+          options.skip_special_tokens = false;
+      }
       generation.choices.emplace_back(tokenizer, std::move(options));
     }
   }
@@ -559,7 +715,8 @@ std::vector<ChoiceText> HttpServer::Impl::apply(Generation& generation, std::vec
   const auto keep = [&](ChoiceText delta, size_t index, bool was_finished) {
     const bool ended_now = !was_finished && generation.choices[index].finished();
     if (ended_now) record_choice(generation, index);
-    if (ended_now || !delta.text.empty() || !delta.reasoning.empty() || !delta.logprobs.empty())
+    if (ended_now || !delta.text.empty() || !delta.reasoning.empty() || !delta.logprobs.empty() ||
+        !delta.tool_calls.empty())
       deltas.push_back(std::move(delta));
   };
   for (StreamEvent& event : events) {
@@ -577,6 +734,8 @@ std::vector<ChoiceText> HttpServer::Impl::apply(Generation& generation, std::vec
     ChoiceOutput& choice = generation.choices[index];
     const bool was_finished = choice.finished();
     if (event.kind == StreamEvent::Kind::kToken) {
+      if (!event.prompt_logprobs.empty())
+        choice.on_prompt_logprobs(generation.prompts[generation.prompt_of(index)], event.prompt_logprobs);
       keep(choice.on_token(event.sampled, event.finish_reason, event.time), index, was_finished);
       // A stop string ended the choice while its engine request still runs.
       if (!was_finished && choice.stopped_by_string() && event.finish_reason == FinishReason::kNone)

@@ -33,6 +33,9 @@ struct ServerConfig {
   int port = 8000;                      // 0: any free port (bind() returns it)
   std::string api_key;                  // "": no authentication
   std::string served_model_name = "metrale";
+  // The tool-call format parsed from chat outputs: a name of tool_call_format_names(), "none" (tool
+  // calls stay plain content), or "" to pick it from the chat template and the model type.
+  std::string tool_call_parser;
   int http_workers = 4;                 // threads that prepare generation requests
   int listen_backlog = 1024;
   TransportLimits transport;            // sizes, timeouts, the connection cap, I/O threads

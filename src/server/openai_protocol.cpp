@@ -1,11 +1,14 @@
 #include "server/openai_protocol.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <random>
 
 #include <fmt/format.h>
 
+#include "core/error.h"
 #include "core/json_depth.h"
 
 namespace metrale::server {
@@ -164,8 +167,22 @@ GenerationParams parse_common(const json& body, const SamplingParams& defaults, 
   }
   if (auto best_of = get_integer(body, "best_of"); best_of && *best_of != params.n)
     throw invalid_request("'best_of' other than n is not supported", "best_of");
-  if (const json* bias = field(body, "logit_bias"); bias != nullptr && !(bias->is_object() && bias->empty()))
-    throw invalid_request("'logit_bias' is not supported", "logit_bias");
+  if (const json* bias = field(body, "logit_bias")) {
+    if (!bias->is_object()) throw wrong_type("logit_bias", "an object of token ids to biases", *bias);
+    for (const auto& [key, value] : bias->items()) {
+      int64_t id = -1;
+      const auto [end, error] = std::from_chars(key.data(), key.data() + key.size(), id);
+      if (error != std::errc() || end != key.data() + key.size() || id < 0 || id > std::numeric_limits<int32_t>::max())
+        throw invalid_request(fmt::format("'logit_bias' keys must be token ids, got '{}'", key), "logit_bias");
+      if (!value.is_number()) throw wrong_type("logit_bias", "numbers as biases", value);
+      const double amount = value.get<double>();
+      check_range(amount >= -SamplingParams::kMaxLogitBias && amount <= SamplingParams::kMaxLogitBias, "logit_bias",
+                  "in [-100, 100]", amount);
+      params.sampling.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(amount));
+    }
+  }
+  if (const json* format = field(body, "response_format"))
+    params.response_format = parse_response_format(*format, "response_format");
 
   SamplingParams& sampling = params.sampling;
   if (auto value = get_number(body, "temperature")) {
@@ -239,9 +256,11 @@ void parse_max_tokens(const json& body, const std::string& key, GenerationParams
   }
 }
 
-// Chat content: a string, null, or a list of {type: "text", text} parts (joined).
+// Chat content: a string, null, or a list of {type: "text", text} parts (joined). Null (an assistant
+// turn that only called tools) becomes "": templates test and split the content as a string.
 json normalize_content(const json& content, size_t message_index) {
-  if (content.is_null() || content.is_string()) return content;
+  if (content.is_null()) return "";
+  if (content.is_string()) return content;
   const std::string param = fmt::format("messages[{}].content", message_index);
   if (!content.is_array()) throw wrong_type(param, "a string or a list of content parts", content);
   std::string text;
@@ -254,7 +273,101 @@ json normalize_content(const json& content, size_t message_index) {
   return text;
 }
 
+// An assistant message's tool_calls as the chat templates read them: each call's `arguments`, a
+// JSON string on the wire, becomes the object it spells (templates iterate it or print it with
+// tojson); arguments that are not a JSON object stay as sent, and so does everything else of the
+// call. Also accepts the flat {name, arguments} shape beside {function: {name, arguments}}.
+json normalize_tool_calls(const json& calls, size_t message_index) {
+  const std::string param = fmt::format("messages[{}].tool_calls", message_index);
+  if (calls.is_null()) return calls;
+  if (!calls.is_array()) throw wrong_type(param, "a list of tool calls", calls);
+  json normalized = json::array();
+  for (const json& call : calls) {
+    if (!call.is_object()) throw wrong_type(param, "a list of tool call objects", call);
+    json copy = call;
+    json& function = copy.contains("function") ? copy["function"] : copy;
+    if (function.is_object() && function.contains("arguments") && function["arguments"].is_string()) {
+      json parsed = json::parse(function["arguments"].get<std::string>(), nullptr, /*allow_exceptions=*/false);
+      if (parsed.is_object()) function["arguments"] = std::move(parsed);
+    }
+    normalized.push_back(std::move(copy));
+  }
+  return normalized;
+}
+
+ToolChoice parse_tool_choice(const json& value, const std::vector<ToolDefinition>& tools) {
+  ToolChoice choice;
+  if (value.is_string()) {
+    const std::string mode = value.get<std::string>();
+    if (mode == "auto") {
+      choice.mode = ToolChoiceMode::kAuto;
+    } else if (mode == "none") {
+      choice.mode = ToolChoiceMode::kNone;
+    } else if (mode == "required") {
+      choice.mode = ToolChoiceMode::kRequired;
+    } else {
+      throw invalid_request(fmt::format("'tool_choice' must be \"auto\", \"none\", \"required\" or a function, got \"{}\"", mode),
+                            "tool_choice");
+    }
+  } else if (value.is_object()) {
+    const json* function = field(value, "function");
+    if (value.value("type", "") != "function" || function == nullptr || !function->is_object() ||
+        !function->contains("name") || !(*function)["name"].is_string())
+      throw invalid_request("'tool_choice' must name a function as {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                            "tool_choice");
+    choice.mode = ToolChoiceMode::kFunction;
+    choice.function = (*function)["name"].get<std::string>();
+    const bool declared =
+        std::any_of(tools.begin(), tools.end(), [&](const ToolDefinition& tool) { return tool.name == choice.function; });
+    if (!declared)
+      throw invalid_request(fmt::format("'tool_choice' names the function '{}', which is not among the tools", choice.function),
+                            "tool_choice");
+  } else {
+    throw wrong_type("tool_choice", "a string or an object", value);
+  }
+  if ((choice.mode == ToolChoiceMode::kRequired) && tools.empty())
+    throw invalid_request("'tool_choice' \"required\" needs 'tools'", "tool_choice");
+  return choice;
+}
+
 }  // namespace
+
+std::vector<int32_t> token_ids_field(const json& body, const std::string& key) {
+  const json* value = field(body, key);
+  if (value == nullptr) throw invalid_request(fmt::format("'{}' is required", key), key);
+  if (!value->is_array()) throw wrong_type(key, "a list of token ids", *value);
+  return token_id_list(*value, key);
+}
+
+ResponseFormat parse_response_format(const json& value, const std::string& param) {
+  ResponseFormat format;
+  if (value.is_null()) return format;
+  if (!value.is_object()) throw wrong_type(param, "an object", value);
+  const std::string type = value.contains("type") && value["type"].is_string() ? value["type"].get<std::string>() : "";
+  if (type == "text") return format;
+  if (type == "json_object") {
+    format.type = ResponseFormatType::kJsonObject;
+    return format;
+  }
+  if (type != "json_schema")
+    throw invalid_request(fmt::format("'{}.type' must be \"text\", \"json_object\" or \"json_schema\"", param),
+                          param + ".type");
+  format.type = ResponseFormatType::kJsonSchema;
+  const json* spec = field(value, "json_schema");
+  if (spec == nullptr || !spec->is_object())
+    throw invalid_request(fmt::format("'{}.json_schema' must be an object with a 'schema'", param), param + ".json_schema");
+  if (auto name = get_string(*spec, "name")) format.name = *name;
+  if (auto strict = get_bool(*spec, "strict")) format.strict = *strict;
+  const json* schema = field(*spec, "schema");
+  if (schema == nullptr) {
+    format.schema = json::object();
+  } else if (schema->is_object() || schema->is_boolean()) {
+    format.schema = *schema;
+  } else {
+    throw wrong_type(param + ".json_schema.schema", "a JSON Schema object", *schema);
+  }
+  return format;
+}
 
 CompletionRequest parse_completion_request(const json& body, const SamplingParams& defaults,
                                            const ProtocolLimits& limits) {
@@ -319,7 +432,8 @@ ChatRequest parse_chat_request(const json& body, const SamplingParams& defaults,
     if (!message.contains("role") || !message["role"].is_string())
       throw invalid_request(fmt::format("'{}.role' must be a string", param), param + ".role");
     json normalized = message;
-    if (message.contains("content")) normalized["content"] = normalize_content(message["content"], i);
+    normalized["content"] = message.contains("content") ? normalize_content(message["content"], i) : json("");
+    if (message.contains("tool_calls")) normalized["tool_calls"] = normalize_tool_calls(message["tool_calls"], i);
     request.messages.push_back(std::move(normalized));
   }
 
@@ -349,6 +463,15 @@ ChatRequest parse_chat_request(const json& body, const SamplingParams& defaults,
     request.chat_template_kwargs = *kwargs;
   }
   if (auto value = get_bool(body, "add_generation_prompt")) request.add_generation_prompt = *value;
+  if (!request.tools.is_null()) {
+    try {
+      request.tool_definitions = tool_definitions_from_openai(request.tools);
+    } catch (const Error& e) {
+      throw invalid_request(e.what(), "tools");
+    }
+  }
+  if (auto value = get_bool(body, "parallel_tool_calls")) request.parallel_tool_calls = *value;
+  if (const json* choice = field(body, "tool_choice")) request.tool_choice = parse_tool_choice(*choice, request.tool_definitions);
   return request;
 }
 
@@ -368,6 +491,12 @@ json completion_logprobs(const ChoiceText& choice) {
   json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(), offsets = json::array();
   for (const LogprobEntry& entry : choice.logprobs) {
     tokens.push_back(entry.chosen.token);
+    offsets.push_back(entry.text_offset);
+    if (!entry.has_logprob) {
+      token_logprobs.push_back(nullptr);
+      top_logprobs.push_back(nullptr);
+      continue;
+    }
     token_logprobs.push_back(finite_logprob(entry.chosen.logprob));
     json top = json::object();
     for (const TokenAlternative& alternative : entry.top) {
@@ -375,7 +504,6 @@ json completion_logprobs(const ChoiceText& choice) {
       if (!top.contains(alternative.token)) top[alternative.token] = finite_logprob(alternative.logprob);
     }
     top_logprobs.push_back(std::move(top));
-    offsets.push_back(entry.text_offset);
   }
   return json{{"tokens", std::move(tokens)},
               {"token_logprobs", std::move(token_logprobs)},
@@ -434,12 +562,37 @@ json completion_response(const ResponseMeta& meta, const std::vector<ChoiceText>
 namespace {
 
 json chat_message(const ChoiceText& choice) {
-  json message = {{"role", "assistant"}, {"content", choice.text}};
+  // With tool calls and no text, content is null (as OpenAI answers).
+  json content = choice.text.empty() && !choice.tool_calls.empty() ? json(nullptr) : json(choice.text);
+  json message = {{"role", "assistant"}, {"content", std::move(content)}};
   if (!choice.reasoning.empty()) {
     message["reasoning_content"] = choice.reasoning;
     message["reasoning"] = choice.reasoning;
   }
+  if (!choice.tool_calls.empty()) {
+    json calls = json::array();
+    for (const ToolCallDelta& call : choice.tool_calls) {
+      calls.push_back({{"id", call.id},
+                       {"type", "function"},
+                       {"function", {{"name", call.name}, {"arguments", call.arguments}}}});
+    }
+    message["tool_calls"] = std::move(calls);
+  }
   return message;
+}
+
+// A streamed piece of a call: the first carries id, type and name; later ones only arguments text.
+json tool_call_delta(const ToolCallDelta& call) {
+  json piece = {{"index", call.index}};
+  json function = json::object();
+  if (!call.id.empty()) {
+    piece["id"] = call.id;
+    piece["type"] = "function";
+    function["name"] = call.name;
+  }
+  function["arguments"] = call.arguments;
+  piece["function"] = std::move(function);
+  return piece;
 }
 
 }  // namespace
@@ -476,6 +629,11 @@ json chat_chunk(const ResponseMeta& meta, const ChoiceText& delta, bool usage_fi
   if (!delta.reasoning.empty()) {
     message["reasoning_content"] = delta.reasoning;
     message["reasoning"] = delta.reasoning;
+  }
+  if (!delta.tool_calls.empty()) {
+    json calls = json::array();
+    for (const ToolCallDelta& call : delta.tool_calls) calls.push_back(tool_call_delta(call));
+    message["tool_calls"] = std::move(calls);
   }
   chunk["choices"] = json::array({json{{"index", delta.index},
                                        {"delta", std::move(message)},

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/sampler.h"
+#include "text/tool_calls/tool_call_parser.h"
 
 namespace metrale::server {
 
@@ -58,6 +59,26 @@ struct ProtocolLimits {
   size_t max_template_kwargs = 256;   // keys of chat_template_kwargs
 };
 
+// response_format: free text, any JSON object, or JSON matching a schema (constrained decoding).
+enum class ResponseFormatType : uint8_t { kText, kJsonObject, kJsonSchema };
+struct ResponseFormat {
+  ResponseFormatType type = ResponseFormatType::kText;
+  std::string name;                 // json_schema.name
+  nlohmann::ordered_json schema;    // json_schema.schema ({} when absent: any JSON value)
+  bool strict = false;              // json_schema.strict
+};
+// Parses a chat/completions response_format ({type: "text" | "json_object" | "json_schema",
+// json_schema: {name, schema, strict}}); 400 naming `param` when malformed.
+ResponseFormat parse_response_format(const nlohmann::ordered_json& value, const std::string& param);
+
+// tool_choice: "auto" (the model decides; calls are parsed), "none" (no calls parsed), "required"
+// (at least one call, constrained) or a named function (exactly one call of it, constrained).
+enum class ToolChoiceMode : uint8_t { kAuto, kNone, kRequired, kFunction };
+struct ToolChoice {
+  ToolChoiceMode mode = ToolChoiceMode::kAuto;
+  std::string function;  // kFunction: its name
+};
+
 // What both endpoints share.
 struct GenerationParams {
   std::string model;                  // "" when the request names none
@@ -72,6 +93,7 @@ struct GenerationParams {
   bool include_usage = false;         // stream_options.include_usage
   // Top alternatives reported per token; absent: no logprobs at all (0: only the chosen token's).
   std::optional<int32_t> logprobs;
+  ResponseFormat response_format;     // constrained decoding of the output (server/structured_output.h)
 };
 
 struct CompletionRequest {
@@ -79,13 +101,16 @@ struct CompletionRequest {
   // Exactly one of the two is non-empty; each entry is one prompt (n choices each).
   std::vector<std::string> text_prompts;
   std::vector<std::vector<int32_t>> token_prompts;
-  bool echo = false;
+  bool echo = false;  // with logprobs: the prompt's tokens get logprob entries too (legacy shape)
 };
 
 struct ChatRequest {
   GenerationParams params;
   nlohmann::ordered_json messages;  // array of {role, content: string, ...}; content parts flattened to text
   nlohmann::ordered_json tools;     // null or an array, passed to the template
+  std::vector<ToolDefinition> tool_definitions;  // the function tools of `tools`
+  ToolChoice tool_choice;           // kAuto by default; "required"/named need tools
+  bool parallel_tool_calls = true;
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;
 };
@@ -96,6 +121,8 @@ CompletionRequest parse_completion_request(const nlohmann::ordered_json& body, c
                                            const ProtocolLimits& limits = {});
 ChatRequest parse_chat_request(const nlohmann::ordered_json& body, const SamplingParams& defaults,
                                const ProtocolLimits& limits = {});
+// The list of token ids in body[key] (required); 400 naming `key` otherwise.
+std::vector<int32_t> token_ids_field(const nlohmann::ordered_json& body, const std::string& key);
 // Parses a body as JSON; throws ApiError 400 on malformed JSON, a number out of range (1e400), a
 // nesting deeper than limits.max_json_depth (checked before parsing) or a body that is not an object.
 nlohmann::ordered_json parse_json_body(std::string_view body, const ProtocolLimits& limits = {});
@@ -108,6 +135,7 @@ struct TokenAlternative {
 };
 struct LogprobEntry {
   TokenAlternative chosen;
+  bool has_logprob = true;  // false: the first prompt token of an echo (nothing predicts it): null
   std::vector<TokenAlternative> top;
   int64_t text_offset = 0;  // completions: code points of the choice's text before this token
 };
@@ -117,6 +145,9 @@ struct ChoiceText {
   int32_t index = 0;
   std::string text;       // content
   std::string reasoning;  // chat: reasoning_content
+  // chat: tool calls; in a delta the pieces of this chunk, accumulated the whole calls (pieces of
+  // one index merged: id and name from the first, arguments concatenated).
+  std::vector<ToolCallDelta> tool_calls;
   bool has_logprobs = false;
   std::vector<LogprobEntry> logprobs;
   std::string finish_reason;  // "" while unfinished

@@ -154,7 +154,12 @@ TEST(OpenAiProtocol, RangesAreChecked) {
   expect_completion_error(with("stop", ""), "stop", "empty");
   expect_completion_error(with("stop", json(std::vector<std::string>(17, "s"))), "stop", "16");
   expect_completion_error(with("best_of", 2), "best_of");
-  expect_completion_error(with("logit_bias", {{"5", 1}}), "logit_bias");
+  expect_completion_error(with("logit_bias", {{"5", 300}}), "logit_bias");
+  expect_completion_error(with("logit_bias", {{"five", 1}}), "logit_bias");
+  expect_completion_error(with("logit_bias", {{"-3", 1}}), "logit_bias");
+  expect_completion_error(with("logit_bias", json::array()), "logit_bias");
+  expect_completion_error(with("response_format", {{"type", "yaml"}}), "response_format.type");
+  expect_completion_error(with("response_format", {{"type", "json_schema"}}), "response_format.json_schema");
   expect_completion_error(with("suffix", "tail"), "suffix");
   ProtocolLimits limits;
   limits.max_n = 4;
@@ -181,7 +186,7 @@ TEST(OpenAiProtocol, ChatRequest) {
   const ChatRequest request = parse_chat_request(body, defaults());
   ASSERT_EQ(request.messages.size(), 3u);
   EXPECT_EQ(request.messages[1]["content"], "ab");
-  EXPECT_TRUE(request.messages[2]["content"].is_null());
+  EXPECT_EQ(request.messages[2]["content"], "");  // null: templates read the content as a string
   EXPECT_EQ(request.messages[2]["tool_calls"][0]["id"], "1");
   EXPECT_EQ(request.params.max_tokens, 5);  // max_completion_tokens wins
   EXPECT_EQ(request.params.logprobs, 3);
@@ -339,6 +344,62 @@ TEST(OpenAiProtocol, ModelsAndIds) {
   EXPECT_EQ(a.rfind("cmpl-", 0), 0u);
   EXPECT_EQ(a.size(), 5u + 24u);
   EXPECT_NE(a, b);
+}
+
+}  // namespace
+}  // namespace metrale::server
+
+namespace metrale::server {
+namespace {
+
+TEST(OpenAiProtocol, ToolChoiceResponseFormatAndLogitBias) {
+  const auto chat = [](const std::string& extra) {
+    return parse_chat_request(json::parse(R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])" + extra + "}"),
+                              SamplingParams{});
+  };
+  EXPECT_EQ(chat("").tool_choice.mode, ToolChoiceMode::kAuto);
+  EXPECT_EQ(chat(R"(, "tool_choice": "none")").tool_choice.mode, ToolChoiceMode::kNone);
+  EXPECT_EQ(chat(R"(, "tool_choice": "required")").tool_choice.mode, ToolChoiceMode::kRequired);
+  const ChatRequest named = chat(R"(, "tool_choice": {"type": "function", "function": {"name": "f"}},
+                                     "parallel_tool_calls": false)");
+  EXPECT_EQ(named.tool_choice.mode, ToolChoiceMode::kFunction);
+  EXPECT_EQ(named.tool_choice.function, "f");
+  EXPECT_FALSE(named.parallel_tool_calls);
+  ASSERT_EQ(named.tool_definitions.size(), 1u);
+  EXPECT_EQ(named.tool_definitions[0].name, "f");
+  expect_api_error([&] { chat(R"(, "tool_choice": {"type": "function", "function": {"name": "g"}})"); }, 400,
+                   "tool_choice", "'g'");
+  expect_api_error([&] { chat(R"(, "tool_choice": "sometimes")"); }, 400, "tool_choice");
+  expect_api_error(
+      [] {
+        parse_chat_request(json::parse(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})"),
+                           SamplingParams{});
+      },
+      400, "tool_choice");
+
+  const ChatRequest schema = chat(R"(, "response_format": {"type": "json_schema",
+      "json_schema": {"name": "p", "strict": true, "schema": {"type": "object"}}}, "logit_bias": {"7": -100, "9": 2.5})");
+  EXPECT_EQ(schema.params.response_format.type, ResponseFormatType::kJsonSchema);
+  EXPECT_EQ(schema.params.response_format.name, "p");
+  EXPECT_TRUE(schema.params.response_format.strict);
+  EXPECT_EQ(schema.params.response_format.schema, json::parse(R"({"type": "object"})"));
+  const std::vector<std::pair<int32_t, float>> bias = {{7, -100.0f}, {9, 2.5f}};
+  EXPECT_EQ(schema.params.sampling.logit_bias, bias);
+  EXPECT_EQ(chat(R"(, "response_format": {"type": "json_object"})").params.response_format.type,
+            ResponseFormatType::kJsonObject);
+  EXPECT_EQ(chat(R"(, "response_format": {"type": "text"})").params.response_format.type, ResponseFormatType::kText);
+
+  // An assistant turn's arguments string becomes the object the templates read.
+  const ChatRequest turn = parse_chat_request(json::parse(R"({"messages": [{"role": "user", "content": "x"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "f", "arguments": "{\"a\": 1}"}}, {"id": "call_2", "type": "function",
+        "function": {"name": "f", "arguments": "not json"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "42"}]})"),
+                                              SamplingParams{});
+  EXPECT_EQ(turn.messages[1]["tool_calls"][0]["function"]["arguments"], json::parse(R"({"a": 1})"));
+  EXPECT_EQ(turn.messages[1]["tool_calls"][1]["function"]["arguments"], "not json");
+  EXPECT_EQ(turn.messages[2]["content"], "42");
 }
 
 }  // namespace
