@@ -25,11 +25,6 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
-// While a response has nothing to send it writes a heartbeat this often (an SSE comment, or JSON's
-// insignificant leading whitespace): a write is the only reliable way to learn that a client is
-// gone (the second write after the peer closed fails), so waiting requests of departed clients are
-// cancelled too.
-constexpr std::chrono::milliseconds kHeartbeatInterval{1000};
 
 
 double seconds_between(SteadyClock::time_point from, SteadyClock::time_point to) {

@@ -10,7 +10,7 @@
 // millisecond), detokenizes and writes. Nothing the engine thread does waits for a client.
 //
 // A client that goes away has its requests cancelled (and their cache blocks freed) at its next
-// write, or within a heartbeat (about a second) while it waits.
+// write, or within two heartbeats (about half a second) while it waits.
 #pragma once
 
 #include <cstddef>

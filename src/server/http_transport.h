@@ -62,6 +62,12 @@ struct HttpRequest {
 class Connection;
 struct EventLoop;
 
+// While a response has nothing to send, its handler writes a heartbeat this often (an SSE comment,
+// or JSON's insignificant leading whitespace): a write is the only reliable way to learn that a
+// client is gone (a FIN may be a half-close whose answer is still due; the second write after the
+// peer closed fails), so the requests of departed clients are cancelled within about two intervals.
+inline constexpr std::chrono::milliseconds kHeartbeatInterval{250};
+
 // One request and its response. Created by the transport for every complete request; the handler
 // keeps it (shared) for as long as the response takes.
 class Exchange : public std::enable_shared_from_this<Exchange> {
@@ -86,7 +92,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   // The connection failed or closed: the response can no longer be delivered.
   bool client_gone() const;
   bool started() const { return started_; }
-  // When the response last wrote to the client (heartbeats are due a while after it).
+  // When the response last wrote to the client (heartbeats are due kHeartbeatInterval after it).
   std::chrono::steady_clock::time_point last_write() const { return last_write_; }
   // Close the connection once this response is complete (shutdown: no more requests on it).
   void close_after_response();

@@ -46,8 +46,6 @@ struct ResponseGeneration {
 namespace {
 
 constexpr std::string_view kRoute = "/v1/responses";
-constexpr std::chrono::milliseconds kHeartbeatInterval{1000};
-constexpr std::chrono::milliseconds kNoWait{-100'000'000'000};  // see http_server.cpp: a non-blocking take
 const char* const kInternal = "internal error (the server log has the details)";
 
 void send_error(Exchange& exchange, const ApiError& error) {
@@ -346,7 +344,7 @@ bool ResponsesEndpoint::step(ResponseGeneration& generation, Exchange& exchange)
     abandon(generation);
     return false;
   }
-  std::vector<StreamEvent> events = generation.stream->wait(kNoWait);
+  std::vector<StreamEvent> events = generation.stream->take();
   if (!generation.admitted) {
     if (events.empty()) return true;
     if (!begin(generation, exchange, events.front())) return false;
