@@ -172,10 +172,8 @@ struct HttpServer::Impl {
                                                      pick_tool_format());
     responses = std::make_unique<ResponsesEndpoint>(ResponsesContext{
         engine, tokenizer, chat_template ? &*chat_template : nullptr, template_uses_think, structured->tool_format(),
-        config.served_model_name, config.default_sampling, config.limits, metrics, response_store,
+        *structured, config.served_model_name, config.default_sampling, config.limits, metrics, response_store,
         [this](std::function<void()> task) { workers.post(std::move(task)); }, active, draining});
-    structured = std::make_unique<StructuredOutputs>(tokenizer, engine.model_config().vocab_size, stop_token_ids(),
-                                                     pick_tool_format());
   }
 
   // The model's EOS ids: a complete constrained output ends with one.

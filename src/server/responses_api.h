@@ -24,7 +24,7 @@
 namespace metrale::server {
 
 // text.format. The constraint itself is the grammar engine's (text/grammar/): the endpoint hands
-// `schema` to it (ResponsesEndpoint, "constrained decoding" in responses_endpoint.cpp).
+// it to StructuredOutputs as a chat response_format (constraint_spec in responses_endpoint.cpp).
 struct ResponseTextFormat {
   enum class Kind : uint8_t { kText, kJsonObject, kJsonSchema };
   Kind kind = Kind::kText;

@@ -27,6 +27,8 @@ struct ResponseGeneration {
   std::optional<ResponseEventBuilder> builder;
   bool reasoning = false;
   bool starts_in_reasoning = false;
+  // Constrained decoding (text.format, a forced tool call): the grammar the output follows (null: none).
+  std::shared_ptr<const grammar::CompiledGrammar> grammar;
 
   std::shared_ptr<RequestStream> stream;
   bool admitted = false;
@@ -63,19 +65,28 @@ std::string typed_event(const json& event) {
 // applying it to the engine request is the grammar engine's part (text/grammar/). Until the
 // endpoint hands it over in submit(), a request that needs it is refused here rather than answered
 // unconstrained.
-void refuse_unapplied_constraints(const ResponsesRequest& request) {
-  if (request.text_format.kind != ResponseTextFormat::Kind::kText) {
-    throw invalid_request(
-        "'text.format' json_object and json_schema need constrained decoding, which /v1/responses does not apply yet",
-        "text.format");
+// The chat endpoints' constraint of this request: text.format as response_format, tool_choice
+// with the request's function tools (required or named: a valid call of them).
+OutputConstraintSpec constraint_spec(const ResponsesRequest& request) {
+  OutputConstraintSpec spec;
+  switch (request.text_format.kind) {
+    case ResponseTextFormat::Kind::kText: spec.response_format.type = ResponseFormatType::kText; break;
+    case ResponseTextFormat::Kind::kJsonObject: spec.response_format.type = ResponseFormatType::kJsonObject; break;
+    case ResponseTextFormat::Kind::kJsonSchema: spec.response_format.type = ResponseFormatType::kJsonSchema; break;
   }
-  const auto mode = request.tool_choice.mode;
-  if (mode == ResponseToolChoice::Mode::kRequired || mode == ResponseToolChoice::Mode::kFunction) {
-    throw invalid_request(
-        "'tool_choice' required or a named function needs constrained decoding, which /v1/responses does not apply "
-        "yet (use \"auto\")",
-        "tool_choice");
+  spec.response_format.name = request.text_format.name;
+  spec.response_format.schema = request.text_format.schema;
+  spec.response_format.strict = request.text_format.strict;
+  switch (request.tool_choice.mode) {
+    case ResponseToolChoice::Mode::kAuto: spec.tool_choice.mode = ToolChoiceMode::kAuto; break;
+    case ResponseToolChoice::Mode::kNone: spec.tool_choice.mode = ToolChoiceMode::kNone; break;
+    case ResponseToolChoice::Mode::kRequired: spec.tool_choice.mode = ToolChoiceMode::kRequired; break;
+    case ResponseToolChoice::Mode::kFunction: spec.tool_choice.mode = ToolChoiceMode::kFunction; break;
   }
+  spec.tool_choice.function = request.tool_choice.function;
+  if (!request.tools.empty()) spec.tools = tool_definitions_from_openai(chat_tools(request.tools));
+  spec.parallel_tool_calls = request.parallel_tool_calls;
+  return spec;
 }
 
 uint64_t random_seed() {
@@ -248,7 +259,7 @@ std::shared_ptr<ResponseGeneration> ResponsesEndpoint::prepare(const std::string
   }
   if (context_.chat_template == nullptr)
     throw invalid_request("this model has no chat template, which /v1/responses needs; use /v1/completions", "input");
-  refuse_unapplied_constraints(request);
+  generation->grammar = context_.structured.grammar_for(constraint_spec(request));
   if (request.previous_response_id) {
     const auto previous = context_.store.get(*request.previous_response_id);
     if (!previous) {
@@ -324,6 +335,13 @@ void ResponsesEndpoint::submit(ResponseGeneration& generation) const {
   request.sampling = generation.request.params.sampling;
   request.max_tokens =
       static_cast<int32_t>(std::min<int64_t>(generation.request.params.max_tokens.value_or(room), room));
+  if (generation.grammar) {
+    GrammarConstraintOptions options;
+    options.reasoning = generation.reasoning;
+    options.starts_in_reasoning = generation.starts_in_reasoning;
+    options.max_tokens = request.max_tokens;
+    request.constraint = context_.structured.constraint(generation.grammar, options);
+  }
   std::vector<Request> requests;
   requests.push_back(std::move(request));
   SubmitResult submitted = engine.submit(std::move(requests));

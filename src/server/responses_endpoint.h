@@ -20,6 +20,7 @@
 #include "server/metrics.h"
 #include "server/openai_protocol.h"
 #include "server/response_store.h"
+#include "server/structured_output.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "text/tool_calls/tool_call_parser.h"
@@ -35,6 +36,7 @@ struct ResponsesContext {
   const ChatTemplate* chat_template = nullptr;  // null: the model has none (the endpoint answers 400)
   bool template_uses_think = false;
   std::optional<ToolCallFormat> tool_call_format;  // nullopt: tool calls stay text
+  StructuredOutputs& structured;                   // text.format and forced tool calls
   std::string served_model_name;
   SamplingParams default_sampling;
   ProtocolLimits limits;

@@ -252,6 +252,42 @@ test('reasoning items reach the prompt', async ({ client, model }) => {
   assert.ok(latest.usage.input_tokens > latestPlain.usage.input_tokens, 'reasoning after the last user turn is in the prompt');
 });
 
+test('text.format json_schema: the answer is JSON of the schema', async ({ client, model }) => {
+  const schema = { type: 'object', properties: { city: { type: 'string' }, days: { type: 'integer' } },
+    required: ['city', 'days'], additionalProperties: false };
+  const response = await client.responses.create({ model, input: 'Plan a trip.', max_output_tokens: 96,
+    temperature: 0, text: { format: { type: 'json_schema', name: 'trip', schema, strict: true } } });
+  checkResponse(response, model);
+  assert.equal(response.status, 'completed', JSON.stringify(response));
+  const value = JSON.parse(response.output_text);
+  assert.deepEqual(Object.keys(value).sort(), ['city', 'days']);
+  assert.equal(typeof value.city, 'string');
+  assert.ok(Number.isInteger(value.days), response.output_text);
+  // Streamed: the same text in the deltas.
+  const stream = client.responses.stream({ model, input: 'Plan a trip.', max_output_tokens: 96, temperature: 0,
+    text: { format: { type: 'json_schema', name: 'trip', schema, strict: true } } });
+  let deltas = '';
+  for await (const event of stream) if (event.type === 'response.output_text.delta') deltas += event.delta;
+  assert.equal(deltas, response.output_text);
+  const json = await client.responses.create({ model, input: 'Anything.', max_output_tokens: 64, temperature: 0,
+    text: { format: { type: 'json_object' } } });
+  assert.equal(typeof JSON.parse(json.output_text), 'object', json.output_text);
+});
+
+test('tool_choice required: a valid function call whatever the model says', async ({ client, model }) => {
+  for (const tool_choice of ['required', { type: 'function', name: 'get_weather' }]) {
+    const response = await client.responses.create({ model, input: 'Weather in Paris?', tools: [weatherTool],
+      tool_choice, max_output_tokens: 96, temperature: 0 });
+    checkResponse(response, model);
+    const calls = response.output.filter((item) => item.type === 'function_call');
+    assert.equal(calls.length, 1, JSON.stringify(response.output));
+    assert.equal(calls[0].name, 'get_weather');
+    const args = JSON.parse(calls[0].arguments);
+    assert.deepEqual(Object.keys(args), ['city']);
+    assert.equal(typeof args.city, 'string');
+  }
+});
+
 test('errors name the field', async ({ client, model, server }) => {
   const rejects = async (body, param) => {
     await assert.rejects(client.responses.create({ model, ...body }), (e) => {
@@ -267,9 +303,8 @@ test('errors name the field', async ({ client, model, server }) => {
     'input[0].content[0]');
   await rejects({ input: 'x', previous_response_id: 'resp_000000000000000000000000' }, 'previous_response_id');
   await rejects({ input: 'x', temperature: 5 }, 'temperature');
-  await rejects({ input: 'x', text: { format: { type: 'json_schema', name: 'n', schema: { type: 'object' } } } },
-    'text.format');
-  await rejects({ input: 'x', tools: [weatherTool], tool_choice: 'required' }, 'tool_choice');
+  await rejects({ input: 'x', tools: [weatherTool], tool_choice: { type: 'function', name: 'no_such_tool' } },
+    'tool_choice.name');
   await assert.rejects(client.responses.create({ model: 'other', input: 'x' }), (e) => e.status === 404);
   const wrongMethod = await fetch(`${server.url}/v1/responses`);
   assert.equal(wrongMethod.status, 405);
