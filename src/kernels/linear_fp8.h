@@ -15,7 +15,8 @@ constexpr int64_t fp8_scale_blocks(int64_t extent) { return (extent + kFp8Block 
 // weight [N, K] f8e4m3, contiguous rows; scale_inv [ceil(N/128), ceil(K/128)] f32, contiguous;
 // out [M, N] f32|bf16 (row stride >= N). Accumulates in fp32. With `accumulate`, adds into out.
 //
-// CPU only: the CUDA entry point raises kUnsupported (no FP8 GEMV/GEMM yet).
+// CUDA: a GEMV that streams each weight row once and dequantises it in registers, 8 input rows
+// per pass (larger M takes more passes: correct, but no FP8 GEMM for prefill yet).
 METRALE_DECLARE_OP_IMPLS(linear_fp8, (const Tensor& x, const Tensor& weight, const Tensor& scale_inv,
                                       const Tensor& out, bool accumulate))
 

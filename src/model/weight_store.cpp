@@ -316,10 +316,6 @@ kernels::LinearWeight Weights::read_fp8(const std::string& name, const Shape& sh
 
 kernels::LinearWeight Weights::get_linear(const std::string& key, const Shape& shape) {
   METRALE_CHECK(shape.ndim() == 2, "get_linear {}: a projection weight is [N, K], not {}", key, shape.to_string());
-  if (fp8_linears() && device_.is_cuda()) {
-    raise(ErrorCode::kUnsupported, "{}: FP8 weights ('{}') run on the CPU only: the CUDA FP8 linear is not written yet",
-          source_name(), prefix_ + key);
-  }
   if (!store_) {
     if (quantization_ != WeightQuantization::kFp8) return synthesize(prefix_ + key, shape);
     // Synthesized on the CPU so the quantiser can read it; the codes go to the model's device.
