@@ -26,8 +26,10 @@ bool checkpoint_has_fp8_weights(const ModelConfig& config) {
   const std::string fmt = quant.contains("fmt") && quant["fmt"].is_string() ? quant["fmt"].get<std::string>() : "e4m3";
   if (fmt != "e4m3") raise(ErrorCode::kUnsupported, "{}: fmt '{}' is not supported (supported: e4m3)", where, fmt);
   if (!quant.contains("weight_block_size") || quant["weight_block_size"].is_null()) {
-    raise(ErrorCode::kUnsupported, "{}: per-tensor FP8 scales (no weight_block_size) are not supported; "
-          "weights need weight_block_size [{}, {}]", where, kernels::kFp8Block, kernels::kFp8Block);
+    raise(ErrorCode::kUnsupported,
+          "{}: per-tensor FP8 scales (no weight_block_size) are not supported; "
+          "weights need weight_block_size [{}, {}]",
+          where, kernels::kFp8Block, kernels::kFp8Block);
   }
   const nlohmann::json& block = quant["weight_block_size"];
   const bool supported = block.is_array() && block.size() == 2 && block[0].is_number_integer() &&
@@ -53,7 +55,8 @@ Fp8Blocks quantize_fp8_blocks(const Tensor& weight) {
   std::vector<float> rows(static_cast<size_t>(std::min(n, b) * k));
   for (int64_t rb = 0; rb < row_blocks; ++rb) {
     const int64_t r0 = rb * b, r1 = std::min(n, r0 + b);
-    convert_to_f32(weight.dtype(), static_cast<const char*>(weight.data()) + r0 * k * static_cast<int64_t>(weight.element_size()),
+    convert_to_f32(weight.dtype(),
+                   static_cast<const char*>(weight.data()) + r0 * k * static_cast<int64_t>(weight.element_size()),
                    rows.data(), static_cast<size_t>((r1 - r0) * k));
     for (int64_t cb = 0; cb < col_blocks; ++cb) {
       const int64_t c0 = cb * b, c1 = std::min(k, c0 + b);
@@ -64,7 +67,8 @@ Fp8Blocks quantize_fp8_blocks(const Tensor& weight) {
       result.scale_inv[static_cast<size_t>(rb * col_blocks + cb)] = scale;
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c)
-          result.codes[static_cast<size_t>(r * k + c)] = f32_to_f8e4m3_bits(rows[static_cast<size_t>((r - r0) * k + c)] / scale);
+          result.codes[static_cast<size_t>(r * k + c)] =
+              f32_to_f8e4m3_bits(rows[static_cast<size_t>((r - r0) * k + c)] / scale);
     }
   }
   return result;

@@ -301,14 +301,16 @@ kernels::LinearWeight Weights::read_fp8(const std::string& name, const Shape& sh
   }
   const std::string scale_name = name + "_scale_inv";
   if (!store_->has(scale_name)) {
-    raise(ErrorCode::kNotFound, "{}: FP8 tensor '{}' has no block scales '{}'", store_->dir().string(), name, scale_name);
+    raise(ErrorCode::kNotFound, "{}: FP8 tensor '{}' has no block scales '{}'", store_->dir().string(), name,
+          scale_name);
   }
   const Tensor scales = store_->get(scale_name);
   const Shape scale_shape{kernels::fp8_scale_blocks(shape[0]), kernels::fp8_scale_blocks(shape[1])};
   if (!(scales.shape() == scale_shape) || scales.dtype() != DType::kF32) {
     raise(ErrorCode::kBadFormat, "{}: block scales '{}' are {} {}, expected f32 {} (blocks of {}x{} of {} {})",
-          store_->file_of(scale_name).path().string(), scale_name, dtype_name(scales.dtype()), scales.shape().to_string(),
-          scale_shape.to_string(), kernels::kFp8Block, kernels::kFp8Block, name, shape.to_string());
+          store_->file_of(scale_name).path().string(), scale_name, dtype_name(scales.dtype()),
+          scales.shape().to_string(), scale_shape.to_string(), kernels::kFp8Block, kernels::kFp8Block, name,
+          shape.to_string());
   }
   if (progress_) progress_->advance(2, weight.nbytes() + scales.nbytes());
   return kernels::LinearWeight(place(weight), place(scales));

@@ -1,13 +1,14 @@
 // CUDA kernels::linear_fp8 (the FP8 GEMV) against its CPU twin on the same e4m3 codes, block scales
 // and inputs: M across the 8-row passes, N and K not multiples of 128 (partial scale blocks) or of
 // 16 (the unvectorised tail), bf16 and f32 inputs and outputs, accumulate, and untouched padding.
+#include "kernels/linear_fp8.h"
+
 #include <gtest/gtest.h>
 
 #include <vector>
 
 #include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
-#include "kernels/linear_fp8.h"
 #include "runtime/device.h"
 
 namespace metrale {
@@ -45,9 +46,8 @@ TEST(CudaLinearFp8, GemvMatchesCpuTwin) {
                                               << " out " << dtype_name(out_dtype) << " accumulate " << accumulate);
             const OwnedTensor x = testing::random_tensor(x_dtype, {m, k}, rng);
             const OwnedTensor codes = random_codes(n, k, rng);
-            const OwnedTensor scales =
-                testing::random_tensor(DType::kF32, {kernels::fp8_scale_blocks(n), kernels::fp8_scale_blocks(k)}, rng,
-                                       1e-3f, 4e-3f);
+            const OwnedTensor scales = testing::random_tensor(
+                DType::kF32, {kernels::fp8_scale_blocks(n), kernels::fp8_scale_blocks(k)}, rng, 1e-3f, 4e-3f);
             const OwnedTensor out_wide = testing::random_tensor(out_dtype, {m, n + kOutPad}, rng, -2.0f, 2.0f);
             const Tensor out_cpu = out_wide->slice(1, 0, n);
             const OwnedTensor out_device = to_device(*out_wide);

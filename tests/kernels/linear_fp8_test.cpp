@@ -15,14 +15,16 @@ using kernels::kFp8Block;
 using testing::Random;
 
 struct Fp8Weight {
-  OwnedTensor codes;   // [N, K] f8e4m3
-  OwnedTensor scales;  // [ceil(N/128), ceil(K/128)] f32
+  OwnedTensor codes;                // [N, K] f8e4m3
+  OwnedTensor scales;               // [ceil(N/128), ceil(K/128)] f32
   std::vector<double> dequantised;  // [N, K]
 };
 
 // Random finite E4M3 codes (every exponent, both signs) and a different scale for each block.
 Fp8Weight random_fp8_weight(int64_t n, int64_t k, Random& rng) {
-  Fp8Weight w{OwnedTensor(DType::kF8E4M3, {n, k}), OwnedTensor(DType::kF32, {kernels::fp8_scale_blocks(n), kernels::fp8_scale_blocks(k)}), {}};
+  Fp8Weight w{OwnedTensor(DType::kF8E4M3, {n, k}),
+              OwnedTensor(DType::kF32, {kernels::fp8_scale_blocks(n), kernels::fp8_scale_blocks(k)}),
+              {}};
   auto* codes = static_cast<uint8_t*>(w.codes->data());
   for (int64_t i = 0; i < n * k; ++i) {
     uint8_t code;
@@ -43,8 +45,8 @@ Fp8Weight random_fp8_weight(int64_t n, int64_t k, Random& rng) {
   return w;
 }
 
-std::vector<double> reference(const std::vector<double>& x, const std::vector<double>& w, int64_t m, int64_t k, int64_t n,
-                              const std::vector<double>* previous) {
+std::vector<double> reference(const std::vector<double>& x, const std::vector<double>& w, int64_t m, int64_t k,
+                              int64_t n, const std::vector<double>* previous) {
   std::vector<double> out(static_cast<size_t>(m * n));
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < n; ++c) {
@@ -66,8 +68,8 @@ TEST(LinearFp8, MatchesDequantisedReference) {
   for (const DType x_dtype : {DType::kF32, DType::kBF16}) {
     for (const bool accumulate : {false, true}) {
       for (const auto [m, k, n] : kShapes) {
-        SCOPED_TRACE(::testing::Message() << dtype_name(x_dtype) << " accumulate " << accumulate << " m " << m << " k " << k
-                                          << " n " << n);
+        SCOPED_TRACE(::testing::Message()
+                     << dtype_name(x_dtype) << " accumulate " << accumulate << " m " << m << " k " << k << " n " << n);
         const Fp8Weight w = random_fp8_weight(n, k, rng);
         const OwnedTensor x = testing::random_tensor(x_dtype, {m, k}, rng);
         OwnedTensor out(DType::kF32, {m, n});
@@ -79,7 +81,8 @@ TEST(LinearFp8, MatchesDequantisedReference) {
           testing::poison(*out);
         }
         kernels::linear_fp8(*x, *w.codes, *w.scales, *out, accumulate);
-        const auto expected = reference(testing::to_doubles(*x), w.dequantised, m, k, n, accumulate ? &previous : nullptr);
+        const auto expected =
+            reference(testing::to_doubles(*x), w.dequantised, m, k, n, accumulate ? &previous : nullptr);
         EXPECT_TRUE(testing::close_rel_l2(*out, expected, testing::kF32Tolerance));
       }
     }

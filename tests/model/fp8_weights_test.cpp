@@ -2,6 +2,8 @@
 // layout (f8e4m3 weights with *_scale_inv, quantization_config) against the double-precision
 // reference of the dequantised weights; --quantization fp8 of a bf16 checkpoint against bf16 (logit
 // error and greedy agreement); the load errors (missing or mis-shaped scales, unsupported configs).
+#include "model/fp8_weights.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,7 +12,6 @@
 
 #include "core/test_support.h"
 #include "kernels/linear_fp8.h"
-#include "model/fp8_weights.h"
 #include "model/model_helpers.h"
 #include "model/registry.h"
 #include "model/safetensors.h"
@@ -44,7 +45,8 @@ bool is_projection(const std::string& key) {
 }
 
 nlohmann::json fp8_quantization_config() {
-  return {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"}, {"weight_block_size", {128, 128}}};
+  return {
+      {"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"}, {"weight_block_size", {128, 128}}};
 }
 
 // The checkpoint of `weights` with every projection stored as e4m3 codes plus block scales (from
@@ -188,12 +190,14 @@ TEST(Fp8Weights, LoadErrorsNameTheTensorOrField) {
     TempDir dir;
     write_fp8_checkpoint(dir.path(), spec, weights, nullptr);
     std::ofstream(dir.path() / "config.json") << testing::tiny_config_json(spec).dump(2);
-    EXPECT_TRUE(throws_error([&] { load_model(dir.path(), Device::cpu()); }, ErrorCode::kBadFormat, {"quantization_config"}));
+    EXPECT_TRUE(
+        throws_error([&] { load_model(dir.path(), Device::cpu()); }, ErrorCode::kBadFormat, {"quantization_config"}));
   }
   const auto unsupported = [&](nlohmann::json quantization, const std::string& needle) {
     TempDir dir;
     write_fp8_checkpoint(dir.path(), spec, weights, nullptr, quantization);
-    EXPECT_TRUE(throws_error([&] { load_model(dir.path(), Device::cpu()); }, ErrorCode::kUnsupported, {needle})) << needle;
+    EXPECT_TRUE(throws_error([&] { load_model(dir.path(), Device::cpu()); }, ErrorCode::kUnsupported, {needle}))
+        << needle;
   };
   nlohmann::json config = fp8_quantization_config();
   config["fmt"] = "e5m2";
@@ -212,9 +216,9 @@ TEST(Fp8Weights, LoadErrorsNameTheTensorOrField) {
 TEST(Fp8Weights, BlockQuantiserUsesAmaxOver448PerBlock) {
   // [130, 129]: four blocks, three of them partial. One large value per block sets its scale.
   std::vector<float> values(130 * 129, 0.25f);
-  values[0] = -896.0f;             // block (0, 0): scale 2
-  values[5 * 129 + 128] = 44.8f;   // block (0, 1): scale 0.1
-  values[129 * 129 + 3] = 4.48f;   // block (1, 0): scale 0.01
+  values[0] = -896.0f;            // block (0, 0): scale 2
+  values[5 * 129 + 128] = 44.8f;  // block (0, 1): scale 0.1
+  values[129 * 129 + 3] = 4.48f;  // block (1, 0): scale 0.01
   // block (1, 1) holds only 0.25: scale 0.25 / 448
   const Fp8Blocks blocks = quantize_fp8_blocks(Tensor(values.data(), DType::kF32, {130, 129}));
   ASSERT_EQ(blocks.scale_inv.size(), 4u);
@@ -222,8 +226,8 @@ TEST(Fp8Weights, BlockQuantiserUsesAmaxOver448PerBlock) {
   EXPECT_FLOAT_EQ(blocks.scale_inv[1], 0.1f);
   EXPECT_FLOAT_EQ(blocks.scale_inv[2], 0.01f);
   EXPECT_FLOAT_EQ(blocks.scale_inv[3], 0.25f / 448.0f);
-  EXPECT_EQ(blocks.codes[0], 0xfe);                       // -448
-  EXPECT_EQ(blocks.codes[129 * 129 + 128], 0x7e);         // 0.25 / (0.25 / 448) = 448
+  EXPECT_EQ(blocks.codes[0], 0xfe);                              // -448
+  EXPECT_EQ(blocks.codes[129 * 129 + 128], 0x7e);                // 0.25 / (0.25 / 448) = 448
   EXPECT_EQ(f8e4m3_bits_to_f32(blocks.codes[1]) * 2.0f, 0.25f);  // 0.125 is exact in e4m3
   const std::vector<float> zeros(4, 0.0f);
   const Fp8Blocks zero = quantize_fp8_blocks(Tensor(const_cast<float*>(zeros.data()), DType::kF32, {2, 2}));

@@ -25,11 +25,11 @@ void linear_fp8(const Tensor& x, const Tensor& weight, const Tensor& scale_inv, 
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   METRALE_CHECK(weight.size(1) == k && out.size(0) == m && out.size(1) == n, "linear_fp8 shapes: x {} w {} out {}",
                 x.describe(), weight.describe(), out.describe());
-  METRALE_CHECK(weight.dtype() == DType::kF8E4M3 && scale_inv.dtype() == DType::kF32, "linear_fp8 dtypes: w {} scales {}",
-                weight.describe(), scale_inv.describe());
-  METRALE_CHECK(scale_inv.size(0) == fp8_scale_blocks(n) && scale_inv.size(1) == fp8_scale_blocks(k) &&
-                    scale_inv.is_contiguous(),
-                "linear_fp8 scales {} for weight {} (block {})", scale_inv.describe(), weight.describe(), kFp8Block);
+  METRALE_CHECK(weight.dtype() == DType::kF8E4M3 && scale_inv.dtype() == DType::kF32,
+                "linear_fp8 dtypes: w {} scales {}", weight.describe(), scale_inv.describe());
+  METRALE_CHECK(
+      scale_inv.size(0) == fp8_scale_blocks(n) && scale_inv.size(1) == fp8_scale_blocks(k) && scale_inv.is_contiguous(),
+      "linear_fp8 scales {} for weight {} (block {})", scale_inv.describe(), weight.describe(), kFp8Block);
   METRALE_CHECK(x.stride(1) == 1 && weight.stride(1) == 1 && weight.stride(0) == k && out.stride(1) == 1,
                 "linear_fp8 needs contiguous rows");
   if (m == 0 || n == 0) return;

@@ -78,7 +78,8 @@ void expect(bool condition, const std::string& what) {
 }  // namespace
 
 void linear_fp8(const Tensor& x, const Tensor& weight, const Tensor& scale_inv, const Tensor& out, bool accumulate) {
-  expect(x.ndim() == 2 && weight.ndim() == 2 && out.ndim() == 2 && scale_inv.ndim() == 2, "x, weight, scales and out must be 2-D");
+  expect(x.ndim() == 2 && weight.ndim() == 2 && out.ndim() == 2 && scale_inv.ndim() == 2,
+         "x, weight, scales and out must be 2-D");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   expect(weight.size(1) == k && out.size(0) == m && out.size(1) == n,
          "shapes x " + x.describe() + " weight " + weight.describe() + " out " + out.describe());
