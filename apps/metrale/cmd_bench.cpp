@@ -194,7 +194,7 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
       const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
       return make_random_model(config, device, 1);
     }
-    return load_model(resolve_model_dir(options.engine), device, LoadOptions{options.engine.allow_unused_weights});
+    return load_model(resolve_model_dir(options.engine), device, load_options(options.engine));
   };
   EngineConfig spec_config = engine_config_from(options.engine);
   const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
@@ -295,7 +295,7 @@ int run_bench(const BenchOptions& options) {
     model = make_random_model(config, device, 1);
     source = options.config + " (random weights)";
   } else {
-    model = load_model(resolve_model_dir(options.engine), device, LoadOptions{options.engine.allow_unused_weights});
+    model = load_model(resolve_model_dir(options.engine), device, load_options(options.engine));
     source = options.engine.model;
   }
   const ModelConfig config = model->config();

@@ -23,6 +23,10 @@ std::filesystem::path default_model_dir() {
   return std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "demo";
 }
 
+LoadOptions load_options(const EngineOptions& options) {
+  return LoadOptions{options.allow_unused_weights, parse_weight_quantization(options.quantization)};
+}
+
 void add_model_option(CLI::App& command, EngineOptions& options) {
   command.add_option("--model,-m", options.model,
                      "Hugging Face model directory (default: the bundled demo model, models/demo)");
@@ -31,6 +35,10 @@ void add_model_option(CLI::App& command, EngineOptions& options) {
 void add_device_options(CLI::App& command, EngineOptions& options) {
   command.add_flag("--allow-unused-weights", options.allow_unused_weights,
                    "load a checkpoint whose tensors the model does not all read (a warning instead of an error)");
+  command.add_option("--quantization", options.quantization,
+                     "fp8: quantise the attention and dense MLP projection weights to FP8 (e4m3, 128x128 block "
+                     "scales) at load; none: as stored (a checkpoint declaring fp8 loads in FP8 either way)")
+      ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
   command.add_option("--device", options.device, "cpu, cuda or cuda:N (default: the GPU when present, else cpu)");
   command.add_option("--threads", options.threads, "CPU threads (default: all cores; at most 4 per core)")
       ->check(CLI::Range(0, ThreadPool::kMaxThreads));
@@ -252,7 +260,7 @@ std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefil
   engine_config_from(options);  // the flags' own errors (sizes) before the model loads
   const std::filesystem::path dir = resolve_model_dir(options);
   check_engine_options(options, load_model_config(dir));  // before the weights load
-  return make_engine_for(load_model(dir, device, LoadOptions{options.allow_unused_weights}), options,
+  return make_engine_for(load_model(dir, device, load_options(options)), options,
                          max_prefill_chunk);
 }
 

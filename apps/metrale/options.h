@@ -11,6 +11,7 @@
 #include "engine/engine.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "model/registry.h"
 
 namespace metrale::cli {
 
@@ -18,6 +19,7 @@ struct EngineOptions {
   std::string model;                  // directory; empty: the bundled default model
   std::string device;                 // "cpu", "cuda", "cuda:N"; empty: GPU when present
   bool allow_unused_weights = false;  // checkpoint tensors the model does not read: a warning, not an error
+  std::string quantization = "none";  // none | fp8: quantise the dense projection weights to FP8 at load
   int threads = 0;                    // CPU threads; 0: all cores
   int block_size = 16;
   int max_num_seqs = 64;
@@ -60,6 +62,8 @@ SamplingParams sampling_from_flags(const CLI::App& command, const SamplingParams
 void add_device_options(CLI::App& command, EngineOptions& options);
 
 std::filesystem::path resolve_model_dir(const EngineOptions& options);
+// The load options the flags ask for (--allow-unused-weights, --quantization).
+LoadOptions load_options(const EngineOptions& options);
 // Loads the model and builds the engine; `scheduler` overrides are applied on top of the flags.
 // The flags are checked against the model first (check_engine_options).
 std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk = 0);

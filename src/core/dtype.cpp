@@ -1,5 +1,7 @@
 #include "core/dtype.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "core/error.h"
@@ -85,6 +87,24 @@ float f8e4m3_bits_to_f32(uint8_t bits) {
     magnitude = std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, static_cast<int>(exponent) - 7);
   }
   return negative ? -magnitude : magnitude;
+}
+
+uint8_t f32_to_f8e4m3_bits(float value) {
+  if (std::isnan(value)) return 0x7f;
+  // The 127 non-negative finite codes (0x00..0x7e) increase with their value: find the nearest.
+  static const std::array<float, 127> kMagnitudes = [] {
+    std::array<float, 127> table{};
+    for (size_t code = 0; code < table.size(); ++code) table[code] = f8e4m3_bits_to_f32(static_cast<uint8_t>(code));
+    return table;
+  }();
+  const uint8_t sign = std::signbit(value) ? 0x80u : 0x00u;
+  const float magnitude = std::fabs(value);
+  if (magnitude >= kMagnitudes.back()) return static_cast<uint8_t>(sign | 0x7eu);
+  const auto upper = std::upper_bound(kMagnitudes.begin(), kMagnitudes.end(), magnitude);
+  size_t code = static_cast<size_t>(upper - kMagnitudes.begin());  // kMagnitudes[code - 1] <= magnitude < [code]
+  const float below = kMagnitudes[code - 1], above = kMagnitudes[code];
+  if (magnitude - below < above - magnitude || (magnitude - below == above - magnitude && (code - 1) % 2 == 0)) --code;
+  return static_cast<uint8_t>(sign | code);
 }
 
 void convert_to_f32(DType dtype, const void* src, float* dst, size_t count) {

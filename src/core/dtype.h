@@ -32,6 +32,8 @@ float f16_bits_to_f32(uint16_t bits);
 
 // OCP FP8 E4M3 (the "fn" variant: no infinities, 0x7f/0xff are NaN, max 448).
 float f8e4m3_bits_to_f32(uint8_t bits);
+// Rounds to the nearest E4M3 value (ties to an even code), saturating to +-448; NaN -> 0x7f.
+uint8_t f32_to_f8e4m3_bits(float value);
 
 // Converts `count` elements of `dtype` at `src` to fp32.
 void convert_to_f32(DType dtype, const void* src, float* dst, size_t count);

@@ -180,7 +180,8 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::filesyst
   if (config.contains("text_config") && config["text_config"].is_object()) {
     result.text = config["text_config"];
     // Fields that composite configs keep at the top level.
-    for (const char* key : {"tie_word_embeddings", "eos_token_id", "bos_token_id", "dtype", "torch_dtype"}) {
+    for (const char* key :
+         {"tie_word_embeddings", "eos_token_id", "bos_token_id", "dtype", "torch_dtype", "quantization_config"}) {
       if (!result.text.contains(key) && config.contains(key)) result.text[key] = config[key];
     }
   } else {

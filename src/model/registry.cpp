@@ -118,8 +118,12 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   if (device.is_cuda()) kernels::linear_prepare(device);
   auto store = std::make_shared<const WeightStore>(dir);
   Weights weights(store, device);
-  METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {}", entry->model_type, dir.string(), weights.prefix(),
-                   device.to_string());
+  const bool checkpoint_fp8 = checkpoint_has_fp8_weights(config);
+  weights.set_fp8(checkpoint_fp8, options.quantization);
+  METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {}{}", entry->model_type, dir.string(), weights.prefix(),
+                   device.to_string(),
+                   checkpoint_fp8                                         ? " with the checkpoint's FP8 weights"
+                   : options.quantization == WeightQuantization::kFp8 ? ", quantising projections to FP8" : "");
   // Counted as they are read; the count may end below the total (tensors an architecture skips).
   auto progress = std::make_shared<StageProgress>(
       "weights", fmt::format("loading weights of {} from {} on {}", entry->model_type, dir.string(), device.to_string()),

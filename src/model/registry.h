@@ -7,6 +7,7 @@
 #include <span>
 #include <string_view>
 
+#include "model/fp8_weights.h"
 #include "model/model.h"
 
 namespace metrale {
@@ -31,6 +32,10 @@ struct LoadOptions {
   // load error naming it (a key layout the loader does not know would otherwise run with missing
   // weights unnoticed); this turns the error into a warning.
   bool allow_unused_weights = false;
+  // kFp8: the plain projection weights that blocks read through Weights::get_linear() (dense
+  // attention and MLP) are quantised to FP8 blocks at load. A checkpoint whose config.json declares
+  // fp8 quantization is read in FP8 either way.
+  WeightQuantization quantization = WeightQuantization::kNone;
 };
 
 std::span<const ArchEntry> registered_architectures();

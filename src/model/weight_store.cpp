@@ -121,12 +121,15 @@ Weights Weights::with_prefix(std::string prefix) const {
     Weights derived(store_, device_, std::move(prefix));
     derived.aliases_ = aliases_;
     derived.progress_ = progress_;
+    derived.checkpoint_fp8_ = checkpoint_fp8_;
+    derived.quantization_ = quantization_;
     return derived;
   }
   RandomWeights random = random_;
   random.seed = random_.seed * 0x9E3779B97F4A7C15ull + 0x6D7470ull;  // "mtp": any fixed mix will do
   Weights derived(random, device_);
   derived.prefix_ = std::move(prefix);
+  derived.quantization_ = quantization_;
   return derived;
 }
 
@@ -218,7 +221,9 @@ Tensor Weights::get_root(const std::string& requested, const Shape& shape) {
           name, view.shape().to_string(), shape.to_string());
   }
   if (!is_floating(view.dtype()) || view.dtype() == DType::kF8E4M3) {
-    raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
+    raise(ErrorCode::kUnsupported,
+          "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32 (FP8 is read for the dense attention and "
+          "MLP projections only)",
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
   if (progress_) progress_->advance(1, view.nbytes());
@@ -249,6 +254,92 @@ Tensor Weights::get_root(const std::string& requested, const Shape& shape) {
   Tensor placed(buffer.data(), DType::kBF16, view.shape(), device_);
   buffers_.push_back(std::move(buffer));
   return placed;
+}
+
+void Weights::set_fp8(bool checkpoint_fp8, WeightQuantization quantization) {
+  checkpoint_fp8_ = checkpoint_fp8;
+  quantization_ = quantization;
+}
+
+Tensor Weights::place(const Tensor& host) {
+  if (device_.is_cpu() && reinterpret_cast<uintptr_t>(host.data()) % host.element_size() == 0) return host;
+  Buffer buffer(device_, host.nbytes());
+  copy_bytes(buffer.data(), device_, host.data(), Device::cpu(), host.nbytes());
+  Tensor placed(buffer.data(), host.dtype(), host.shape(), device_);
+  buffers_.push_back(std::move(buffer));
+  return placed;
+}
+
+kernels::LinearWeight Weights::quantize(const Tensor& host_weight) {
+  const Fp8Blocks blocks = quantize_fp8_blocks(host_weight);
+  const int64_t n = host_weight.size(0), k = host_weight.size(1);
+  const Tensor codes(const_cast<uint8_t*>(blocks.codes.data()), DType::kF8E4M3, {n, k}, Device::cpu());
+  const Tensor scales(const_cast<float*>(blocks.scale_inv.data()), DType::kF32,
+                      {kernels::fp8_scale_blocks(n), kernels::fp8_scale_blocks(k)}, Device::cpu());
+  // Copies: the quantised bytes live in this call's vectors.
+  Buffer code_buffer(device_, codes.nbytes()), scale_buffer(device_, scales.nbytes());
+  copy_bytes(code_buffer.data(), device_, codes.data(), Device::cpu(), codes.nbytes());
+  copy_bytes(scale_buffer.data(), device_, scales.data(), Device::cpu(), scales.nbytes());
+  kernels::LinearWeight placed(Tensor(code_buffer.data(), DType::kF8E4M3, codes.shape(), device_),
+                               Tensor(scale_buffer.data(), DType::kF32, scales.shape(), device_));
+  buffers_.push_back(std::move(code_buffer));
+  buffers_.push_back(std::move(scale_buffer));
+  return placed;
+}
+
+kernels::LinearWeight Weights::read_fp8(const std::string& name, const Shape& shape) {
+  const std::string file = store_->file_of(name).path().string();
+  if (!checkpoint_fp8_) {
+    raise(ErrorCode::kBadFormat,
+          "{}: tensor '{}' is f8e4m3 but config.json declares no quantization_config {{quant_method: \"fp8\"}}", file,
+          name);
+  }
+  const Tensor weight = store_->get(name);
+  if (!(weight.shape() == shape)) {
+    raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", file, name, weight.shape().to_string(),
+          shape.to_string());
+  }
+  const std::string scale_name = name + "_scale_inv";
+  if (!store_->has(scale_name)) {
+    raise(ErrorCode::kNotFound, "{}: FP8 tensor '{}' has no block scales '{}'", store_->dir().string(), name,
+          scale_name);
+  }
+  const Tensor scales = store_->get(scale_name);
+  const Shape scale_shape{kernels::fp8_scale_blocks(shape[0]), kernels::fp8_scale_blocks(shape[1])};
+  if (!(scales.shape() == scale_shape) || scales.dtype() != DType::kF32) {
+    raise(ErrorCode::kBadFormat, "{}: block scales '{}' are {} {}, expected f32 {} (blocks of {}x{} of {} {})",
+          store_->file_of(scale_name).path().string(), scale_name, dtype_name(scales.dtype()),
+          scales.shape().to_string(), scale_shape.to_string(), kernels::kFp8Block, kernels::kFp8Block, name,
+          shape.to_string());
+  }
+  if (progress_) progress_->advance(2, weight.nbytes() + scales.nbytes());
+  return kernels::LinearWeight(place(weight), place(scales));
+}
+
+kernels::LinearWeight Weights::get_linear(const std::string& key, const Shape& shape) {
+  METRALE_CHECK(shape.ndim() == 2, "get_linear {}: a projection weight is [N, K], not {}", key, shape.to_string());
+  if (!store_) {
+    if (quantization_ != WeightQuantization::kFp8) return synthesize(prefix_ + key, shape);
+    // Synthesized on the CPU so the quantiser can read it; the codes go to the model's device.
+    Weights host(random_, Device::cpu());
+    host.random_index_ = random_index_++;
+    return quantize(host.synthesize(prefix_ + key, shape));
+  }
+  const std::string name = resolve(prefix_ + key);
+  const DType stored = store_->file_of(name).view(name).dtype();
+  if (stored == DType::kF8E4M3) return read_fp8(name, shape);
+  if (quantization_ != WeightQuantization::kFp8) return get(key, shape);
+  const Tensor view = store_->get(name);
+  if (!(view.shape() == shape)) {
+    raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", store_->file_of(name).path().string(),
+          name, view.shape().to_string(), shape.to_string());
+  }
+  if (view.dtype() != DType::kF32 && view.dtype() != DType::kBF16 && view.dtype() != DType::kF16) {
+    raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
+          store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
+  }
+  if (progress_) progress_->advance(1, view.nbytes());
+  return quantize(view);
 }
 
 }  // namespace metrale

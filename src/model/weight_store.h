@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "core/startup.h"
+#include "kernels/linear_weight.h"
+#include "model/fp8_weights.h"
 #include "model/safetensors.h"
 
 namespace metrale {
@@ -73,6 +75,16 @@ class Weights {
   // Reads `prefix + key` into `destination` (a view on the model's device, e.g. rows of a fused
   // weight), converting to its dtype; its shape is the expected shape. No other copy is kept.
   void load_into(const std::string& key, const Tensor& destination);
+  // A projection weight `prefix + key` of `shape` [N, K] as the blocks run it (kernels::LinearWeight):
+  // an f8e4m3 checkpoint tensor with its `<name>_scale_inv` [ceil(N/128), ceil(K/128)] f32 (both read);
+  // a plain tensor quantised to FP8 here under WeightQuantization::kFp8; else what get() gives.
+  // Errors name the tensor: an FP8 tensor without an fp8 quantization_config, a missing or
+  // mis-shaped scale.
+  kernels::LinearWeight get_linear(const std::string& key, const Shape& shape);
+  // FP8 weights: read from the checkpoint (its config.json declares them) and/or quantised at load.
+  void set_fp8(bool checkpoint_fp8, WeightQuantization quantization);
+  // Whether get_linear() may return FP8 weights (blocks then keep their projections unfused).
+  bool fp8_linears() const { return checkpoint_fp8_ || quantization_ == WeightQuantization::kFp8; }
   // The dtype weights have on the model's device when placed by get() (bf16 on the GPU).
   DType device_dtype(DType stored) const { return device_.is_cpu() ? stored : DType::kBF16; }
 
@@ -96,6 +108,10 @@ class Weights {
 
  private:
   Tensor synthesize(const std::string& name, const Shape& shape);
+  kernels::LinearWeight read_fp8(const std::string& name, const Shape& shape);
+  kernels::LinearWeight quantize(const Tensor& host_weight);
+  // A CPU tensor on the model's device: in place on the CPU when aligned for its dtype, else a copy kept here.
+  Tensor place(const Tensor& host);
 
   std::shared_ptr<const WeightStore> store_;  // null for random weights
   RandomWeights random_;
@@ -107,6 +123,8 @@ class Weights {
   std::shared_ptr<std::unordered_map<std::string, std::string>> aliases_ =
       std::make_shared<std::unordered_map<std::string, std::string>>();
   std::shared_ptr<StageProgress> progress_;  // null: not counted
+  bool checkpoint_fp8_ = false;
+  WeightQuantization quantization_ = WeightQuantization::kNone;
 };
 
 }  // namespace metrale

@@ -389,5 +389,29 @@ TEST(DType, SizesNamesAndKinds) {
   EXPECT_FALSE(is_floating(DType::kBool));
 }
 
+TEST(DType, F8E4M3EncodingRoundsToNearestEvenAndSaturates) {
+  // Every finite code encodes back to itself, both signs.
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) == 0x7f) continue;  // NaN
+    const float value = f8e4m3_bits_to_f32(static_cast<uint8_t>(code));
+    if (code == 0x80) {
+      EXPECT_EQ(f32_to_f8e4m3_bits(value), 0x80);  // -0
+      continue;
+    }
+    EXPECT_EQ(f32_to_f8e4m3_bits(value), code) << value;
+  }
+  // Between neighbours the nearer wins; a midpoint goes to the even code (1.0 = 0x38, 1.125 = 0x39).
+  EXPECT_EQ(f32_to_f8e4m3_bits(1.06f), 0x38);
+  EXPECT_EQ(f32_to_f8e4m3_bits(1.07f), 0x39);
+  EXPECT_EQ(f32_to_f8e4m3_bits(1.0625f), 0x38);
+  EXPECT_EQ(f32_to_f8e4m3_bits(1.1875f), 0x3a);  // between 0x39 and 0x3a: even
+  EXPECT_EQ(f32_to_f8e4m3_bits(-1.07f), 0xb9);
+  EXPECT_EQ(f32_to_f8e4m3_bits(1e-4f), 0x00);     // below half the smallest subnormal (2^-9)
+  EXPECT_EQ(f32_to_f8e4m3_bits(0.0015f), 0x01);   // nearer 2^-9 than 0
+  EXPECT_EQ(f32_to_f8e4m3_bits(1000.0f), 0x7e);   // saturates to 448
+  EXPECT_EQ(f32_to_f8e4m3_bits(-1e30f), 0xfe);
+  EXPECT_EQ(f32_to_f8e4m3_bits(std::numeric_limits<float>::quiet_NaN()), 0x7f);
+}
+
 }  // namespace
 }  // namespace metrale

@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "kernels/attention.h"
-#include "kernels/linear.h"
+#include "kernels/linear_weight.h"
 #include "kernels/qk_norm_rope.h"
 #include "kernels/sigmoid_gate.h"
 
@@ -14,17 +14,17 @@ Attention::Attention(const AttentionConfig& config, Weights& weights, const std:
     : config_(config), rope_(std::move(rope)), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
   const int64_t h = config.hidden_size, d = config.head_dim;
   const int64_t q_rows = config.num_heads * d * (config.output_gate ? 2 : 1), kv_rows = config.num_kv_heads * d;
-  if (weights.device().is_cuda()) {
+  if (weights.device().is_cuda() && !weights.fp8_linears()) {
     qkv_proj_ = OwnedTensor(DType::kBF16, {q_rows + 2 * kv_rows, h}, weights.device());
     weights.load_into(prefix + "q_proj.weight", qkv_proj_.tensor.slice(0, 0, q_rows));
     weights.load_into(prefix + "k_proj.weight", qkv_proj_.tensor.slice(0, q_rows, q_rows + kv_rows));
     weights.load_into(prefix + "v_proj.weight", qkv_proj_.tensor.slice(0, q_rows + kv_rows, q_rows + 2 * kv_rows));
   } else {
-    q_proj_ = weights.get(prefix + "q_proj.weight", {q_rows, h});
-    k_proj_ = weights.get(prefix + "k_proj.weight", {kv_rows, h});
-    v_proj_ = weights.get(prefix + "v_proj.weight", {kv_rows, h});
+    q_proj_ = weights.get_linear(prefix + "q_proj.weight", {q_rows, h});
+    k_proj_ = weights.get_linear(prefix + "k_proj.weight", {kv_rows, h});
+    v_proj_ = weights.get_linear(prefix + "v_proj.weight", {kv_rows, h});
   }
-  o_proj_ = weights.get(prefix + "o_proj.weight", {h, config.num_heads * d});
+  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, config.num_heads * d});
   if (config.qk_norm) {
     q_norm_ = RmsNorm::load(weights, prefix + "q_norm.weight", d, config.rms_norm_eps, config.norm_kind);
     k_norm_ = RmsNorm::load(weights, prefix + "k_norm.weight", d, config.rms_norm_eps, config.norm_kind);

@@ -1,7 +1,7 @@
 #include "model/blocks/mlp.h"
 
 #include "kernels/activation.h"
-#include "kernels/linear.h"
+#include "kernels/linear_weight.h"
 
 namespace metrale {
 
@@ -25,16 +25,16 @@ void SwiGluWeights::run(const StepContext& step, const Tensor& x, const Tensor& 
 Mlp::Mlp(Weights& weights, const std::string& prefix, int64_t hidden_size, int64_t intermediate_size,
          float swiglu_limit) {
   weights_.limit = swiglu_limit;
-  if (weights.device().is_cuda()) {
+  if (weights.device().is_cuda() && !weights.fp8_linears()) {
     fused_gate_up_ = OwnedTensor(DType::kBF16, {2 * intermediate_size, hidden_size}, weights.device());
     weights.load_into(prefix + "gate_proj.weight", fused_gate_up_.tensor.slice(0, 0, intermediate_size));
     weights.load_into(prefix + "up_proj.weight", fused_gate_up_.tensor.slice(0, intermediate_size, 2 * intermediate_size));
     weights_.gate_up = fused_gate_up_.tensor;
   } else {
-    weights_.gate = weights.get(prefix + "gate_proj.weight", {intermediate_size, hidden_size});
-    weights_.up = weights.get(prefix + "up_proj.weight", {intermediate_size, hidden_size});
+    weights_.gate = weights.get_linear(prefix + "gate_proj.weight", {intermediate_size, hidden_size});
+    weights_.up = weights.get_linear(prefix + "up_proj.weight", {intermediate_size, hidden_size});
   }
-  weights_.down = weights.get(prefix + "down_proj.weight", {hidden_size, intermediate_size});
+  weights_.down = weights.get_linear(prefix + "down_proj.weight", {hidden_size, intermediate_size});
 }
 
 void Mlp::forward(const StepContext& step, const Tensor& x, const Tensor& out) { weights_.run(step, x, out); }

@@ -8,11 +8,12 @@
 
 namespace metrale {
 
+// Plain or FP8 block-scaled weights (kernels::LinearWeight).
 struct SwiGluWeights {
-  Tensor gate;     // [I, H]
-  Tensor up;       // [I, H]
-  Tensor down;     // [H, I]
-  Tensor gate_up;  // [2I, H]: gate rows then up rows, when both live in one tensor (one GEMM)
+  kernels::LinearWeight gate;     // [I, H]
+  kernels::LinearWeight up;       // [I, H]
+  kernels::LinearWeight down;     // [H, I]
+  kernels::LinearWeight gate_up;  // [2I, H]: gate rows then up rows, when both live in one tensor (one GEMM)
   float limit = 0.0f;  // > 0: the clamped SwiGLU (swiglu_limit, glm_deepseek.md §1)
 
   int64_t intermediate_size() const { return down.size(1); }
@@ -28,7 +29,7 @@ class Mlp : public FeedForward {
   void forward(const StepContext& step, const Tensor& x, const Tensor& out) override;
 
  private:
-  OwnedTensor fused_gate_up_;  // GPU: gate and up in one [2I, H] weight
+  OwnedTensor fused_gate_up_;  // GPU with bf16 weights: gate and up in one [2I, H] weight
   SwiGluWeights weights_;
 };
 

@@ -1,0 +1,70 @@
+// CUDA kernels::linear_fp8 (the FP8 GEMV) against its CPU twin on the same e4m3 codes, block scales
+// and inputs: M across the 8-row passes, N and K not multiples of 128 (partial scale blocks) or of
+// 16 (the unvectorised tail), bf16 and f32 inputs and outputs, accumulate, and untouched padding.
+#include "kernels/linear_fp8.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "cuda/cuda_test_helpers.h"
+#include "kernels/kernel_helpers.h"
+#include "runtime/device.h"
+
+namespace metrale {
+namespace {
+
+using testing::Random;
+using testing::to_device;
+using testing::to_host;
+
+OwnedTensor random_codes(int64_t n, int64_t k, Random& rng) {
+  OwnedTensor codes(DType::kF8E4M3, {n, k});
+  auto* bytes = static_cast<uint8_t*>(codes->data());
+  for (int64_t i = 0; i < n * k; ++i) {
+    uint8_t code;
+    do {
+      code = static_cast<uint8_t>(rng.integer(0, 255));
+    } while ((code & 0x7fu) == 0x7fu);  // NaN
+    bytes[i] = code;
+  }
+  return codes;
+}
+
+TEST(CudaLinearFp8, GemvMatchesCpuTwin) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(9101);
+  const int64_t ms[] = {1, 3, 8, 9, 17};
+  const std::pair<int64_t, int64_t> nks[] = {{1, 16}, {5, 19}, {67, 136}, {130, 200}, {257, 1000}, {96, 4104}};
+  constexpr int64_t kOutPad = 3;
+  for (const int64_t m : ms) {
+    for (const auto& [n, k] : nks) {
+      for (const DType x_dtype : {DType::kBF16, DType::kF32}) {
+        for (const DType out_dtype : {DType::kF32, DType::kBF16}) {
+          for (const bool accumulate : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << "m " << m << " n " << n << " k " << k << " x " << dtype_name(x_dtype)
+                                              << " out " << dtype_name(out_dtype) << " accumulate " << accumulate);
+            const OwnedTensor x = testing::random_tensor(x_dtype, {m, k}, rng);
+            const OwnedTensor codes = random_codes(n, k, rng);
+            const OwnedTensor scales = testing::random_tensor(
+                DType::kF32, {kernels::fp8_scale_blocks(n), kernels::fp8_scale_blocks(k)}, rng, 1e-3f, 4e-3f);
+            const OwnedTensor out_wide = testing::random_tensor(out_dtype, {m, n + kOutPad}, rng, -2.0f, 2.0f);
+            const Tensor out_cpu = out_wide->slice(1, 0, n);
+            const OwnedTensor out_device = to_device(*out_wide);
+            kernels::linear_fp8(*to_device(*x), *to_device(*codes), *to_device(*scales), out_device->slice(1, 0, n),
+                                accumulate);
+            kernels::linear_fp8(*x, *codes, *scales, out_cpu, accumulate);
+            const OwnedTensor got = to_host(*out_device);
+            const double tolerance = out_dtype == DType::kF32 ? 2e-5 : testing::kBf16OutputTolerance;
+            EXPECT_TRUE(testing::close_rel_l2(got->slice(1, 0, n), testing::to_doubles(out_cpu), tolerance));
+            EXPECT_EQ(testing::element_bytes(got->slice(1, n, n + kOutPad)),
+                      testing::element_bytes(out_wide->slice(1, n, n + kOutPad)));
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace metrale
