@@ -49,6 +49,15 @@ CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& 
       caches_[i].tensors.push_back(storage.back().tensor);
     }
   }
+  if (config.num_host_blocks > 0 || config.num_host_slots > 0) {
+    std::vector<size_t> block_bytes, slot_bytes;
+    for (const OwnedTensor& tensor : paged_storage_)
+      block_bytes.push_back(config.num_blocks > 0 ? tensor.tensor.nbytes() / static_cast<size_t>(config.num_blocks) : 0);
+    for (const OwnedTensor& tensor : slot_storage_)
+      slot_bytes.push_back(tensor.tensor.nbytes() / static_cast<size_t>(tensor.tensor.size(0)));
+    host_ = HostTier(device, std::move(block_bytes), std::move(slot_bytes), config.num_host_blocks,
+                     has_slots_ ? config.num_host_slots : 0);
+  }
 }
 
 uint64_t CacheManager::kv_memory_bytes() const {
@@ -77,7 +86,7 @@ void CacheManager::allocate_blocks(int32_t count, std::vector<int32_t>& out) {
 
 std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t seq_id, std::span<const int32_t> tokens,
                                                                       bool use_prefix_cache) {
-  METRALE_CHECK(!has_sequence(seq_id), "sequence {} already has cache entries", seq_id);
+  METRALE_CHECK(!has_sequence(seq_id) && !is_swapped(seq_id), "sequence {} already has cache entries", seq_id);
   SequenceEntry entry;
   if (needs_state_slot()) {
     entry.state_slot = sequence_slots_.allocate();
@@ -127,6 +136,7 @@ int32_t CacheManager::blocks_needed(int64_t seq_id, int64_t total_tokens) const 
 }
 
 bool CacheManager::reserve(int64_t seq_id, int64_t total_tokens) {
+  METRALE_CHECK(!is_swapped(seq_id), "reserve for sequence {}, which is swapped out", seq_id);
   const int32_t needed = blocks_needed(seq_id, total_tokens);
   if (needed > pool_.num_free()) return false;
   auto it = sequences_.find(seq_id);
@@ -143,6 +153,12 @@ bool CacheManager::reserve(int64_t seq_id, int64_t total_tokens) {
 }
 
 void CacheManager::free_sequence(int64_t seq_id) {
+  if (const auto swapped = swapped_.find(seq_id); swapped != swapped_.end()) {
+    for (const int32_t block : swapped->second.host_blocks) host_.free_block(block);
+    if (swapped->second.host_slot >= 0) host_.free_slot(swapped->second.host_slot);
+    swapped_.erase(swapped);
+    return;
+  }
   const auto it = sequences_.find(seq_id);
   if (it == sequences_.end()) return;
   // Tail first: the empty blocks go back on top of the free stack last, so the next allocation
@@ -333,6 +349,7 @@ void CacheManager::check_integrity() const {
                 lru.size(), cached_free);
   for (const int32_t block : lru)
     METRALE_CHECK(pool_.ref_count(block) == 0 && pool_.is_cached(block), "LRU block {} is in use or not cached", block);
+  check_host_tier_integrity();
 }
 
 }  // namespace metrale

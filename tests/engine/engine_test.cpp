@@ -141,6 +141,43 @@ TEST(Engine, PreemptionLosesAndRepeatsNothing) {
   expect_cache_drained(*engine);
 }
 
+// With a host tier, preempted sequences are swapped out (blocks and all) and back in instead of
+// recomputed, and must not notice; a tier too small for every victim swaps some and recomputes the
+// rest. Greedy and seeded sampling both give the tokens of a run without preemption.
+TEST(Engine, SwapPreemptionGivesTheTokensOfRecomputeAndDrains) {
+  const auto dir = write_tiny_qwen3({}, "swap");
+  for (const float temperature : {0.0f, 0.8f}) {
+    auto reference_engine = make_engine(dir);
+    for (const auto& prompt : kPrompts) reference_engine->add_request(make_request(prompt, 24, temperature, 5));
+    const auto reference = run_to_completion(*reference_engine);
+    EXPECT_EQ(reference_engine->stats().num_preemptions, 0);
+    for (const int32_t host_blocks : {64, 1}) {
+      EngineConfig config;
+      config.num_kv_blocks = 4;
+      auto probe = make_engine(dir, config);
+      config.swap_space_bytes = static_cast<uint64_t>(host_blocks) * paged_bytes_per_block(
+          probe->cache().specs(), probe->plan().block_size, DType::kF32);
+      auto engine = make_engine(dir, config);
+      ASSERT_EQ(engine->plan().num_host_blocks, host_blocks);
+      for (const auto& prompt : kPrompts) engine->add_request(make_request(prompt, 24, temperature, 5));
+      const auto outputs = testing::tokens_of(testing::run_to_completion(*engine, testing::expect_cache_integrity));
+      EXPECT_EQ(outputs, reference) << "temperature " << temperature << ", " << host_blocks << " host blocks";
+      const EngineStats stats = engine->stats();
+      EXPECT_GT(stats.swapped_out_sequences, 0) << "the scenario is meant to swap";
+      EXPECT_EQ(stats.swapped_in_sequences, stats.swapped_out_sequences);
+      EXPECT_EQ(stats.swapped_in_blocks, stats.swapped_out_blocks);
+      EXPECT_GT(stats.swapped_out_blocks, 0);
+      EXPECT_EQ(stats.swapped_out_slots, 0);  // a dense model keeps no state slots
+      if (host_blocks == 1) {
+        EXPECT_GT(stats.num_preemptions, stats.swapped_out_sequences) << "some recompute";
+      }
+      EXPECT_EQ(stats.host_blocks_used, 0);
+      EXPECT_EQ(engine->cache().num_swapped(), 0u);
+      expect_cache_drained(*engine);
+    }
+  }
+}
+
 TEST(Engine, StopsOnEosStopIdsAndLength) {
   TinyQwen3Options options;
   const auto dir = write_tiny_qwen3(options, "stops");
