@@ -13,7 +13,10 @@
 //   blocks' contents (every paged tensor) and its slot's (every per-slot tensor) copied to host
 //   blocks and a host slot and its device blocks and slot given back, then swapped in again with
 //   exactly those contents in fresh device blocks and a fresh slot. A swapped sequence is in the
-//   manager (free_sequence drops it) but holds no device block and no slot.
+//   manager (free_sequence drops it) but holds no device block and no slot. With prefix caching
+//   (specs without per-slot tensors), a cached block evicted from the device is copied to a host
+//   block first and indexed there (a second PrefixCache), and a lookup that misses on the device
+//   but hits on the host copies it back into a fresh device block.
 //
 // Slot layout: [0, num_state_slots) sequences, then num_checkpoint_slots checkpoints, then the
 // padding slot.
@@ -59,6 +62,9 @@ struct SwapCounters {
   int64_t blocks_in = 0;
   int64_t slots_out = 0;
   int64_t slots_in = 0;
+  // Prefix blocks evicted from the device into the host tier, and host hits copied back.
+  int64_t prefix_blocks_out = 0;
+  int64_t prefix_blocks_in = 0;
 };
 
 class CacheManager {
@@ -124,6 +130,7 @@ class CacheManager {
 
   // ---- Host tier (cache_swap.cpp)
   const HostTier& host_tier() const { return host_; }
+  const PrefixCache& host_prefix_cache() const { return host_prefix_; }
   const SwapCounters& swap_counters() const { return swap_counters_; }
   // Whether the host tier can take the sequence's blocks and its slot now.
   bool can_swap_out(int64_t seq_id) const;
@@ -202,7 +209,21 @@ class CacheManager {
     int32_t host_slot = -1;            // the state slot's contents; -1 when it held no slot
   };
   HostTier host_;
+  PrefixCache host_prefix_{0, 1};  // hashes of the host tier's cached blocks
   std::unordered_map<int64_t, SwappedEntry> swapped_;
+  // Takes `count` host blocks (ref count 1 each), evicting cached host blocks from host_prefix_.
+  bool take_host_blocks(int32_t count, std::vector<int32_t>& out);
+  // Before a cached device block is evicted: keeps a copy in the host tier, indexed by its hash.
+  void offload_evicted_block(int32_t block);
+  // A prefix match's blocks the host tier holds: entry index and host block.
+  struct HostHit {
+    size_t index = 0;
+    int32_t host_block = -1;
+  };
+  // Copies host hits into fresh device blocks of `entry` (which holds the match's device blocks,
+  // retained, and placeholders at the hits), indexing them on the device; the match is cut before
+  // the first hit no device block is free for.
+  void restore_host_hits(SequenceEntry& entry, std::span<const int32_t> tokens, const std::vector<HostHit>& hits);
   SwapCounters swap_counters_;
   void check_host_tier_integrity() const;
   // Per checkpoint slot (index slot - first checkpoint slot): the block it belongs to and when it

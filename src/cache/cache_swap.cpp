@@ -21,11 +21,9 @@ bool CacheManager::swap_out(int64_t seq_id) {
   const SequenceEntry& entry = it->second;
   SwappedEntry swapped;
   swapped.host_blocks.reserve(entry.blocks.size());
-  for (const int32_t block : entry.blocks) {
-    const int32_t host_block = host_.allocate_block();
-    host_.store_block(paged_storage_, block, host_block);
-    swapped.host_blocks.push_back(host_block);
-  }
+  METRALE_CHECK(take_host_blocks(static_cast<int32_t>(entry.blocks.size()), swapped.host_blocks),
+                "host tier: {} blocks not free for sequence {}", entry.blocks.size(), seq_id);
+  for (size_t i = 0; i < entry.blocks.size(); ++i) host_.store_block(paged_storage_, entry.blocks[i], swapped.host_blocks[i]);
   if (entry.state_slot >= 0) {
     swapped.host_slot = host_.allocate_slot();
     host_.store_slot(slot_storage_, entry.state_slot, swapped.host_slot);
@@ -61,7 +59,7 @@ bool CacheManager::swap_in(int64_t seq_id) {
   allocate_blocks(static_cast<int32_t>(swapped.host_blocks.size()), entry.blocks);
   for (size_t i = 0; i < entry.blocks.size(); ++i) {
     host_.load_block(paged_storage_, swapped.host_blocks[i], entry.blocks[i]);
-    host_.free_block(swapped.host_blocks[i]);
+    host_.block_pool().release(swapped.host_blocks[i]);
   }
   if (swapped.host_slot >= 0) {
     entry.state_slot = sequence_slots_.allocate();
@@ -77,6 +75,60 @@ bool CacheManager::swap_in(int64_t seq_id) {
   return true;
 }
 
+bool CacheManager::take_host_blocks(int32_t count, std::vector<int32_t>& out) {
+  std::vector<int32_t> evicted;
+  if (!host_.block_pool().allocate(count, out, &evicted)) return false;
+  for (const int32_t block : evicted) host_prefix_.erase(block);  // no checkpoints on the host
+  return true;
+}
+
+void CacheManager::offload_evicted_block(int32_t block) {
+  // Hybrid models: a prefix is usable only with its state checkpoint, which the host tier does
+  // not keep, so their evicted blocks are simply dropped.
+  if (host_.num_blocks() == 0 || has_slots_ || !prefix_.holds(block)) return;
+  const BlockHash& hash = prefix_.hash_of(block);
+  if (host_prefix_.find(hash) >= 0) return;  // the host already holds this prefix block
+  std::vector<int32_t> taken;
+  if (!take_host_blocks(1, taken)) return;  // every host block holds a swapped sequence
+  const int32_t host_block = taken.front();
+  host_.store_block(paged_storage_, block, host_block);  // queued before the block's next writer
+  METRALE_CHECK(host_prefix_.insert(host_block, hash, prefix_.parent_of(block), prefix_.tokens_of(block)),
+                "host prefix index refused block {}", host_block);
+  host_.block_pool().mark_cached(host_block);
+  host_.block_pool().release(host_block);  // the most recent entry of the host LRU list
+  ++swap_counters_.prefix_blocks_out;
+}
+
+void CacheManager::restore_host_hits(SequenceEntry& entry, std::span<const int32_t> tokens,
+                                     const std::vector<HostHit>& hits) {
+  // The device blocks of the match are retained, so the allocation below cannot evict them; the
+  // host blocks are pinned (retained) so that offloading what it evicts cannot take them either.
+  size_t restorable = std::min(hits.size(), static_cast<size_t>(pool_.num_free()));
+  if (restorable < hits.size()) {
+    const size_t cut = hits[restorable].index;
+    for (size_t i = entry.blocks.size(); i-- > cut;)
+      if (entry.blocks[i] >= 0) pool_.release(entry.blocks[i]);
+    entry.blocks.resize(cut);
+    entry.hashes.resize(cut);
+  }
+  for (size_t h = 0; h < restorable; ++h) host_.block_pool().retain(hits[h].host_block);
+  std::vector<int32_t> fresh;
+  allocate_blocks(static_cast<int32_t>(restorable), fresh);
+  const auto block_size = static_cast<size_t>(config_.block_size);
+  for (size_t h = 0; h < restorable; ++h) {
+    const size_t i = hits[h].index;
+    const int32_t block = fresh[h];
+    host_.load_block(paged_storage_, hits[h].host_block, block);
+    entry.blocks[i] = block;
+    const BlockHash parent = i == 0 ? BlockHash{} : entry.hashes[i - 1];
+    METRALE_CHECK(prefix_.insert(block, entry.hashes[i], parent, tokens.subspan(i * block_size, block_size)),
+                  "block {} restored from the host tier is already indexed", block);
+    pool_.mark_cached(block);
+    host_.block_pool().release(hits[h].host_block);  // stays cached on the host, most recently used
+  }
+  swap_counters_.prefix_blocks_in += static_cast<int64_t>(restorable);
+}
+
 void CacheManager::check_host_tier_integrity() const {
   std::vector<uint8_t> block_owned(static_cast<size_t>(host_.num_blocks()), 0);
   std::vector<uint8_t> slot_owned(static_cast<size_t>(host_.num_slots()), 0);
@@ -84,8 +136,9 @@ void CacheManager::check_host_tier_integrity() const {
   for (const auto& [seq_id, swapped] : swapped_) {
     METRALE_CHECK(!has_sequence(seq_id), "sequence {} is both resident and swapped out", seq_id);
     for (const int32_t block : swapped.host_blocks) {
-      METRALE_CHECK(host_.is_block_allocated(block), "swapped sequence {} holds host block {} that is not allocated",
-                    seq_id, block);
+      METRALE_CHECK(block >= 0 && block < host_.num_blocks() && host_.block_pool().ref_count(block) == 1 &&
+                        !host_.block_pool().is_cached(block),
+                    "swapped sequence {} holds host block {} that is not allocated to it", seq_id, block);
       METRALE_CHECK(block_owned[static_cast<size_t>(block)] == 0, "host block {} held twice", block);
       block_owned[static_cast<size_t>(block)] = 1;
       ++blocks;
@@ -100,9 +153,24 @@ void CacheManager::check_host_tier_integrity() const {
       METRALE_CHECK(!needs_state_slot(), "swapped sequence {} kept no state", seq_id);
     }
   }
-  METRALE_CHECK(blocks == host_.num_used_blocks() && host_.num_used_blocks() + host_.num_free_blocks() == host_.num_blocks(),
-                "host tier: {} blocks held by swapped sequences, {} used + {} free of {}", blocks,
-                host_.num_used_blocks(), host_.num_free_blocks(), host_.num_blocks());
+  const BlockPool& host_pool = host_.block_pool();
+  METRALE_CHECK(blocks == host_pool.num_used() &&
+                    host_pool.num_empty() + host_pool.num_cached() + host_pool.num_used() == host_pool.num_blocks(),
+                "host tier: {} blocks held by swapped sequences; used {} + cached {} + empty {} of {}", blocks,
+                host_pool.num_used(), host_pool.num_cached(), host_pool.num_empty(), host_pool.num_blocks());
+  int32_t indexed = 0;
+  for (int32_t block = 0; block < host_pool.num_blocks(); ++block) {
+    METRALE_CHECK(host_pool.is_cached(block) == host_prefix_.holds(block), "host block {}: cached {} but indexed {}",
+                  block, host_pool.is_cached(block), host_prefix_.holds(block));
+    METRALE_CHECK(!host_pool.is_cached(block) || host_pool.ref_count(block) == 0,
+                  "host block {} is cached and held", block);
+    if (host_prefix_.holds(block)) {
+      METRALE_CHECK(host_prefix_.checkpoint(block) < 0, "host block {} has a state checkpoint", block);
+      ++indexed;
+    }
+  }
+  METRALE_CHECK(indexed == host_pool.num_cached() && static_cast<int32_t>(host_prefix_.size()) == indexed,
+                "host prefix index has {} hashes for {} cached host blocks", host_prefix_.size(), host_pool.num_cached());
   METRALE_CHECK(slots == host_.num_used_slots() && host_.num_used_slots() + host_.num_free_slots() == host_.num_slots(),
                 "host tier: {} slots held by swapped sequences, {} used + {} free of {}", slots, host_.num_used_slots(),
                 host_.num_free_slots(), host_.num_slots());

@@ -1,5 +1,7 @@
 #include "cache/host_tier.h"
 
+#include <algorithm>
+
 #include "core/checked_math.h"
 #include "core/error.h"
 
@@ -11,7 +13,7 @@ std::byte* HostTier::Area::data() const {
 
 HostTier::HostTier(Device device, std::vector<size_t> block_bytes, std::vector<size_t> slot_bytes, int32_t num_blocks,
                    int32_t num_slots)
-    : device_(device), blocks_(0, num_blocks), slots_(0, num_slots) {
+    : device_(device), blocks_(std::max(num_blocks, 0)), slots_(0, std::max(num_slots, 0)) {
   if (num_blocks < 0 || num_slots < 0)
     raise(ErrorCode::kInvalidArgument, "negative host tier size ({} blocks, {} slots)", num_blocks, num_slots);
   const auto allocate = [&](std::span<const size_t> unit_bytes, int32_t count, std::vector<Area>& areas) {
@@ -62,12 +64,13 @@ void HostTier::copy_unit(std::span<const OwnedTensor> device_tensors, std::vecto
 }
 
 void HostTier::store_block(std::span<const OwnedTensor> paged, int32_t block, int32_t host_block) {
-  METRALE_CHECK(is_block_allocated(host_block), "host block {} is not allocated", host_block);
+  METRALE_CHECK(host_block >= 0 && host_block < num_blocks() && blocks_.ref_count(host_block) > 0,
+                "host block {} is not allocated", host_block);
   copy_unit(paged, block_areas_, block, host_block, true);
 }
 
 void HostTier::load_block(std::span<const OwnedTensor> paged, int32_t host_block, int32_t block) {
-  METRALE_CHECK(is_block_allocated(host_block), "host block {} is not allocated", host_block);
+  METRALE_CHECK(holds_block(host_block), "host block {} holds nothing", host_block);
   copy_unit(paged, block_areas_, block, host_block, false);
 }
 
@@ -82,7 +85,7 @@ void HostTier::load_slot(std::span<const OwnedTensor> slots, int32_t host_slot, 
 }
 
 std::span<const std::byte> HostTier::block_bytes(size_t i, int32_t host_block) const {
-  METRALE_CHECK(i < block_areas_.size() && blocks_.contains(host_block), "host block {} of area {} out of range", host_block, i);
+  METRALE_CHECK(i < block_areas_.size() && host_block >= 0 && host_block < num_blocks(), "host block {} of area {} out of range", host_block, i);
   const Area& area = block_areas_[i];
   return {area.data() + static_cast<size_t>(host_block) * area.unit_bytes, area.unit_bytes};
 }

@@ -6,8 +6,10 @@
 // block travels with it), and one per per-slot tensor, [num_slots, bytes of one slot]. A host block
 // or slot id is valid in every area at once, as device block and slot ids are. Host memory is
 // pinned when the device is a GPU (copies are then true asynchronous DMA) and plain memory on the
-// CPU device. The tier owns ids and bytes only; which sequence a host block belongs to is the
-// CacheManager's business.
+// CPU device. The tier owns ids and bytes only; what a host block holds is the CacheManager's
+// business. Host block ids live in a BlockPool: used (held by a swapped-out sequence), cached (a
+// prefix block evicted from the device, on an LRU list, evicted in turn when a swap or a newer
+// evicted block needs room), or empty.
 //
 // Copies are queued on the device's current stream, the stream the forward runs on, so a copy out
 // runs after the step that wrote the block and a copy back in runs before the step that reads it,
@@ -20,6 +22,7 @@
 #include <span>
 #include <vector>
 
+#include "cache/block_pool.h"
 #include "cache/state_pool.h"
 #include "runtime/buffer.h"
 #include "runtime/tensor.h"
@@ -34,20 +37,24 @@ class HostTier {
   HostTier(Device device, std::vector<size_t> block_bytes, std::vector<size_t> slot_bytes, int32_t num_blocks,
            int32_t num_slots);
 
-  int32_t num_blocks() const { return blocks_.num_slots(); }
-  int32_t num_free_blocks() const { return blocks_.num_free(); }
-  int32_t num_used_blocks() const { return blocks_.num_used(); }
+  int32_t num_blocks() const { return blocks_.num_blocks(); }
+  int32_t num_free_blocks() const { return blocks_.num_free(); }  // empty + cached
+  int32_t num_used_blocks() const { return blocks_.num_used(); }  // held by swapped sequences
+  int32_t num_cached_blocks() const { return blocks_.num_cached(); }  // prefix blocks
+  const BlockPool& block_pool() const { return blocks_; }
+  BlockPool& block_pool() { return blocks_; }
   int32_t num_slots() const { return slots_.num_slots(); }
   int32_t num_free_slots() const { return slots_.num_free(); }
   int32_t num_used_slots() const { return slots_.num_used(); }
-  bool is_block_allocated(int32_t block) const { return blocks_.contains(block) && blocks_.is_allocated(block); }
+  // Whether the host block holds something (a swapped sequence's or a cached prefix block).
+  bool holds_block(int32_t block) const {
+    return block >= 0 && block < num_blocks() && (blocks_.ref_count(block) > 0 || blocks_.is_cached(block));
+  }
   bool is_slot_allocated(int32_t slot) const { return slots_.contains(slot) && slots_.is_allocated(slot); }
   uint64_t memory_bytes() const;
 
-  // A free host block / slot id, or -1 when none is free.
-  int32_t allocate_block() { return blocks_.allocate(); }
+  // A free host slot id, or -1 when none is free. (Blocks: block_pool().allocate / release.)
   int32_t allocate_slot() { return slots_.allocate(); }
-  void free_block(int32_t block) { blocks_.free(block); }
   void free_slot(int32_t slot) { slots_.free(slot); }
 
   // `paged[i]` is paged tensor i of the device cache ([num_blocks, rows, ...], contiguous), in the
@@ -75,7 +82,7 @@ class HostTier {
   Device device_;
   std::vector<Area> block_areas_;  // per paged tensor
   std::vector<Area> slot_areas_;   // per per-slot tensor
-  StatePool blocks_;               // host block ids [0, num_blocks)
+  BlockPool blocks_{0};            // host block ids [0, num_blocks)
   StatePool slots_;                // host slot ids [0, num_slots)
 };
 

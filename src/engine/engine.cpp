@@ -125,6 +125,8 @@ EngineStats Engine::stats() const {
   stats.swapped_in_blocks = swaps.blocks_in;
   stats.swapped_out_slots = swaps.slots_out;
   stats.swapped_in_slots = swaps.slots_in;
+  stats.prefix_blocks_to_host = swaps.prefix_blocks_out;
+  stats.prefix_blocks_from_host = swaps.prefix_blocks_in;
   const HostTier& host = cache_->host_tier();
   stats.host_blocks_total = host.num_blocks();
   stats.host_blocks_used = host.num_used_blocks();

@@ -122,6 +122,9 @@ struct EngineStats {
   int64_t swapped_in_blocks = 0;
   int64_t swapped_out_slots = 0;
   int64_t swapped_in_slots = 0;
+  // Prefix-cache blocks evicted from the device into the host tier, and host hits brought back.
+  int64_t prefix_blocks_to_host = 0;
+  int64_t prefix_blocks_from_host = 0;
   int32_t host_blocks_total = 0;
   int32_t host_blocks_used = 0;
   int32_t host_slots_total = 0;

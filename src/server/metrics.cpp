@@ -104,6 +104,10 @@ std::string ServerMetrics::render(const AsyncEngineStats& stats) const {
           engine.swapped_out_slots);
   counter(out, "metrale_swapped_in_slots_total", "Recurrent-state slots copied back from the host tier.",
           engine.swapped_in_slots);
+  counter(out, "metrale_prefix_cache_blocks_to_host_total",
+          "Prefix-cache blocks evicted from device memory into the host tier.", engine.prefix_blocks_to_host);
+  counter(out, "metrale_prefix_cache_blocks_from_host_total",
+          "Prefix-cache blocks the host tier gave back on a hit.", engine.prefix_blocks_from_host);
   counter(out, "metrale_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
           engine.prefix_cache_queries);
   counter(out, "metrale_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", engine.prefix_cache_hits);

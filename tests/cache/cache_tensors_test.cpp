@@ -558,5 +558,55 @@ TEST(CacheTensors, SwapNeedsTheTierAndAFreeSlot) {
   cache.check_integrity();
 }
 
+// Prefix blocks evicted from the device go to the host tier (every paged tensor's rows), and a
+// lookup that misses on the device but hits there brings them back into fresh device blocks.
+TEST(CacheTensors, EvictedPrefixBlocksComeBackFromTheHostTier) {
+  const std::vector<CacheSpec> specs = {paged_spec(), CacheSpec{}};
+  CacheConfig config = config_of(4, 0, 0);
+  config.num_host_blocks = 3;
+  CacheManager cache(specs, config, Device::cpu());
+  const Rows rows(cache);
+  const std::vector<int32_t> prompt = iota_tokens(17, 40), other = iota_tokens(32, 100);
+  ASSERT_TRUE(cache.begin_sequence(1, prompt, true).has_value());
+  ASSERT_TRUE(cache.reserve(1, 17));
+  rows.compute(1, prompt, 0, 17);
+  cache.cache_full_blocks(1, prompt, 17);
+  cache.free_sequence(1);
+  EXPECT_EQ(cache.pool().num_cached(), 2);
+  // Another sequence takes every block: the two cached ones are evicted, into the host tier.
+  ASSERT_TRUE(cache.begin_sequence(2, other, true).has_value());
+  ASSERT_TRUE(cache.reserve(2, 32));
+  rows.compute(2, other, 0, 32);
+  EXPECT_EQ(cache.pool().num_cached(), 0);
+  EXPECT_EQ(cache.host_tier().num_cached_blocks(), 2);
+  EXPECT_EQ(cache.swap_counters().prefix_blocks_out, 2);
+  cache.check_integrity();
+  // No device block free: the lookup finds them on the host but cannot bring them back.
+  ASSERT_EQ(cache.begin_sequence(3, prompt, true)->cached_tokens, 0);
+  cache.free_sequence(3);
+  cache.free_sequence(2);  // its blocks were never indexed: empty
+  // Now they come back, with every row as it was computed.
+  const auto match = cache.begin_sequence(4, prompt, true);
+  ASSERT_TRUE(match.has_value());
+  EXPECT_EQ(match->cached_tokens, 16);
+  EXPECT_EQ(cache.swap_counters().prefix_blocks_in, 2);
+  for (int64_t p = 0; p < 16; ++p) EXPECT_EQ(rows.read_token(4, p), token_row(prompt, p)) << "position " << p;
+  for (int64_t g = 0; g < 4; ++g) EXPECT_EQ(rows.read_group(4, g), group_row(prompt, g)) << "group " << g;
+  EXPECT_EQ(cache.prefix_cache().size(), 2u);  // indexed on the device again
+  cache.check_integrity();
+  // A swap needs host blocks: it evicts the host's cached prefix blocks, least recently used first.
+  ASSERT_TRUE(cache.reserve(4, 17));
+  rows.compute(4, prompt, 16, 17);
+  ASSERT_TRUE(cache.swap_out(4));
+  EXPECT_EQ(cache.host_tier().num_used_blocks(), 3);
+  EXPECT_EQ(cache.host_tier().num_cached_blocks(), 0);
+  EXPECT_EQ(cache.host_prefix_cache().size(), 0u);
+  cache.check_integrity();
+  ASSERT_TRUE(cache.swap_in(4));
+  for (int64_t p = 0; p < 17; ++p) EXPECT_EQ(rows.read_token(4, p), token_row(prompt, p));
+  cache.free_sequence(4);
+  cache.check_integrity();
+}
+
 }  // namespace
 }  // namespace metrale

@@ -178,6 +178,38 @@ TEST(Engine, SwapPreemptionGivesTheTokensOfRecomputeAndDrains) {
   }
 }
 
+// With a host tier, prefix blocks the device evicts are kept on the host, and the same prompt later
+// hits them there: fewer prompt tokens computed, the same greedy tokens.
+TEST(Engine, PrefixBlocksEvictedToTheHostTierStillHit) {
+  const auto dir = write_tiny_qwen3({}, "host_prefix");
+  std::vector<int32_t> first(40), second(50);
+  for (size_t i = 0; i < first.size(); ++i) first[i] = static_cast<int32_t>(3 + (i * 7) % 90);
+  for (size_t i = 0; i < second.size(); ++i) second[i] = static_cast<int32_t>(5 + (i * 11) % 80);
+  for (const bool tier : {false, true}) {
+    EngineConfig config;
+    config.num_kv_blocks = 4;  // the second prompt takes every block, evicting the first's
+    auto probe = make_engine(dir, config);
+    if (tier) {
+      config.swap_space_bytes =
+          8 * paged_bytes_per_block(probe->cache().specs(), probe->plan().block_size, DType::kF32);
+    }
+    auto engine = make_engine(dir, config);
+    const int64_t a = engine->add_request(make_request(first, 4));
+    auto outputs = run_to_completion(*engine);
+    engine->add_request(make_request(second, 4));
+    run_to_completion(*engine);
+    const EngineStats before = engine->stats();
+    const int64_t again = engine->add_request(make_request(first, 4));
+    const auto repeated = run_to_completion(*engine);
+    EXPECT_EQ(repeated.at(again), outputs.at(a)) << "tier " << tier;
+    const EngineStats after = engine->stats();
+    EXPECT_EQ(after.prefix_cache_hits - before.prefix_cache_hits, tier ? 32 : 0) << "tier " << tier;
+    EXPECT_EQ(after.prefix_blocks_from_host, tier ? 2 : 0);
+    EXPECT_EQ(before.prefix_blocks_to_host > 0, tier);
+    expect_cache_drained(*engine);
+  }
+}
+
 TEST(Engine, StopsOnEosStopIdsAndLength) {
   TinyQwen3Options options;
   const auto dir = write_tiny_qwen3(options, "stops");
