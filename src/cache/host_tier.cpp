@@ -84,10 +84,4 @@ void HostTier::load_slot(std::span<const OwnedTensor> slots, int32_t host_slot, 
   copy_unit(slots, slot_areas_, slot, host_slot, false);
 }
 
-std::span<const std::byte> HostTier::block_bytes(size_t i, int32_t host_block) const {
-  METRALE_CHECK(i < block_areas_.size() && host_block >= 0 && host_block < num_blocks(), "host block {} of area {} out of range", host_block, i);
-  const Area& area = block_areas_[i];
-  return {area.data() + static_cast<size_t>(host_block) * area.unit_bytes, area.unit_bytes};
-}
-
 }  // namespace metrale

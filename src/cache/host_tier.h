@@ -65,9 +65,6 @@ class HostTier {
   void store_slot(std::span<const OwnedTensor> slots, int32_t slot, int32_t host_slot);
   void load_slot(std::span<const OwnedTensor> slots, int32_t host_slot, int32_t slot);
 
-  // The bytes of host block `host_block` of paged area `i` (tests compare contents through it).
-  std::span<const std::byte> block_bytes(size_t i, int32_t host_block) const;
-
  private:
   // Host memory of one area: pinned for a GPU device, plain for the CPU device.
   struct Area {
