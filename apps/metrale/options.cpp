@@ -64,6 +64,10 @@ void add_engine_options(CLI::App& command, EngineOptions& options) {
   command.add_option("--gpu-memory-utilization", options.gpu_memory_utilization,
                      "GPU: share of device memory for weights, workspace, graphs and KV cache")
       ->capture_default_str()->check(CLI::Range(0.05, 1.0));
+  command.add_option("--swap-space", options.swap_space_gib,
+                     "GiB of host memory (pinned on a GPU) that preempted sequences' KV blocks and recurrent state "
+                     "are swapped to instead of being recomputed (default 0: recompute)")
+      ->capture_default_str()->check(CLI::Range(0.0, 1e6));
   command.add_flag("--no-cuda-graphs", options.no_cuda_graphs, "GPU: run decode steps without CUDA graphs");
   command.add_flag("--enable-prefix-caching,!--no-prefix-caching", options.enable_prefix_caching,
                    "reuse the cached KV blocks (and recurrent state) of shared prompt prefixes (default: on)");
@@ -169,6 +173,7 @@ EngineConfig engine_config_from(const EngineOptions& options) {
   config.block_size = options.block_size;
   config.max_model_len = options.max_model_len;
   config.kv_cache_bytes = parse_byte_size(options.kv_cache_memory, "--kv-cache-memory");
+  config.swap_space_bytes = static_cast<uint64_t>(options.swap_space_gib * 1024.0 * 1024.0 * 1024.0);
   config.scheduler.max_num_seqs = options.max_num_seqs;
   config.scheduler.max_num_batched_tokens = options.max_num_batched_tokens;
   config.gpu_memory_utilization = options.gpu_memory_utilization;

@@ -49,6 +49,16 @@ CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& 
       caches_[i].tensors.push_back(storage.back().tensor);
     }
   }
+  if (config.num_host_blocks > 0 || config.num_host_slots > 0) {
+    std::vector<size_t> block_bytes, slot_bytes;
+    for (const OwnedTensor& tensor : paged_storage_)
+      block_bytes.push_back(config.num_blocks > 0 ? tensor.tensor.nbytes() / static_cast<size_t>(config.num_blocks) : 0);
+    for (const OwnedTensor& tensor : slot_storage_)
+      slot_bytes.push_back(tensor.tensor.nbytes() / static_cast<size_t>(tensor.tensor.size(0)));
+    host_ = HostTier(device, std::move(block_bytes), std::move(slot_bytes), config.num_host_blocks,
+                     has_slots_ ? config.num_host_slots : 0);
+    host_prefix_ = PrefixCache(host_.num_blocks(), config.block_size);
+  }
 }
 
 uint64_t CacheManager::kv_memory_bytes() const {
@@ -70,6 +80,7 @@ void CacheManager::allocate_blocks(int32_t count, std::vector<int32_t>& out) {
   const bool ok = pool_.allocate(count, out, &evicted);
   METRALE_CHECK(ok, "allocation of {} blocks failed with {} free", count, pool_.num_free());
   for (const int32_t block : evicted) {
+    offload_evicted_block(block);
     const int32_t slot = prefix_.erase(block);
     if (slot >= 0) drop_checkpoint(slot);
   }
@@ -77,7 +88,7 @@ void CacheManager::allocate_blocks(int32_t count, std::vector<int32_t>& out) {
 
 std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t seq_id, std::span<const int32_t> tokens,
                                                                       bool use_prefix_cache) {
-  METRALE_CHECK(!has_sequence(seq_id), "sequence {} already has cache entries", seq_id);
+  METRALE_CHECK(!has_sequence(seq_id) && !is_swapped(seq_id), "sequence {} already has cache entries", seq_id);
   SequenceEntry entry;
   if (needs_state_slot()) {
     entry.state_slot = sequence_slots_.allocate();
@@ -91,11 +102,17 @@ std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t se
     BlockHash parent;
     size_t usable = 0;
     int32_t checkpoint = -1;
+    std::vector<HostHit> host_hits;
     for (size_t i = 0; i < max_blocks; ++i) {
       const auto block_tokens = tokens.subspan(i * static_cast<size_t>(block_size), static_cast<size_t>(block_size));
       const BlockHash hash = hash_block(parent, block_tokens);
-      const int32_t block = prefix_.find(hash, parent, block_tokens);
-      if (block < 0) break;
+      int32_t block = prefix_.find(hash, parent, block_tokens);
+      if (block < 0) {
+        // The host tier may hold it (evicted from the device); it is copied back below.
+        const int32_t host_block = host_.num_cached_blocks() > 0 ? host_prefix_.find(hash, parent, block_tokens) : -1;
+        if (host_block < 0) break;
+        host_hits.push_back({entry.blocks.size(), host_block});
+      }
       entry.blocks.push_back(block);
       entry.hashes.push_back(hash);
       parent = hash;
@@ -108,8 +125,11 @@ std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t se
     }
     entry.blocks.resize(usable);
     entry.hashes.resize(usable);
-    for (const int32_t block : entry.blocks) pool_.retain(block);
-    match.cached_tokens = static_cast<int64_t>(usable) * block_size;
+    for (const int32_t block : entry.blocks)
+      if (block >= 0) pool_.retain(block);
+    std::erase_if(host_hits, [&](const HostHit& hit) { return hit.index >= usable; });
+    if (!host_hits.empty()) restore_host_hits(entry, tokens, host_hits);
+    match.cached_tokens = static_cast<int64_t>(entry.blocks.size()) * block_size;
     if (checkpoint >= 0) {
       copy_state_slot(entry.state_slot, checkpoint);
       touch_checkpoint(checkpoint);
@@ -127,6 +147,7 @@ int32_t CacheManager::blocks_needed(int64_t seq_id, int64_t total_tokens) const 
 }
 
 bool CacheManager::reserve(int64_t seq_id, int64_t total_tokens) {
+  METRALE_CHECK(!is_swapped(seq_id), "reserve for sequence {}, which is swapped out", seq_id);
   const int32_t needed = blocks_needed(seq_id, total_tokens);
   if (needed > pool_.num_free()) return false;
   auto it = sequences_.find(seq_id);
@@ -143,6 +164,12 @@ bool CacheManager::reserve(int64_t seq_id, int64_t total_tokens) {
 }
 
 void CacheManager::free_sequence(int64_t seq_id) {
+  if (const auto swapped = swapped_.find(seq_id); swapped != swapped_.end()) {
+    for (const int32_t block : swapped->second.host_blocks) host_.block_pool().release(block);
+    if (swapped->second.host_slot >= 0) host_.free_slot(swapped->second.host_slot);
+    swapped_.erase(swapped);
+    return;
+  }
   const auto it = sequences_.find(seq_id);
   if (it == sequences_.end()) return;
   // Tail first: the empty blocks go back on top of the free stack last, so the next allocation
@@ -333,6 +360,7 @@ void CacheManager::check_integrity() const {
                 lru.size(), cached_free);
   for (const int32_t block : lru)
     METRALE_CHECK(pool_.ref_count(block) == 0 && pool_.is_cached(block), "LRU block {} is in use or not cached", block);
+  check_host_tier_integrity();
 }
 
 }  // namespace metrale

@@ -9,6 +9,15 @@
 //   keep every per-slot tensor's entry after the last token of a cached block, so that a later
 //   sequence reusing that prefix can start from it. One more slot takes the writes of padding rows.
 //
+// - Host tier (HostTier, num_host_blocks / num_host_slots > 0): a sequence can be swapped out, its
+//   blocks' contents (every paged tensor) and its slot's (every per-slot tensor) copied to host
+//   blocks and a host slot and its device blocks and slot given back, then swapped in again with
+//   exactly those contents in fresh device blocks and a fresh slot. A swapped sequence is in the
+//   manager (free_sequence drops it) but holds no device block and no slot. With prefix caching
+//   (specs without per-slot tensors), a cached block evicted from the device is copied to a host
+//   block first and indexed there (a second PrefixCache), and a lookup that misses on the device
+//   but hits on the host copies it back into a fresh device block.
+//
 // Slot layout: [0, num_state_slots) sequences, then num_checkpoint_slots checkpoints, then the
 // padding slot.
 #pragma once
@@ -20,6 +29,7 @@
 #include <vector>
 
 #include "cache/block_pool.h"
+#include "cache/host_tier.h"
 #include "cache/prefix_cache.h"
 #include "cache/state_pool.h"
 #include "model/cache_spec.h"
@@ -39,6 +49,22 @@ struct CacheConfig {
   // Per-slot state: a prefill checkpoint every this many tokens (rounded up to a multiple of
   // block_size), besides the one at the end of the prompt's last full block.
   int64_t state_checkpoint_interval = 512;
+  // Host tier: host copies of whole KV blocks and of state slots for swapped-out sequences (0: none).
+  int32_t num_host_blocks = 0;
+  int32_t num_host_slots = 0;
+};
+
+// Swaps since start-up: sequences, and the device blocks and state slots they moved.
+struct SwapCounters {
+  int64_t sequences_out = 0;
+  int64_t sequences_in = 0;
+  int64_t blocks_out = 0;
+  int64_t blocks_in = 0;
+  int64_t slots_out = 0;
+  int64_t slots_in = 0;
+  // Prefix blocks evicted from the device into the host tier, and host hits copied back.
+  int64_t prefix_blocks_out = 0;
+  int64_t prefix_blocks_in = 0;
 };
 
 class CacheManager {
@@ -81,7 +107,8 @@ class CacheManager {
   bool reserve(int64_t seq_id, int64_t total_tokens);
   // Blocks that reserve(seq_id, total_tokens) would have to take from the pool.
   int32_t blocks_needed(int64_t seq_id, int64_t total_tokens) const;
-  // Drops the sequence's references to its blocks (cached ones stay cached) and frees its slot.
+  // Drops the sequence's references to its blocks (cached ones stay cached) and frees its slot;
+  // a swapped-out sequence gives back its host blocks and host slot.
   void free_sequence(int64_t seq_id);
   std::span<const int32_t> block_table(int64_t seq_id) const;
   bool has_sequence(int64_t seq_id) const { return sequences_.count(seq_id) != 0; }
@@ -100,6 +127,28 @@ class CacheManager {
   // Copies slot `src` into slot `dst` in every per-slot tensor of every block, whatever its dtype
   // (queued on the device's current stream, so it is ordered with the steps around it).
   void copy_state_slot(int32_t dst, int32_t src);
+
+  // ---- Host tier (cache_swap.cpp)
+  const HostTier& host_tier() const { return host_; }
+  const PrefixCache& host_prefix_cache() const { return host_prefix_; }
+  const SwapCounters& swap_counters() const { return swap_counters_; }
+  // Whether the host tier can take the sequence's blocks and its slot now.
+  bool can_swap_out(int64_t seq_id) const;
+  // Copies every block of the sequence's table (all paged tensors) and its state slot (all per-slot
+  // tensors) to the host tier, then releases its device blocks (cached ones stay cached) and frees
+  // its slot. All or nothing: returns false and changes nothing unless can_swap_out.
+  bool swap_out(int64_t seq_id);
+  bool is_swapped(int64_t seq_id) const { return swapped_.count(seq_id) != 0; }
+  size_t num_swapped() const { return swapped_.size(); }
+  // Host blocks the swapped sequence holds (its block table's length when it was swapped out).
+  int32_t swapped_blocks(int64_t seq_id) const;
+  // Whether swap_in followed by reserve(seq_id, total_tokens) would both succeed now.
+  bool can_swap_in(int64_t seq_id, int64_t total_tokens) const;
+  // Brings a swapped sequence back: fresh device blocks (evicting cached ones if need be) and a
+  // fresh slot receive exactly the contents swapped out, and the host blocks and slot are freed.
+  // Its blocks are private again (cache_full_blocks re-indexes them). Returns false and changes
+  // nothing when too few device blocks or no slot are free.
+  bool swap_in(int64_t seq_id);
 
   // ---- Prefix cache
   bool prefix_caching() const { return config_.enable_prefix_caching; }
@@ -123,7 +172,8 @@ class CacheManager {
   // Throws kInternal unless every invariant holds: every tensor has its spec's storage shape and
   // dtype; reference counts equal the number of tables holding each block; empty + cached + used ==
   // total; a block is cached exactly when the prefix index holds it; state and checkpoint slots are
-  // each owned once.
+  // each owned once; every allocated host block and host slot is held by exactly one swapped
+  // sequence, and no sequence is both resident and swapped.
   void check_integrity() const;
 
  private:
@@ -154,6 +204,28 @@ class CacheManager {
   std::vector<OwnedTensor> slot_storage_;   // every per-slot tensor
   std::vector<BlockCache> caches_;          // one per spec, views of the storage
   std::unordered_map<int64_t, SequenceEntry> sequences_;
+  struct SwappedEntry {
+    std::vector<int32_t> host_blocks;  // the block table's contents, in order
+    int32_t host_slot = -1;            // the state slot's contents; -1 when it held no slot
+  };
+  HostTier host_;
+  PrefixCache host_prefix_{0, 1};  // hashes of the host tier's cached blocks
+  std::unordered_map<int64_t, SwappedEntry> swapped_;
+  // Takes `count` host blocks (ref count 1 each), evicting cached host blocks from host_prefix_.
+  bool take_host_blocks(int32_t count, std::vector<int32_t>& out);
+  // Before a cached device block is evicted: keeps a copy in the host tier, indexed by its hash.
+  void offload_evicted_block(int32_t block);
+  // A prefix match's blocks the host tier holds: entry index and host block.
+  struct HostHit {
+    size_t index = 0;
+    int32_t host_block = -1;
+  };
+  // Copies host hits into fresh device blocks of `entry` (which holds the match's device blocks,
+  // retained, and placeholders at the hits), indexing them on the device; the match is cut before
+  // the first hit no device block is free for.
+  void restore_host_hits(SequenceEntry& entry, std::span<const int32_t> tokens, const std::vector<HostHit>& hits);
+  SwapCounters swap_counters_;
+  void check_host_tier_integrity() const;
   // Per checkpoint slot (index slot - first checkpoint slot): the block it belongs to and when it
   // was last made or used, for LRU eviction among checkpoints.
   std::vector<int32_t> checkpoint_block_;

@@ -38,6 +38,12 @@ std::span<const int32_t> PrefixCache::tokens_of(int32_t block) const {
 
 bool PrefixCache::holds(int32_t block) const { return entry(block).valid; }
 
+const BlockHash& PrefixCache::parent_of(int32_t block) const {
+  const Entry& e = entry(block);
+  METRALE_CHECK(e.valid, "block {} is not in the prefix index", block);
+  return e.parent;
+}
+
 const BlockHash& PrefixCache::hash_of(int32_t block) const {
   METRALE_CHECK(holds(block), "block {} is not in the prefix cache", block);
   return entry(block).hash;

@@ -41,6 +41,8 @@ class PrefixCache {
   size_t size() const { return by_hash_.size(); }
   bool holds(int32_t block) const;
   const BlockHash& hash_of(int32_t block) const;
+  const BlockHash& parent_of(int32_t block) const;       // the hash of the prefix before the block
+  std::span<const int32_t> tokens_of(int32_t block) const;  // the block's tokens (block_size)
 
   // The block that holds `hash` for these tokens after `parent`, or -1.
   int32_t find(const BlockHash& hash, const BlockHash& parent, std::span<const int32_t> tokens) const;
@@ -65,7 +67,6 @@ class PrefixCache {
     BlockHash parent;
     int32_t checkpoint_slot = -1;
   };
-  std::span<const int32_t> tokens_of(int32_t block) const;
   const Entry& entry(int32_t block) const;
 
   int32_t block_size_;

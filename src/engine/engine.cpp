@@ -39,6 +39,10 @@ std::string EnginePlan::describe() const {
     text += fmt::format("; workspace {}; in use before the cache {} of {}", format_bytes(workspace_bytes),
                         format_bytes(used_before_cache), format_bytes(device_total_bytes));
   }
+  if (host_tier_bytes > 0) {
+    text += fmt::format("; host tier {} ({} blocks, {} state slots)", format_bytes(host_tier_bytes), num_host_blocks,
+                        num_host_slots);
+  }
   if (!graph_batch_sizes.empty()) text += fmt::format("; decode graphs for batch {}", fmt::join(graph_batch_sizes, ","));
   return text;
 }
@@ -87,6 +91,23 @@ CacheSplit split_cache_budget(uint64_t budget, uint64_t per_block, uint64_t per_
   return split;
 }
 
+// The host tier: state slots first (one per running sequence at most, and at most half the space,
+// so that their blocks fit too), the rest in KV blocks.
+struct HostSplit {
+  int32_t num_blocks = 0;
+  int32_t num_slots = 0;
+};
+HostSplit split_swap_space(uint64_t bytes, uint64_t per_block, uint64_t per_slot, int64_t max_num_seqs) {
+  HostSplit split;
+  if (bytes == 0 || per_block == 0) return split;
+  if (per_slot > 0) {
+    split.num_slots = static_cast<int32_t>(std::min<uint64_t>(static_cast<uint64_t>(max_num_seqs), bytes / 2 / per_slot));
+    bytes -= static_cast<uint64_t>(split.num_slots) * per_slot;
+  }
+  split.num_blocks = static_cast<int32_t>(std::min<uint64_t>(bytes / per_block, std::numeric_limits<int32_t>::max()));
+  return split;
+}
+
 }  // namespace
 
 EngineStats Engine::stats() const {
@@ -97,6 +118,20 @@ EngineStats Engine::stats() const {
   stats.kv_blocks_cached = pool.num_cached();
   stats.state_slots_total = cache_->num_state_slots();
   stats.state_slots_used = cache_->num_state_slots_used();
+  const SwapCounters& swaps = cache_->swap_counters();
+  stats.swapped_out_sequences = swaps.sequences_out;
+  stats.swapped_in_sequences = swaps.sequences_in;
+  stats.swapped_out_blocks = swaps.blocks_out;
+  stats.swapped_in_blocks = swaps.blocks_in;
+  stats.swapped_out_slots = swaps.slots_out;
+  stats.swapped_in_slots = swaps.slots_in;
+  stats.prefix_blocks_to_host = swaps.prefix_blocks_out;
+  stats.prefix_blocks_from_host = swaps.prefix_blocks_in;
+  const HostTier& host = cache_->host_tier();
+  stats.host_blocks_total = host.num_blocks();
+  stats.host_blocks_used = host.num_used_blocks();
+  stats.host_slots_total = host.num_slots();
+  stats.host_slots_used = host.num_used_slots();
   return stats;
 }
 
@@ -257,7 +292,13 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
   cache_config.num_checkpoint_slots = static_cast<int32_t>(checkpoint_slots);
   cache_config.enable_prefix_caching = config_.enable_prefix_caching;
   cache_config.state_checkpoint_interval = config_.state_checkpoint_interval;
+  const HostSplit host = split_swap_space(config_.swap_space_bytes, per_block, per_slot, max_seqs);
+  cache_config.num_host_blocks = host.num_blocks;
+  cache_config.num_host_slots = host.num_slots;
   cache_ = std::make_unique<CacheManager>(specs, cache_config, device);
+  plan_.num_host_blocks = cache_->host_tier().num_blocks();
+  plan_.num_host_slots = cache_->host_tier().num_slots();
+  plan_.host_tier_bytes = cache_->host_tier().memory_bytes();
   plan_.kv_cache_bytes = cache_->kv_memory_bytes();
   plan_.num_state_slots = cache_config.num_state_slots;
   plan_.num_checkpoint_slots = per_slot > 0 ? cache_config.num_checkpoint_slots : 0;

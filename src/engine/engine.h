@@ -41,6 +41,9 @@ struct EngineConfig {
   // up to a multiple of block_size) and at the end of each prompt's last full block.
   int64_t state_checkpoint_interval = 512;
   int32_t state_checkpoint_slots = -1;   // checkpoint slots; -1: as many as max_num_seqs
+  // Host tier (--swap-space): host memory (pinned on a GPU) for the KV blocks and state slots of
+  // preempted sequences, which are swapped out and back in instead of recomputed; 0: none.
+  uint64_t swap_space_bytes = 0;
   // Speculative decoding (engine/speculator.h): method none|ngram|mtp, num_drafts, ngram_min/max.
   SpeculativeConfig speculative;
   // A step that carries decode rows takes at most this many times a decode-only step of its batch
@@ -82,6 +85,10 @@ struct EnginePlan {
   int32_t num_checkpoint_slots = 0;
   uint64_t state_bytes_per_slot = 0;
   uint64_t state_bytes = 0;          // all slots, the padding slot included
+  // Host tier: blocks and state slots it holds, and its bytes.
+  int32_t num_host_blocks = 0;
+  int32_t num_host_slots = 0;
+  uint64_t host_tier_bytes = 0;
   uint64_t workspace_bytes = 0;      // GPU step workspace
   uint64_t device_total_bytes = 0;   // GPU memory
   uint64_t used_before_cache = 0;    // weights + workspace + runtime, measured before the KV cache
@@ -107,6 +114,21 @@ struct EngineStats {
   int32_t kv_blocks_cached = 0;        // free but holding reusable prefix blocks
   int32_t state_slots_total = 0;
   int32_t state_slots_used = 0;
+  // Host tier: preemptions that swapped a sequence out (the rest recompute), sequences brought
+  // back, the device blocks and state slots copied each way, and the gauges of what it holds now.
+  int64_t swapped_out_sequences = 0;
+  int64_t swapped_in_sequences = 0;
+  int64_t swapped_out_blocks = 0;
+  int64_t swapped_in_blocks = 0;
+  int64_t swapped_out_slots = 0;
+  int64_t swapped_in_slots = 0;
+  // Prefix-cache blocks evicted from the device into the host tier, and host hits brought back.
+  int64_t prefix_blocks_to_host = 0;
+  int64_t prefix_blocks_from_host = 0;
+  int32_t host_blocks_total = 0;
+  int32_t host_blocks_used = 0;
+  int32_t host_slots_total = 0;
+  int32_t host_slots_used = 0;
   // Speculative decoding: draft tokens verified, those accepted, and verify steps (steps with at
   // least one draft row). accepted / drafted is the acceptance rate; a verify emits accepted + 1.
   int64_t drafted_tokens = 0;

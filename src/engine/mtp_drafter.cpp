@@ -261,12 +261,15 @@ void MtpDrafter::write_keys(const DraftStep& step) {
 void MtpDrafter::flush_stash() {
   if (stash_rows_.empty()) return;
   // A sequence that finished, or was preempted and has not recomputed the position, lost its blocks
-  // there: its rows are dropped.
+  // there, and one swapped out has none on the device: its rows are dropped (a missing MTP key costs
+  // draft quality only; verification keeps the output exact).
   std::vector<MtpKeyRow> rows;
   rows.reserve(stash_rows_.size());
   for (const MtpKeyRow& row : stash_rows_) {
     const Sequence* sequence = context_.lookup(row.seq_id);
     if (sequence == nullptr || sequence->finished() || row.position >= sequence->num_computed) continue;
+    // Swapped out to the host tier since: its blocks are not on the device to write into.
+    if (!context_.cache.has_sequence(row.seq_id)) continue;
     rows.push_back(row);
   }
   stash_rows_.clear();

@@ -8,14 +8,17 @@
 namespace metrale {
 namespace {
 
+// Swaps the sequence out to the host tier when it has room (the sequence keeps what it computed),
+// and otherwise frees its cache to recompute it later.
 void preempt(Sequence* sequence, CacheManager& cache) {
+  sequence->clear_drafts();
+  sequence->status = SequenceStatus::kWaiting;
+  ++sequence->num_preemptions;
+  if (cache.swap_out(sequence->id)) return;
   cache.free_sequence(sequence->id);
   sequence->num_computed = 0;
   sequence->mtp_computed = 0;
   sequence->mtp_missed = 0;
-  sequence->clear_drafts();
-  sequence->status = SequenceStatus::kWaiting;
-  ++sequence->num_preemptions;
 }
 
 }  // namespace
@@ -91,6 +94,22 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
   while (plan.preempted.empty() && budget > 0 && prefill_left > 0 && !waiting.empty() &&
          static_cast<int32_t>(running.size()) < config_.max_num_seqs) {
     Sequence* sequence = waiting.front();
+    if (cache.is_swapped(sequence->id)) {
+      // Swapped out by a preemption: it comes back whole (its blocks and its slot) and goes on.
+      const int64_t count = chunk_for(*sequence);
+      if (count <= 0 || !cache.can_swap_in(sequence->id, sequence->num_computed + count)) break;
+      METRALE_CHECK(cache.swap_in(sequence->id) && cache.reserve(sequence->id, sequence->num_computed + count),
+                    "swapped sequence {} did not fit as can_swap_in said", sequence->id);
+      ++plan.swapped_in;
+      waiting.pop_front();
+      if (sequence->num_tokens() - sequence->num_computed > 1) prefill_left -= count;
+      sequence->status = SequenceStatus::kRunning;
+      running.push_back(sequence);
+      plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens(), 0});
+      plan.num_tokens += count;
+      budget -= count;
+      continue;
+    }
     METRALE_CHECK(sequence->num_computed == 0 && !cache.has_sequence(sequence->id),
                   "waiting sequence {} holds cache entries", sequence->id);
     const bool use_prefix_cache = cache.prefix_caching() && !sequence->request.return_prompt_logits;

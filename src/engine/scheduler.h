@@ -3,8 +3,10 @@
 // scheduled sequence a chunk of its uncomputed tokens, under one token budget shared by decode rows
 // and prefill chunks (vLLM v1's rule). Running sequences come first, oldest first; waiting ones are
 // admitted FCFS while the budget, --max-num-seqs and free KV blocks allow. When a running sequence
-// cannot get a block, the newest running sequence is preempted (its blocks freed, its tokens kept,
-// recomputed later); nothing it generated is lost or repeated.
+// cannot get a block, the newest running sequence is preempted: swapped out to the cache's host
+// tier when it has room for the sequence's blocks and state slot (swapped back in, whole, when the
+// sequence is admitted again, and it goes on where it stopped), otherwise its blocks freed and its
+// tokens kept, recomputed later; nothing it generated is lost or repeated.
 //
 // Prefix cache: a sequence is admitted from the longest cached prefix of its tokens (shared blocks,
 // and on hybrid models a restored state checkpoint) and computes only the rest; scoring requests
@@ -46,7 +48,8 @@ struct SchedulePlan {
   std::vector<ScheduledChunk> chunks;
   int64_t num_tokens = 0;           // rows, draft rows included
   int64_t num_draft_rows = 0;
-  std::vector<Sequence*> preempted;  // moved back to waiting this step
+  std::vector<Sequence*> preempted;  // moved back to waiting this step (swapped out or to recompute)
+  int64_t swapped_in = 0;            // preempted sequences brought back from the host tier this step
   // Admissions of this step: tokens looked up in the prefix cache, tokens found there, and hits
   // that restored a recurrent-state checkpoint.
   int64_t prefix_query_tokens = 0;

@@ -89,6 +89,25 @@ std::string ServerMetrics::render(const AsyncEngineStats& stats) const {
   gauge(out, "metrale_state_slots_used",
         "Recurrent-state slots in use: those of running requests plus the prefix-cache checkpoints held.",
         engine.state_slots_used);
+  gauge(out, "metrale_host_tier_blocks_total", "Host-tier KV blocks (--swap-space).", engine.host_blocks_total);
+  gauge(out, "metrale_host_tier_blocks_used", "Host-tier KV blocks held by swapped-out requests.", engine.host_blocks_used);
+  gauge(out, "metrale_host_tier_slots_total", "Host-tier recurrent-state slots (--swap-space).", engine.host_slots_total);
+  gauge(out, "metrale_host_tier_slots_used", "Host-tier recurrent-state slots held by swapped-out requests.",
+        engine.host_slots_used);
+  counter(out, "metrale_swapped_out_sequences_total", "Preemptions that swapped a request out to the host tier.",
+          engine.swapped_out_sequences);
+  counter(out, "metrale_swapped_in_sequences_total", "Swapped-out requests brought back from the host tier.",
+          engine.swapped_in_sequences);
+  counter(out, "metrale_swapped_out_blocks_total", "KV blocks copied to the host tier.", engine.swapped_out_blocks);
+  counter(out, "metrale_swapped_in_blocks_total", "KV blocks copied back from the host tier.", engine.swapped_in_blocks);
+  counter(out, "metrale_swapped_out_slots_total", "Recurrent-state slots copied to the host tier.",
+          engine.swapped_out_slots);
+  counter(out, "metrale_swapped_in_slots_total", "Recurrent-state slots copied back from the host tier.",
+          engine.swapped_in_slots);
+  counter(out, "metrale_prefix_cache_blocks_to_host_total",
+          "Prefix-cache blocks evicted from device memory into the host tier.", engine.prefix_blocks_to_host);
+  counter(out, "metrale_prefix_cache_blocks_from_host_total",
+          "Prefix-cache blocks the host tier gave back on a hit.", engine.prefix_blocks_from_host);
   counter(out, "metrale_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
           engine.prefix_cache_queries);
   counter(out, "metrale_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", engine.prefix_cache_hits);

@@ -4,7 +4,8 @@
 // Checks the allocation (shapes, dtypes, bytes, the planner's byte functions), the spec validation,
 // that per-group rows are shared and evicted with their block, that checkpoints copy and restore
 // every per-slot tensor bit for bit (integers included), and a randomized scenario that keeps every
-// tensor's contents and the manager's invariants.
+// tensor's contents and the manager's invariants; swapping to the host tier and back keeps every
+// tensor's contents too.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -437,6 +438,173 @@ TEST(CacheTensors, RandomizedScenarioKeepsEveryTensorsContents) {
   EXPECT_EQ(restores_checked, hits);
   for (const auto& [id, sequence] : live) cache.free_sequence(id);
   EXPECT_EQ(cache.pool().num_used(), 0);
+  cache.check_integrity();
+}
+
+// The host tier: a swapped-out sequence comes back in other device blocks and another slot with
+// every paged tensor's rows (per token and per group, f32 and bf16) and every per-slot tensor's
+// entry (i32, i64, activation dtype) exactly as they were, though its old blocks were overwritten.
+TEST(CacheTensors, SwapOutAndInKeepsEveryTensorsContents) {
+  CacheConfig config = config_of(6, 3, 0);
+  config.num_host_blocks = 4;
+  config.num_host_slots = 1;
+  CacheManager cache(every_kind(), config, Device::cpu());
+  const Rows rows(cache);
+  const std::vector<int32_t> first = iota_tokens(21, 40), second = iota_tokens(10, 90);
+  ASSERT_TRUE(cache.begin_sequence(1, first, false).has_value());
+  ASSERT_TRUE(cache.reserve(1, 21));
+  rows.compute(1, first, 0, 21);
+  cache.cache_full_blocks(1, first, 21);
+  ASSERT_TRUE(cache.begin_sequence(2, second, false).has_value());
+  ASSERT_TRUE(cache.reserve(2, 10));
+  rows.compute(2, second, 0, 10);
+  const std::vector<int32_t> old_table(cache.block_table(1).begin(), cache.block_table(1).end());
+  const int32_t old_slot = cache.state_slot(1);
+
+  ASSERT_TRUE(cache.swap_out(1));
+  EXPECT_FALSE(cache.has_sequence(1));
+  EXPECT_TRUE(cache.is_swapped(1));
+  EXPECT_EQ(cache.swapped_blocks(1), 3);
+  EXPECT_EQ(cache.host_tier().num_used_blocks(), 3);
+  EXPECT_EQ(cache.host_tier().num_used_slots(), 1);
+  EXPECT_EQ(cache.pool().num_used(), 2);    // the second sequence's
+  EXPECT_EQ(cache.pool().num_cached(), 2);  // the first one's full blocks stay cached
+  EXPECT_EQ(cache.num_state_slots_used(), 1);
+  cache.check_integrity();
+  // The tier is full: the second sequence stays resident, unchanged.
+  EXPECT_FALSE(cache.can_swap_out(2));
+  EXPECT_FALSE(cache.swap_out(2));
+  EXPECT_TRUE(cache.has_sequence(2));
+  EXPECT_EQ(cache.host_tier().num_used_blocks(), 3);
+
+  // Another sequence takes every free block (evicting the cached ones) and the old slot, and writes them.
+  const std::vector<int32_t> other = iota_tokens(32, 7);
+  ASSERT_TRUE(cache.begin_sequence(3, other, false).has_value());
+  EXPECT_EQ(cache.state_slot(3), old_slot);
+  ASSERT_TRUE(cache.reserve(3, 32));
+  rows.compute(3, other, 0, 32);
+  for (const int32_t block : old_table)
+    EXPECT_NE(std::find(cache.block_table(3).begin(), cache.block_table(3).end(), block), cache.block_table(3).end());
+  // No room to come back while it holds them.
+  EXPECT_FALSE(cache.can_swap_in(1, 22));
+  EXPECT_FALSE(cache.swap_in(1));
+  EXPECT_TRUE(cache.is_swapped(1));
+  cache.free_sequence(3);
+
+  ASSERT_TRUE(cache.can_swap_in(1, 22));
+  ASSERT_TRUE(cache.swap_in(1));
+  EXPECT_TRUE(cache.has_sequence(1));
+  EXPECT_FALSE(cache.is_swapped(1));
+  EXPECT_EQ(cache.host_tier().num_used_blocks(), 0);
+  EXPECT_EQ(cache.host_tier().num_used_slots(), 0);
+  for (int64_t p = 0; p < 21; ++p) EXPECT_EQ(rows.read_token(1, p), token_row(first, p)) << "position " << p;
+  for (int64_t g = 0; g < 21 / kGroup; ++g) EXPECT_EQ(rows.read_group(1, g), group_row(first, g)) << "group " << g;
+  EXPECT_EQ(rows.read_slot(cache.state_slot(1)), slot_state(first, 21));
+  for (int64_t p = 0; p < 10; ++p) EXPECT_EQ(rows.read_token(2, p), token_row(second, p));
+  cache.check_integrity();
+  // It goes on as if it had never left; its full blocks are indexed again.
+  std::vector<int32_t> longer = first;
+  for (int32_t t = 0; t < 9; ++t) longer.push_back(200 + t);
+  ASSERT_TRUE(cache.reserve(1, 30));
+  rows.compute(1, longer, 21, 30);
+  cache.cache_full_blocks(1, longer, 30);
+  for (int64_t p = 0; p < 30; ++p) EXPECT_EQ(rows.read_token(1, p), token_row(longer, p));
+  cache.check_integrity();
+
+  // A swapped sequence that is freed (finished, aborted) gives its host blocks and slot back.
+  ASSERT_TRUE(cache.swap_out(2));
+  cache.free_sequence(2);
+  EXPECT_FALSE(cache.is_swapped(2));
+  EXPECT_EQ(cache.host_tier().num_used_blocks(), 0);
+  EXPECT_EQ(cache.host_tier().num_used_slots(), 0);
+  const SwapCounters& counters = cache.swap_counters();
+  EXPECT_EQ(counters.sequences_out, 2);
+  EXPECT_EQ(counters.sequences_in, 1);
+  EXPECT_EQ(counters.blocks_out, 3 + 2);  // 21 tokens, then 10
+  EXPECT_EQ(counters.blocks_in, 3);
+  EXPECT_EQ(counters.slots_out, 2);
+  EXPECT_EQ(counters.slots_in, 1);
+  cache.free_sequence(1);
+  EXPECT_EQ(cache.pool().num_used(), 0);
+  cache.check_integrity();
+}
+
+TEST(CacheTensors, SwapNeedsTheTierAndAFreeSlot) {
+  CacheManager untiered(every_kind(), config_of(6, 2, 0), Device::cpu());
+  ASSERT_TRUE(untiered.reserve(1, 8));
+  EXPECT_FALSE(untiered.can_swap_out(1));
+  EXPECT_FALSE(untiered.swap_out(1));
+  EXPECT_TRUE(untiered.has_sequence(1));
+
+  CacheConfig config = config_of(6, 2, 0);
+  config.num_host_blocks = 4;
+  config.num_host_slots = 2;
+  CacheManager cache(every_kind(), config, Device::cpu());
+  const Rows rows(cache);
+  const std::vector<int32_t> tokens = iota_tokens(8, 3);
+  ASSERT_TRUE(cache.reserve(1, 8));
+  rows.compute(1, tokens, 0, 8);
+  ASSERT_TRUE(cache.swap_out(1));
+  // Both sequence slots taken: it cannot come back, though blocks are free.
+  ASSERT_TRUE(cache.reserve(2, 1));
+  ASSERT_TRUE(cache.reserve(3, 1));
+  EXPECT_FALSE(cache.can_swap_in(1, 8));
+  EXPECT_FALSE(cache.swap_in(1));
+  EXPECT_THROW(cache.reserve(1, 8), Error);  // a swapped sequence cannot grow in place
+  cache.free_sequence(3);
+  ASSERT_TRUE(cache.swap_in(1));
+  EXPECT_EQ(rows.read_slot(cache.state_slot(1)), slot_state(tokens, 8));
+  for (int64_t p = 0; p < 8; ++p) EXPECT_EQ(rows.read_token(1, p), token_row(tokens, p));
+  cache.check_integrity();
+}
+
+// Prefix blocks evicted from the device go to the host tier (every paged tensor's rows), and a
+// lookup that misses on the device but hits there brings them back into fresh device blocks.
+TEST(CacheTensors, EvictedPrefixBlocksComeBackFromTheHostTier) {
+  const std::vector<CacheSpec> specs = {paged_spec(), CacheSpec{}};
+  CacheConfig config = config_of(4, 0, 0);
+  config.num_host_blocks = 3;
+  CacheManager cache(specs, config, Device::cpu());
+  const Rows rows(cache);
+  const std::vector<int32_t> prompt = iota_tokens(17, 40), other = iota_tokens(32, 100);
+  ASSERT_TRUE(cache.begin_sequence(1, prompt, true).has_value());
+  ASSERT_TRUE(cache.reserve(1, 17));
+  rows.compute(1, prompt, 0, 17);
+  cache.cache_full_blocks(1, prompt, 17);
+  cache.free_sequence(1);
+  EXPECT_EQ(cache.pool().num_cached(), 2);
+  // Another sequence takes every block: the two cached ones are evicted, into the host tier.
+  ASSERT_TRUE(cache.begin_sequence(2, other, true).has_value());
+  ASSERT_TRUE(cache.reserve(2, 32));
+  rows.compute(2, other, 0, 32);
+  EXPECT_EQ(cache.pool().num_cached(), 0);
+  EXPECT_EQ(cache.host_tier().num_cached_blocks(), 2);
+  EXPECT_EQ(cache.swap_counters().prefix_blocks_out, 2);
+  cache.check_integrity();
+  // No device block free: the lookup finds them on the host but cannot bring them back.
+  ASSERT_EQ(cache.begin_sequence(3, prompt, true)->cached_tokens, 0);
+  cache.free_sequence(3);
+  cache.free_sequence(2);  // its blocks were never indexed: empty
+  // Now they come back, with every row as it was computed.
+  const auto match = cache.begin_sequence(4, prompt, true);
+  ASSERT_TRUE(match.has_value());
+  EXPECT_EQ(match->cached_tokens, 16);
+  EXPECT_EQ(cache.swap_counters().prefix_blocks_in, 2);
+  for (int64_t p = 0; p < 16; ++p) EXPECT_EQ(rows.read_token(4, p), token_row(prompt, p)) << "position " << p;
+  for (int64_t g = 0; g < 4; ++g) EXPECT_EQ(rows.read_group(4, g), group_row(prompt, g)) << "group " << g;
+  EXPECT_EQ(cache.prefix_cache().size(), 2u);  // indexed on the device again
+  cache.check_integrity();
+  // A swap needs host blocks: it evicts the host's cached prefix blocks, least recently used first.
+  ASSERT_TRUE(cache.reserve(4, 17));
+  rows.compute(4, prompt, 16, 17);
+  ASSERT_TRUE(cache.swap_out(4));
+  EXPECT_EQ(cache.host_tier().num_used_blocks(), 3);
+  EXPECT_EQ(cache.host_tier().num_cached_blocks(), 0);
+  EXPECT_EQ(cache.host_prefix_cache().size(), 0u);
+  cache.check_integrity();
+  ASSERT_TRUE(cache.swap_in(4));
+  for (int64_t p = 0; p < 17; ++p) EXPECT_EQ(rows.read_token(4, p), token_row(prompt, p));
+  cache.free_sequence(4);
   cache.check_integrity();
 }
 

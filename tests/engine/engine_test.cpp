@@ -141,6 +141,75 @@ TEST(Engine, PreemptionLosesAndRepeatsNothing) {
   expect_cache_drained(*engine);
 }
 
+// With a host tier, preempted sequences are swapped out (blocks and all) and back in instead of
+// recomputed, and must not notice; a tier too small for every victim swaps some and recomputes the
+// rest. Greedy and seeded sampling both give the tokens of a run without preemption.
+TEST(Engine, SwapPreemptionGivesTheTokensOfRecomputeAndDrains) {
+  const auto dir = write_tiny_qwen3({}, "swap");
+  for (const float temperature : {0.0f, 0.8f}) {
+    auto reference_engine = make_engine(dir);
+    for (const auto& prompt : kPrompts) reference_engine->add_request(make_request(prompt, 24, temperature, 5));
+    const auto reference = run_to_completion(*reference_engine);
+    EXPECT_EQ(reference_engine->stats().num_preemptions, 0);
+    for (const int32_t host_blocks : {64, 1}) {
+      EngineConfig config;
+      config.num_kv_blocks = 4;
+      auto probe = make_engine(dir, config);
+      config.swap_space_bytes = static_cast<uint64_t>(host_blocks) * paged_bytes_per_block(
+          probe->cache().specs(), probe->plan().block_size, DType::kF32);
+      auto engine = make_engine(dir, config);
+      ASSERT_EQ(engine->plan().num_host_blocks, host_blocks);
+      for (const auto& prompt : kPrompts) engine->add_request(make_request(prompt, 24, temperature, 5));
+      const auto outputs = testing::tokens_of(testing::run_to_completion(*engine, testing::expect_cache_integrity));
+      EXPECT_EQ(outputs, reference) << "temperature " << temperature << ", " << host_blocks << " host blocks";
+      const EngineStats stats = engine->stats();
+      EXPECT_GT(stats.swapped_out_sequences, 0) << "the scenario is meant to swap";
+      EXPECT_EQ(stats.swapped_in_sequences, stats.swapped_out_sequences);
+      EXPECT_EQ(stats.swapped_in_blocks, stats.swapped_out_blocks);
+      EXPECT_GT(stats.swapped_out_blocks, 0);
+      EXPECT_EQ(stats.swapped_out_slots, 0);  // a dense model keeps no state slots
+      if (host_blocks == 1) {
+        EXPECT_GT(stats.num_preemptions, stats.swapped_out_sequences) << "some recompute";
+      }
+      EXPECT_EQ(stats.host_blocks_used, 0);
+      EXPECT_EQ(engine->cache().num_swapped(), 0u);
+      expect_cache_drained(*engine);
+    }
+  }
+}
+
+// With a host tier, prefix blocks the device evicts are kept on the host, and the same prompt later
+// hits them there: fewer prompt tokens computed, the same greedy tokens.
+TEST(Engine, PrefixBlocksEvictedToTheHostTierStillHit) {
+  const auto dir = write_tiny_qwen3({}, "host_prefix");
+  std::vector<int32_t> first(40), second(50);
+  for (size_t i = 0; i < first.size(); ++i) first[i] = static_cast<int32_t>(3 + (i * 7) % 90);
+  for (size_t i = 0; i < second.size(); ++i) second[i] = static_cast<int32_t>(5 + (i * 11) % 80);
+  for (const bool tier : {false, true}) {
+    EngineConfig config;
+    config.num_kv_blocks = 4;  // the second prompt takes every block, evicting the first's
+    auto probe = make_engine(dir, config);
+    if (tier) {
+      config.swap_space_bytes =
+          8 * paged_bytes_per_block(probe->cache().specs(), probe->plan().block_size, DType::kF32);
+    }
+    auto engine = make_engine(dir, config);
+    const int64_t a = engine->add_request(make_request(first, 4));
+    auto outputs = run_to_completion(*engine);
+    engine->add_request(make_request(second, 4));
+    run_to_completion(*engine);
+    const EngineStats before = engine->stats();
+    const int64_t again = engine->add_request(make_request(first, 4));
+    const auto repeated = run_to_completion(*engine);
+    EXPECT_EQ(repeated.at(again), outputs.at(a)) << "tier " << tier;
+    const EngineStats after = engine->stats();
+    EXPECT_EQ(after.prefix_cache_hits - before.prefix_cache_hits, tier ? 32 : 0) << "tier " << tier;
+    EXPECT_EQ(after.prefix_blocks_from_host, tier ? 2 : 0);
+    EXPECT_EQ(before.prefix_blocks_to_host > 0, tier);
+    expect_cache_drained(*engine);
+  }
+}
+
 TEST(Engine, StopsOnEosStopIdsAndLength) {
   TinyQwen3Options options;
   const auto dir = write_tiny_qwen3(options, "stops");

@@ -119,6 +119,48 @@ TEST(Qwen3_5Engine, BatchingAndPreemptionGiveTheTokensOfRunningAlone) {
   EXPECT_GT(engine.stats().num_preemptions, 0);
 }
 
+// A host tier: preempted sequences leave with their KV blocks and their state slot and come back
+// to both; the tokens are those of recompute-free runs, and the tier drains.
+TEST(Qwen3_5Engine, SwapPreemptionKeepsBlocksAndStateSlot) {
+  std::vector<Request> requests;
+  for (uint64_t i = 0; i < 4; ++i) requests.push_back(greedy(random_tokens(9 + 7 * i, 40 + i), 10));
+  std::vector<Generated> alone;
+  for (const auto& request : requests) {
+    EngineConfig config;
+    config.enable_prefix_caching = false;
+    config.scheduler.max_num_batched_tokens = 8;
+    Engine engine(tiny_qwen3_5(), config);
+    alone.push_back(run_alone(engine, request));
+  }
+  for (const bool prefix_caching : {false, true}) {
+    EngineConfig config;
+    config.enable_prefix_caching = prefix_caching;
+    config.state_checkpoint_interval = 16;
+    config.num_kv_blocks = 4;
+    config.scheduler.max_num_batched_tokens = 8;
+    config.swap_space_bytes = 64ull << 20;
+    Engine engine(tiny_qwen3_5(), config);
+    ASSERT_GT(engine.plan().num_host_slots, 0);
+    std::vector<int64_t> ids;
+    for (const auto& request : requests) ids.push_back(engine.add_request(request));
+    auto outputs = run(engine);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      EXPECT_EQ(outputs[ids[i]].tokens, alone[i].tokens) << "request " << i << ", prefix caching " << prefix_caching;
+      expect_close(outputs[ids[i]].logprobs, alone[i].logprobs, 1e-4);
+    }
+    const EngineStats stats = engine.stats();
+    EXPECT_GT(stats.swapped_out_sequences, 0);
+    EXPECT_EQ(stats.swapped_out_sequences, stats.num_preemptions);  // room for all: nothing recomputed
+    EXPECT_EQ(stats.swapped_in_sequences, stats.swapped_out_sequences);
+    EXPECT_EQ(stats.swapped_out_slots, stats.swapped_out_sequences);
+    EXPECT_EQ(stats.swapped_in_slots, stats.swapped_out_slots);
+    EXPECT_EQ(stats.host_blocks_used, 0);
+    EXPECT_EQ(stats.host_slots_used, 0);
+    EXPECT_EQ(engine.cache().num_sequences() + engine.cache().num_swapped(), 0u);
+    EXPECT_NO_THROW(engine.cache().check_integrity());
+  }
+}
+
 TEST(Qwen3_5Engine, PrefixHitRestoresTheStateAndGivesColdTokens) {
   const std::vector<int32_t> first = random_tokens(45, 7);
   std::vector<int32_t> second(first.begin(), first.begin() + 37);

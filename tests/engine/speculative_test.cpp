@@ -99,12 +99,14 @@ struct EngineSetup {
   int32_t num_kv_blocks;  // 0: planned; small: preemption
   int32_t max_prefill_chunk;
   int32_t max_num_batched_tokens;
+  uint64_t swap_space_bytes = 0;  // > 0: preemption swaps to the host tier
 };
 
 constexpr EngineSetup kSetups[] = {
     {"batched+prefix", true, 0, 0, 2048},
     {"chunked", false, 0, 5, 2048},
     {"tight-budget+preemption", false, 14, 0, 12},
+    {"tight-budget+swap", false, 14, 0, 12, 64ull << 20},
 };
 
 // `plain_every` > 0: every that many steps the next half of them run plain with the MTP head off
@@ -117,6 +119,7 @@ std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineS
   EngineConfig config;
   config.enable_prefix_caching = setup.prefix_caching;
   config.num_kv_blocks = setup.num_kv_blocks;
+  config.swap_space_bytes = setup.swap_space_bytes;
   config.block_size = 4;
   config.scheduler.max_prefill_chunk = setup.max_prefill_chunk;
   config.scheduler.max_num_batched_tokens = setup.max_num_batched_tokens;
@@ -307,6 +310,10 @@ TEST(SpeculativeGlm5Next, NgramAndMtpGiveThePlainTokens) {
     if (std::string(setup.name) == "tight-budget+preemption") {
       EXPECT_GT(plain_stats.num_preemptions, 0);
     }
+    if (setup.swap_space_bytes > 0) {
+      EXPECT_GT(plain_stats.swapped_out_sequences, 0) << setup.name;
+      EXPECT_GT(plain_stats.swapped_out_slots, 0) << setup.name;  // the KDA slots travel too
+    }
     for (const auto method : {SpeculativeMethod::kNgram, SpeculativeMethod::kMtp}) {
       const std::string what = std::string("glm5_next ") + setup.name + " " + std::string(speculative_method_name(method));
       EngineStats stats;
@@ -365,6 +372,7 @@ TEST(SpeculativeDemo, NgramAndMtpGiveThePlainTokens) {
   const auto prompt_set = demo_prompts();
   const std::span<const EngineSetup> setups(kSetups, kSanitizedBuild ? 1 : std::size(kSetups));
   for (const EngineSetup& setup : setups) {
+    if (setup.swap_space_bytes > 0) continue;  // the tiny models cover swapping; the demo model is slow
     const auto plain = generate(factory, setup, {}, prompt_set, 16);
     const auto plain_argmax = generate(factory, setup, {}, prompt_set, 16, nullptr, 0);
     for (const auto method : {SpeculativeMethod::kNgram, SpeculativeMethod::kMtp}) {

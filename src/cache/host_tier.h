@@ -1,0 +1,86 @@
+// HostTier: host-memory copies of whole KV blocks and of recurrent-state slots, the room a
+// preempted sequence (or, later, an evicted prefix) is kept in instead of being recomputed.
+//
+// The tier mirrors the device cache's layout: one host area per paged tensor of the CacheManager,
+// [num_blocks, bytes of one device block] (every row of every per-token and per-group tensor of a
+// block travels with it), and one per per-slot tensor, [num_slots, bytes of one slot]. A host block
+// or slot id is valid in every area at once, as device block and slot ids are. Host memory is
+// pinned when the device is a GPU (copies are then true asynchronous DMA) and plain memory on the
+// CPU device. The tier owns ids and bytes only; what a host block holds is the CacheManager's
+// business. Host block ids live in a BlockPool: used (held by a swapped-out sequence), cached (a
+// prefix block evicted from the device, on an LRU list, evicted in turn when a swap or a newer
+// evicted block needs room), or empty.
+//
+// Copies are queued on the device's current stream, the stream the forward runs on, so a copy out
+// runs after the step that wrote the block and a copy back in runs before the step that reads it,
+// without waiting on the host. The host never reads the copies itself, so nothing needs to
+// synchronise. (They do not overlap the forward: that needs a stream of their own and events.)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "cache/block_pool.h"
+#include "cache/state_pool.h"
+#include "runtime/buffer.h"
+#include "runtime/tensor.h"
+
+namespace metrale {
+
+class HostTier {
+ public:
+  HostTier() = default;
+  // `block_bytes[i]`: bytes of one block of paged tensor i; `slot_bytes[j]`: bytes of one slot of
+  // per-slot tensor j. Host memory for `num_blocks` blocks and `num_slots` slots of all of them.
+  HostTier(Device device, std::vector<size_t> block_bytes, std::vector<size_t> slot_bytes, int32_t num_blocks,
+           int32_t num_slots);
+
+  int32_t num_blocks() const { return blocks_.num_blocks(); }
+  int32_t num_free_blocks() const { return blocks_.num_free(); }  // empty + cached
+  int32_t num_used_blocks() const { return blocks_.num_used(); }  // held by swapped sequences
+  int32_t num_cached_blocks() const { return blocks_.num_cached(); }  // prefix blocks
+  const BlockPool& block_pool() const { return blocks_; }
+  BlockPool& block_pool() { return blocks_; }
+  int32_t num_slots() const { return slots_.num_slots(); }
+  int32_t num_free_slots() const { return slots_.num_free(); }
+  int32_t num_used_slots() const { return slots_.num_used(); }
+  // Whether the host block holds something (a swapped sequence's or a cached prefix block).
+  bool holds_block(int32_t block) const {
+    return block >= 0 && block < num_blocks() && (blocks_.ref_count(block) > 0 || blocks_.is_cached(block));
+  }
+  bool is_slot_allocated(int32_t slot) const { return slots_.contains(slot) && slots_.is_allocated(slot); }
+  uint64_t memory_bytes() const;
+
+  // A free host slot id, or -1 when none is free. (Blocks: block_pool().allocate / release.)
+  int32_t allocate_slot() { return slots_.allocate(); }
+  void free_slot(int32_t slot) { slots_.free(slot); }
+
+  // `paged[i]` is paged tensor i of the device cache ([num_blocks, rows, ...], contiguous), in the
+  // order of block_bytes. Copies device block `block` of each into host block `host_block`, or back.
+  void store_block(std::span<const OwnedTensor> paged, int32_t block, int32_t host_block);
+  void load_block(std::span<const OwnedTensor> paged, int32_t host_block, int32_t block);
+  // The same for state slots: `slots[j]` is per-slot tensor j ([num_slots, ...], contiguous).
+  void store_slot(std::span<const OwnedTensor> slots, int32_t slot, int32_t host_slot);
+  void load_slot(std::span<const OwnedTensor> slots, int32_t host_slot, int32_t slot);
+
+ private:
+  // Host memory of one area: pinned for a GPU device, plain for the CPU device.
+  struct Area {
+    Buffer plain;
+    PinnedBuffer pinned;
+    size_t unit_bytes = 0;  // one block or one slot
+    std::byte* data() const;
+  };
+  void copy_unit(std::span<const OwnedTensor> device_tensors, std::vector<Area>& areas, int32_t device_index,
+                 int32_t host_index, bool to_host);
+
+  Device device_;
+  std::vector<Area> block_areas_;  // per paged tensor
+  std::vector<Area> slot_areas_;   // per per-slot tensor
+  BlockPool blocks_{0};            // host block ids [0, num_blocks)
+  StatePool slots_;                // host slot ids [0, num_slots)
+};
+
+}  // namespace metrale
