@@ -266,7 +266,7 @@ TEST_P(GreedyEquivalence, NgramGivesThePlainTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Goldens, GreedyEquivalence,
                          ::testing::Values("qwen3_tied", "qwen3_untied", "qwen3_moe", "qwen3_next", "qwen3_5",
-                                           "qwen3_5_moe"));
+                                           "qwen3_5_moe", "qwen4_exp", "glm5_next"));
 
 // A tiny random glm5_next (KDA, DSA with a full and a shared indexer, dense and MoE layers, mHC
 // streams) with its MTP head: n-gram and MTP speculation give the plain tokens, through prefix hits
