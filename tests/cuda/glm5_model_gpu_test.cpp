@@ -29,6 +29,9 @@ testing::TinyGlm5Spec gpu_spec() {
   spec.index_head_dim = 64;
   spec.index_topk = 8;
   spec.index_kpool = 4;
+  // The CUDA MoE kernels take hidden and expert sizes in multiples of 8.
+  spec.intermediate_size = 32;
+  spec.moe_intermediate_size = 16;
   return spec;
 }
 
@@ -38,7 +41,7 @@ struct Generation {
 };
 
 Generation generate(const std::filesystem::path& dir, Device device, SpeculativeMethod method,
-             const std::vector<std::vector<int32_t>>& prompts) {
+                    const std::vector<std::vector<int32_t>>& prompts) {
   EngineConfig config;
   config.scheduler.max_num_seqs = 4;
   config.scheduler.max_num_batched_tokens = 256;

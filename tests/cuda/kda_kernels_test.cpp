@@ -172,7 +172,7 @@ TEST(CudaKda, RecurrentDecodeMatchesCpu) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   Random rng(302);
   for (const DType dtype : {DType::kBF16, DType::kF32}) {
-    for (const int64_t dk : {128, 64}) {
+    for (const int64_t dk : {128, 64, 32}) {
       RaggedBatch batch;  // decode rows, one fresh, one without a slot
       for (int32_t s = 0; s < 9; ++s) batch.add(1, s == 3 ? 0 : 5 + s, s == 5 ? -1 : s);
       const Inputs in(rng, dtype, batch.tokens(), 4, dk, 128, -2.0f, 2.0f);

@@ -245,8 +245,9 @@ void check_gate_inputs(const std::string& what, const Tensor& f, const Tensor& b
                        const Tensor& dt_bias, int64_t tokens, int64_t heads, int64_t dk, const KdaParams& params) {
   METRALE_EXPECT(f.ndim() == 2 && f.size(0) == tokens && f.size(1) == heads * dk && f.stride(1) == 1,
                  what + ": f " + f.describe());
-  METRALE_EXPECT(b.ndim() == 2 && b.size(0) == tokens && b.size(1) == heads && b.stride(1) == 1 && b.dtype() == f.dtype(),
-                 what + ": b " + b.describe());
+  METRALE_EXPECT(
+      b.ndim() == 2 && b.size(0) == tokens && b.size(1) == heads && b.stride(1) == 1 && b.dtype() == f.dtype(),
+      what + ": b " + b.describe());
   METRALE_EXPECT(A_log.numel() == heads && A_log.is_contiguous() && dt_bias.numel() == heads * dk &&
                      dt_bias.is_contiguous() && A_log.device().is_cuda() && dt_bias.device().is_cuda(),
                  what + ": A_log " + A_log.describe() + " dt_bias " + dt_bias.describe());
@@ -281,16 +282,16 @@ KdaShape check_kda(const char* op, const Tensor& q, const Tensor& k, const Tenso
                  what + ": state " + state.describe() + " must be f32 [slots, H, dk, dv]");
   d.num_seqs = kv_lens.numel();
   d.num_slots = state.size(0);
-  METRALE_EXPECT(cu_q.dtype() == DType::kI32 && kv_lens.dtype() == DType::kI32 && state_slots.dtype() == DType::kI32 &&
-                     cu_q.numel() == d.num_seqs + 1 && state_slots.numel() == d.num_seqs,
-                 what + ": cu_q " + cu_q.describe() + " kv_lens " + kv_lens.describe() + " state_slots " +
-                     state_slots.describe());
+  METRALE_EXPECT(
+      cu_q.dtype() == DType::kI32 && kv_lens.dtype() == DType::kI32 && state_slots.dtype() == DType::kI32 &&
+          cu_q.numel() == d.num_seqs + 1 && state_slots.numel() == d.num_seqs,
+      what + ": cu_q " + cu_q.describe() + " kv_lens " + kv_lens.describe() + " state_slots " + state_slots.describe());
   METRALE_EXPECT(d.num_seqs <= 65535 && d.heads <= 65535, what + ": batch too large");
   return d;
 }
 
 bool recurrent_supported(const KdaShape& d, DType dtype) {
-  return (d.dk == 64 || d.dk == 128) && d.dv % 16 == 0 && (dtype == DType::kBF16 || dtype == DType::kF32);
+  return (d.dk == 32 || d.dk == 64 || d.dk == 128) && d.dv % 16 == 0 && (dtype == DType::kBF16 || dtype == DType::kF32);
 }
 
 template <typename T, int kDk, int kTile>
@@ -306,8 +307,10 @@ void launch_recurrent_for(const RecurrentArgs& args, const KdaShape& d, cudaStre
   const bool narrow = d.dv % 32 != 0 || d.num_seqs * d.heads * (d.dv / 32) < 256;
   if (d.dk == 128) {
     narrow ? launch_recurrent<T, 128, 16>(args, d, stream) : launch_recurrent<T, 128, 32>(args, d, stream);
-  } else {
+  } else if (d.dk == 64) {
     narrow ? launch_recurrent<T, 64, 16>(args, d, stream) : launch_recurrent<T, 64, 32>(args, d, stream);
+  } else {
+    narrow ? launch_recurrent<T, 32, 16>(args, d, stream) : launch_recurrent<T, 32, 32>(args, d, stream);
   }
 }
 
@@ -316,10 +319,10 @@ void run_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
                    const Tensor& kv_lens, const Tensor& state_slots, const Tensor& out, const KdaParams& params,
                    const KdaShape& d, const char* op) {
   if (!recurrent_supported(d, q.dtype())) {
-    raise_message(ErrorCode::kUnsupported,
-                  std::string(op) + ": CUDA supports dk 64 or 128, dv a multiple of 16 and bf16/f32 activations (dk " +
-                      std::to_string(d.dk) + ", dv " + std::to_string(d.dv) + ", " +
-                      std::string(dtype_name(q.dtype())) + ")");
+    raise_message(
+        ErrorCode::kUnsupported,
+        std::string(op) + ": CUDA supports dk 32, 64 or 128, dv a multiple of 16 and bf16/f32 activations (dk " +
+            std::to_string(d.dk) + ", dv " + std::to_string(d.dv) + ", " + std::string(dtype_name(q.dtype())) + ")");
   }
   RecurrentArgs args{};
   args.q = q.data();
@@ -360,11 +363,17 @@ void run_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
 
 // ---- chunked form ----
 
-size_t align_up(size_t bytes, size_t alignment) { return (bytes + alignment - 1) / alignment * alignment; }
+size_t align_up(size_t bytes, size_t alignment) {
+  return (bytes + alignment - 1) / alignment * alignment;
+}
 
-int64_t max_chunks(int64_t tokens, int64_t num_seqs) { return (tokens + (kda::kChunk - 1) * num_seqs) / kda::kChunk; }
+int64_t max_chunks(int64_t tokens, int64_t num_seqs) {
+  return (tokens + (kda::kChunk - 1) * num_seqs) / kda::kChunk;
+}
 
-size_t chunk_offsets_bytes(int64_t num_seqs) { return align_up(static_cast<size_t>(num_seqs + 1) * 4, 256); }
+size_t chunk_offsets_bytes(int64_t num_seqs) {
+  return align_up(static_cast<size_t>(num_seqs + 1) * 4, 256);
+}
 
 bool rows_aligned16(const Tensor& t) {
   const auto element = static_cast<int64_t>(t.element_size());
@@ -420,10 +429,9 @@ void kda_gates(const Tensor& f, const Tensor& b, const Tensor& A_log, const Tens
   const GateParams p = gate_params(A_log, dt_bias, params, "kda_gates");
   const auto grid = static_cast<unsigned>((count + 255) / 256);
   METRALE_DISPATCH_FLOAT(f.dtype(), "kda_gates", [&] {
-    gates_kernel<scalar_t><<<grid, 256, 0, stream_of(g)>>>(f.data_as<const scalar_t>(), f.stride(0),
-                                                           b.data_as<const scalar_t>(), b.stride(0), p,
-                                                           g.data_as<float>(), beta.data_as<float>(), count,
-                                                           static_cast<int>(heads), static_cast<int>(dk));
+    gates_kernel<scalar_t><<<grid, 256, 0, stream_of(g)>>>(
+        f.data_as<const scalar_t>(), f.stride(0), b.data_as<const scalar_t>(), b.stride(0), p, g.data_as<float>(),
+        beta.data_as<float>(), count, static_cast<int>(heads), static_cast<int>(dk));
   });
   METRALE_CHECK_LAUNCH("kda_gates");
 }
@@ -517,8 +525,8 @@ void kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   // share the decayed operands of each chunk); otherwise alone.
   const int64_t column_tiles = d.dv / kda::kTileV;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(column_tiles), static_cast<unsigned>(d.heads),
-                        static_cast<unsigned>(d.num_seqs));
+  config.gridDim =
+      dim3(static_cast<unsigned>(column_tiles), static_cast<unsigned>(d.heads), static_cast<unsigned>(d.num_seqs));
   config.blockDim = dim3(kda::kScanThreads);
   config.dynamicSmemBytes = kda::scan::kSmemBytes;
   config.stream = stream;
@@ -535,8 +543,8 @@ void kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 
 }  // namespace cuda
 
-size_t kda_workspace_bytes(Device device, int64_t num_tokens, int64_t num_seqs, int64_t num_heads,
-                           int64_t key_head_dim, int64_t value_head_dim) {
+size_t kda_workspace_bytes(Device device, int64_t num_tokens, int64_t num_seqs, int64_t num_heads, int64_t key_head_dim,
+                           int64_t value_head_dim) {
   (void)key_head_dim;
   (void)value_head_dim;
   if (!device.is_cuda()) return 0;
