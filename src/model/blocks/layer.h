@@ -28,14 +28,18 @@ struct StepContext {
   Tensor verify_scratch = Tensor();
   // This block's entries of ForwardBatch::step_inputs, one per StatefulBlock::step_input_specs entry.
   std::span<const Tensor> step_inputs = {};
+  // This block's StatefulBlock::step_output_bytes region: carved from the workspace before the first
+  // layer of the forward, so it outlives the per-layer temporaries and later blocks of the same
+  // forward can read it; its address is the same for every step of one batch shape (graph replays).
+  Tensor step_output = Tensor();
 };
 
 // What a stateful block lets the engine do; the model reports the conjunction (disjunction for
 // needs_prestage) over its blocks as ModelCapabilities.
 struct BlockCapabilities {
-  bool graph_safe = true;        // its forward and commit may be captured in a CUDA graph and replayed
-  bool needs_prestage = false;   // it reads step inputs its prestage() fills on the host
-  bool supports_verify = true;   // a verify forward followed by commit() leaves its cache exactly right
+  bool graph_safe = true;       // its forward and commit may be captured in a CUDA graph and replayed
+  bool needs_prestage = false;  // it reads step inputs its prestage() fills on the host
+  bool supports_verify = true;  // a verify forward followed by commit() leaves its cache exactly right
 };
 
 // Any block that keeps state between steps. Its cache is what cache_spec() declares; the model hands
@@ -49,6 +53,9 @@ class StatefulBlock {
   virtual ~StatefulBlock() = default;
   virtual CacheSpec cache_spec() const = 0;
   virtual BlockCapabilities capabilities() const { return {}; }
+  // Bytes of StepContext::step_output this block publishes to later blocks of the same forward for
+  // `num_tokens` rows (a DSA layer's selection that the shared layer after it reuses).
+  virtual size_t step_output_bytes(int64_t /*num_tokens*/) const { return 0; }
   // Bytes of StepContext::verify_scratch a verify step of `num_tokens` rows over `num_seqs` sequences
   // needs.
   virtual size_t verify_scratch_bytes(int64_t /*num_tokens*/, int64_t /*num_seqs*/, DType /*activation*/) const {

@@ -95,7 +95,8 @@ size_t LayerStack::scratch_bytes(const ForwardBatch& batch, Device device, int64
   for (int64_t i = first; i < last; ++i) {
     const DecoderLayer& layer = layers_.at(static_cast<size_t>(i));
     bytes = std::max(bytes, layer.mixer->scratch_bytes(batch, device));
-    for (const auto& stream_block : layer.stream_blocks) bytes = std::max(bytes, stream_block->scratch_bytes(batch, device));
+    for (const auto& stream_block : layer.stream_blocks)
+      bytes = std::max(bytes, stream_block->scratch_bytes(batch, device));
   }
   return bytes;
 }
@@ -111,8 +112,10 @@ std::vector<size_t> LayerStack::verify_scratch_offsets(int64_t num_tokens, int64
   return offsets;
 }
 
-StepContext LayerStack::block_step(const StepContext& step, size_t b, std::span<const size_t> verify_offsets) const {
+StepContext LayerStack::block_step(const StepContext& step, size_t b, std::span<const size_t> verify_offsets,
+                                   std::span<const Tensor> step_outputs) const {
   StepContext own = step;
+  if (!step_outputs.empty()) own.step_output = step_outputs[b];
   if (!verify_offsets.empty()) {
     own.verify_scratch = step.batch.verify_scratch.slice(0, static_cast<int64_t>(verify_offsets[b]),
                                                          static_cast<int64_t>(verify_offsets[b + 1]));
@@ -148,9 +151,16 @@ void LayerStack::forward(const StepContext& step, std::span<const BlockCache> ca
     raise(ErrorCode::kInvalidArgument, "the batch has {} step inputs, the model declares {}",
           step.batch.step_inputs.size(), block_first_input_.back());
   }
-  METRALE_CHECK(verify_offsets.empty() || verify_offsets.size() == blocks_.size() + 1, "{} verify offsets for {} blocks",
-                verify_offsets.size(), blocks_.size());
+  METRALE_CHECK(verify_offsets.empty() || verify_offsets.size() == blocks_.size() + 1,
+                "{} verify offsets for {} blocks", verify_offsets.size(), blocks_.size());
   const ResidualScheme& scheme = *residual_;
+  // What blocks publish to later blocks of this forward, carved before the per-layer temporaries.
+  std::vector<Tensor> step_outputs(blocks_.size());
+  for (size_t b = layer_first_block_[static_cast<size_t>(first)]; b < layer_first_block_[static_cast<size_t>(last)];
+       ++b) {
+    const size_t bytes = blocks_[b]->step_output_bytes(step.batch.num_tokens);
+    if (bytes > 0) step_outputs[b] = step.workspace.alloc(DType::kU8, {static_cast<int64_t>(bytes)});
+  }
   for (int64_t i = first; i < last; ++i) {
     DecoderLayer& layer = layers_[static_cast<size_t>(i)];
     const Arena::Scope layer_temporaries(step.workspace);
@@ -162,7 +172,7 @@ void LayerStack::forward(const StepContext& step, std::span<const BlockCache> ca
         scheme.pre(step, streams, 2 * i, x);
       }
       const size_t mixer_block = layer_first_block_[static_cast<size_t>(i) + 1] - 1;
-      layer.mixer->forward(block_step(step, mixer_block, verify_offsets), caches[mixer_block], x, out);
+      layer.mixer->forward(block_step(step, mixer_block, verify_offsets, step_outputs), caches[mixer_block], x, out);
       scheme.post_pre(step, streams, 2 * i, out, x);
       layer.ffn->forward(step, x, out);
       if (i + 1 == last) {

@@ -63,7 +63,8 @@ class LayerStack {
 
  private:
   // `step` for block b: its verify region (verify steps) and its step inputs.
-  StepContext block_step(const StepContext& step, size_t b, std::span<const size_t> verify_offsets) const;
+  StepContext block_step(const StepContext& step, size_t b, std::span<const size_t> verify_offsets,
+                         std::span<const Tensor> step_outputs = {}) const;
   void check_caches(std::span<const BlockCache> caches) const;
   void run_stream_blocks(const StepContext& step, std::span<const BlockCache> caches, const ResidualStreams& streams,
                          int64_t layer, std::span<const size_t> verify_offsets);
@@ -71,11 +72,11 @@ class LayerStack {
   std::vector<DecoderLayer> layers_;
   std::unique_ptr<ResidualScheme> residual_;
   std::string label_;
-  std::vector<StatefulBlock*> blocks_;      // in forward order
-  std::vector<int64_t> block_layer_;        // per block: its layer
-  std::vector<size_t> layer_first_block_;   // [layers + 1]
-  std::vector<size_t> block_first_input_;   // [blocks + 1]: offsets into the step inputs
-  std::vector<uint8_t> block_has_slots_;    // per block: its cache has per-slot tensors (needs a commit)
+  std::vector<StatefulBlock*> blocks_;     // in forward order
+  std::vector<int64_t> block_layer_;       // per block: its layer
+  std::vector<size_t> layer_first_block_;  // [layers + 1]
+  std::vector<size_t> block_first_input_;  // [blocks + 1]: offsets into the step inputs
+  std::vector<uint8_t> block_has_slots_;   // per block: its cache has per-slot tensors (needs a commit)
 };
 
 }  // namespace metrale

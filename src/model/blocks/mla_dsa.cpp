@@ -36,8 +36,10 @@ DsaMixer::DsaMixer(const DsaConfig& config, Weights& weights, const std::string&
   const int64_t dn = config.qk_nope_head_dim, dv = config.v_head_dim;
   if (config.index_kpool <= 0 || config.index_topk % config.index_kpool != 0 || heads <= 0 || r <= 0 || dn <= 0 ||
       dv <= 0) {
-    raise(ErrorCode::kBadFormat, "{}: invalid DSA sizes (heads {}, kv_lora_rank {}, head dims {} / {}, index_topk {}, "
-          "index_kpool {})", weights.source_name(), heads, r, dn, dv, config.index_topk, config.index_kpool);
+    raise(ErrorCode::kBadFormat,
+          "{}: invalid DSA sizes (heads {}, kv_lora_rank {}, head dims {} / {}, index_topk {}, "
+          "index_kpool {})",
+          weights.source_name(), heads, r, dn, dv, config.index_topk, config.index_kpool);
   }
   q_a_ = weights.get(prefix + "q_a_proj.weight", {rq, d});
   q_a_norm_ = weights.get(prefix + "q_a_layernorm.weight", {rq});
@@ -53,7 +55,8 @@ DsaMixer::DsaMixer(const DsaConfig& config, Weights& weights, const std::string&
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t i = 0; i < dn; ++i) {
         for (int64_t j = 0; j < r; ++j) {
-          transposed[static_cast<size_t>((h * r + j) * dn + i)] = rows[static_cast<size_t>((h * (dn + dv) + i) * r + j)];
+          transposed[static_cast<size_t>((h * r + j) * dn + i)] =
+              rows[static_cast<size_t>((h * (dn + dv) + i) * r + j)];
         }
       }
     }
@@ -87,17 +90,15 @@ CacheSpec DsaMixer::cache_spec() const {
   return spec;
 }
 
-BlockCapabilities DsaMixer::capabilities() const {
-  BlockCapabilities capabilities;
-  // The link's buffer grows with the step's token count: its address is not fixed for a graph.
-  capabilities.graph_safe = shared_from_ == nullptr && publish_to_ == nullptr;
-  return capabilities;
+size_t DsaMixer::step_output_bytes(int64_t num_tokens) const {
+  return publish_to_ ? static_cast<size_t>(num_tokens * top_pools()) * sizeof(int32_t) : 0;
 }
 
 size_t DsaMixer::scratch_bytes(const ForwardBatch& batch, Device device) const {
   const int64_t tokens = batch.num_tokens;
   const int splits = kernels::dsa_attention_splits(device, tokens, config_.num_heads, top_pools());
-  size_t bytes = kernels::dsa_attention_workspace_bytes(device, tokens, config_.num_heads, config_.kv_lora_rank, splits);
+  size_t bytes =
+      kernels::dsa_attention_workspace_bytes(device, tokens, config_.num_heads, config_.kv_lora_rank, splits);
   if (has_indexer()) {
     const int64_t max_kv = batch.max_kv_len > 0 ? batch.max_kv_len : tokens;
     bytes = std::max(bytes, kernels::dsa_select_workspace_bytes(device, tokens, max_kv, config_.index_kpool));
@@ -136,8 +137,7 @@ void DsaMixer::write_cache(const StepContext& step, const BlockCache& cache, con
                            index_ape_, batch.slot_mapping, cache.tensors[kIndexKeys], cache.tensors[kPoolKeys], params);
 }
 
-Tensor DsaMixer::selection(const StepContext& step, const BlockCache& cache, const Tensor& x,
-                           const Tensor& c_q) const {
+Tensor DsaMixer::selection(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& c_q) const {
   const ForwardBatch& batch = step.batch;
   const int64_t tokens = x.size(0), k = top_pools();
   if (!has_indexer()) {
@@ -149,13 +149,11 @@ Tensor DsaMixer::selection(const StepContext& step, const BlockCache& cache, con
   }
   Tensor selected;
   if (publish_to_) {
-    DsaSelectionLink& link = *publish_to_;
     const auto needed = static_cast<size_t>(tokens * k) * sizeof(int32_t);
-    if (link.buffer.tensor.empty() || link.buffer->nbytes() < needed) {
-      link.buffer = OwnedTensor(DType::kI32, {tokens, k}, x.device());
-    }
-    selected = Tensor(link.buffer->data(), DType::kI32, {tokens, k}, x.device());
-    link.selected = selected;
+    METRALE_CHECK(step.step_output.nbytes() >= needed, "DSA layer shared by the next: step output {} for {} bytes",
+                  step.step_output.describe(), needed);
+    selected = Tensor(step.step_output.data(), DType::kI32, {tokens, k}, x.device());
+    publish_to_->selected = selected;
   } else {
     selected = step.workspace.alloc(DType::kI32, {tokens, k});
   }
@@ -183,8 +181,7 @@ void DsaMixer::forward(const StepContext& step, const BlockCache& cache, const T
   const ForwardBatch& batch = step.batch;
   const int64_t tokens = batch.num_tokens, heads = config_.num_heads, r = config_.kv_lora_rank;
   const int64_t dn = config_.qk_nope_head_dim, dv = config_.v_head_dim;
-  METRALE_CHECK(cache.tensors.size() == (has_indexer() ? 3u : 1u), "DSA layer: {} cache tensors",
-                cache.tensors.size());
+  METRALE_CHECK(cache.tensors.size() == (has_indexer() ? 3u : 1u), "DSA layer: {} cache tensors", cache.tensors.size());
   if (tokens == 0) return;
   Arena& ws = step.workspace;
   const DType act = step.activation_dtype;

@@ -45,11 +45,10 @@ struct DsaConfig {
   double rms_norm_eps = 1e-5;    // q_a_layernorm, kv_a_layernorm
 };
 
-// The selection a DSA layer hands the "shared" layer after it within one step: [T, index_topk / kp]
-// i32 pools per query, in memory that outlives the publishing layer's temporaries (grown on demand,
-// so layers that use a link are not graph-safe).
+// The selection a DSA layer hands the "shared" layer after it within one forward: [T, index_topk / kp]
+// i32 pools per query, in the publishing layer's StepContext::step_output (fixed per batch shape,
+// so graph replays read what the capture wrote).
 struct DsaSelectionLink {
-  OwnedTensor buffer;
   Tensor selected;
 };
 
@@ -61,8 +60,8 @@ class DsaMixer : public Mixer {
            std::shared_ptr<DsaSelectionLink> shared_from, std::shared_ptr<DsaSelectionLink> publish_to);
 
   CacheSpec cache_spec() const override;
-  BlockCapabilities capabilities() const override;
   size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
+  size_t step_output_bytes(int64_t num_tokens) const override;
   void forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) override;
   void write_keys(const StepContext& step, const BlockCache& cache, const Tensor& x) override;
 
@@ -81,11 +80,11 @@ class DsaMixer : public Mixer {
 
   DsaConfig config_;
   std::shared_ptr<DsaSelectionLink> shared_from_, publish_to_;
-  Tensor q_a_, q_a_norm_, q_b_;       // [r_q, D], [r_q], [H d_n, r_q]
-  Tensor kv_a_, kv_a_norm_;           // [r, D], [r]
-  Tensor key_absorb_;                 // [H, r, d_n]: W_uk,h^T (a transposed copy of kv_b_proj's key rows)
-  Tensor value_absorb_;               // [H, d_v, r]: W_uv,h (a view of kv_b_proj's value rows)
-  Tensor o_proj_;                     // [D, H d_v]
+  Tensor q_a_, q_a_norm_, q_b_;  // [r_q, D], [r_q], [H d_n, r_q]
+  Tensor kv_a_, kv_a_norm_;      // [r, D], [r]
+  Tensor key_absorb_;            // [H, r, d_n]: W_uk,h^T (a transposed copy of kv_b_proj's key rows)
+  Tensor value_absorb_;          // [H, d_v, r]: W_uv,h (a view of kv_b_proj's value rows)
+  Tensor o_proj_;                // [D, H d_v]
   Tensor index_q_, index_k_, index_gate_, index_weights_;  // [H_I d_I, r_q], [d_I, D], [d_I, D], [H_I, D]
   Tensor index_ln_weight_, index_ln_bias_, index_ape_;     // [d_I], [d_I], [kp, d_I]
   std::vector<OwnedTensor> owned_;
