@@ -24,9 +24,14 @@ class GoldenGpu : public ::testing::TestWithParam<std::string> {
   }
 };
 
+// The relative L2 a bf16 run may reach on this case: 2e-2, or 1.5 times transformers' own bf16 error.
+double bf16_bound(const GoldenCase& golden) {
+  return std::max(2e-2, 1.5 * golden.info.value("transformers_bf16_rel_l2", 0.0));
+}
+
 TEST_P(GoldenGpu, LogitsMatchTransformers) {
   const GoldenCase golden(GetParam());
-  const double bound = std::max(2e-2, 1.5 * golden.info.value("transformers_bf16_rel_l2", 0.0));
+  const double bound = bf16_bound(golden);
   for (const int32_t chunk : {0, 7, 1}) {
     const double relative = testing::score_relative_l2(golden, Device::cuda(0), chunk);
     EXPECT_LE(relative, bound) << "chunk " << chunk;
@@ -36,8 +41,12 @@ TEST_P(GoldenGpu, LogitsMatchTransformers) {
 }
 
 TEST_P(GoldenGpu, GreedyGenerationMatchesTransformers) {
-  // bf16 activations move logits by ~1e-2: a flip is a near-tie below that.
-  testing::expect_greedy_matches(GoldenCase(GetParam()), Device::cuda(0), 5e-2f);
+  // bf16 activations move logits by ~1e-2 where the logits are within 2e-2 of the reference: a flip
+  // is a near-tie below 5e-2 there, and proportionally wider on cases whose bf16 error is larger
+  // (glm5_next: transformers' own bf16 run is ~1e-1 from its fp32 logits).
+  const GoldenCase golden(GetParam());
+  const auto near_tie = static_cast<float>(5e-2 * bf16_bound(golden) / 2e-2);
+  testing::expect_greedy_matches(golden, Device::cuda(0), near_tie);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GoldenGpu, ::testing::ValuesIn(testing::golden_cases()),
