@@ -117,7 +117,8 @@ std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineS
                                       SpeculativeConfig speculative,
                                       const std::vector<std::vector<int32_t>>& prompt_set, int32_t max_tokens,
                                       EngineStats* stats = nullptr, int32_t top_logprobs = 3,
-                                      Device device = Device::cpu(), int32_t plain_every = 0, bool ragged = false) {
+                                      Device device = Device::cpu(), int32_t plain_every = 0, bool ragged = false,
+                                      const std::function<void(Request&)>& adjust = {}) {
   EngineConfig config;
   config.enable_prefix_caching = setup.prefix_caching;
   config.num_kv_blocks = setup.num_kv_blocks;
@@ -137,7 +138,9 @@ std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineS
   std::vector<int64_t> ids;
   std::map<int64_t, Generated> early;  // events of the steps before the last request is added
   for (const auto& prompt : prompt_set) {
-    ids.push_back(engine.add_request(greedy(prompt, max_tokens, top_logprobs)));
+    Request request = greedy(prompt, max_tokens, top_logprobs);
+    if (adjust) adjust(request);
+    ids.push_back(engine.add_request(request));
     // The second request shares the first's prefix: admit it after the first has cached it.
     if (setup.prefix_caching && ids.size() == 1) {
       for (int i = 0; i < 3; ++i) record(engine.step(), early);
@@ -309,6 +312,36 @@ TEST_P(GreedyEquivalence, NgramInTheRaggedLayoutGivesThePlainTokens) {
   const auto adaptive =
       generate(factory, setup, spec_config(SpeculativeMethod::kNgram, 3, /*adaptive=*/true), prompt_set, 14);
   expect_same(adaptive, plain, name + " ngram adaptive");
+}
+
+TEST_P(GreedyEquivalence, NgramSamplesWhatPlainDecodingSamples) {
+  // Sampled requests: each verify row draws with plain decoding's uniform for its token and keeps
+  // a draft when the draw is the draft, so the seeded output is plain decoding's, token for token
+  // (on the device path without top logprobs, and on the host path with them).
+  const std::string name = GetParam();
+  ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
+  const ModelFactory factory = golden_model(name);
+  const auto probe = factory();
+  if (!can_verify(*probe)) GTEST_SKIP() << name << ": the model's recurrent layers cannot verify yet";
+  const auto prompt_set = prompts(probe->config().vocab_size, 11);
+  uint64_t next_seed = 100;
+  const auto sampled = [&next_seed](Request& request) {
+    request.sampling.temperature = 0.8f;
+    request.sampling.top_p = 0.95f;
+    request.sampling.seed = next_seed++;
+  };
+  const EngineSetup& setup = kSetups[0];
+  for (const int32_t top_logprobs : {0, 2}) {
+    next_seed = 100;
+    const auto plain = generate(factory, setup, {}, prompt_set, 14, nullptr, top_logprobs, Device::cpu(), 0, false,
+                                sampled);
+    next_seed = 100;
+    EngineStats stats;
+    const auto spec = generate(factory, setup, spec_config(SpeculativeMethod::kNgram, 3), prompt_set, 14, &stats,
+                               top_logprobs, Device::cpu(), 0, false, sampled);
+    expect_same(spec, plain, name + " sampled ngram, top logprobs " + std::to_string(top_logprobs));
+    EXPECT_GT(stats.verify_steps, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Goldens, GreedyEquivalence,
