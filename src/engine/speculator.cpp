@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "kernels/rejection_sampling.h"
 
 namespace metrale {
 
@@ -137,35 +138,21 @@ SampledToken describe_token(std::span<const float> logits, int32_t token, int32_
 
 int32_t rejection_sample(std::span<const float> p, std::span<const float> q, int32_t draft, float accept_uniform,
                          float residual_uniform, bool& accepted) {
-  const auto d = static_cast<size_t>(draft);
-  METRALE_CHECK(d < p.size() && (q.empty() || q.size() == p.size()), "rejection_sample: draft {} of {}", draft, p.size());
-  const double q_draft = q.empty() ? 1.0 : static_cast<double>(q[d]);
-  const double ratio = q_draft > 0.0 ? static_cast<double>(p[d]) / q_draft : 1.0;
-  accepted = static_cast<double>(accept_uniform) < ratio;
-  if (accepted) return draft;
-  // Residual norm(max(0, p - q)); for a one-hot q that is p without the draft.
-  const auto residual = [&](size_t i) {
-    const double qi = q.empty() ? (i == d ? 1.0 : 0.0) : static_cast<double>(q[i]);
-    return std::max(0.0, static_cast<double>(p[i]) - qi);
+  METRALE_CHECK(draft >= 0 && static_cast<size_t>(draft) < p.size() && (q.empty() || q.size() == p.size()),
+                "rejection_sample: draft {} of {}", draft, p.size());
+  // One row of the rejection-sampling kernel's CPU implementation: the decision the GPU twin makes.
+  const auto vocab = static_cast<int64_t>(p.size());
+  const auto view = [](const void* data, DType dtype, Shape shape) {
+    return Tensor(const_cast<void*>(data), dtype, std::move(shape), Device::cpu());
   };
-  double total = 0.0;
-  for (size_t i = 0; i < p.size(); ++i) total += residual(i);
-  if (!(total > 0.0)) {
-    // p <= q everywhere means p == q (up to rounding): the draft is then accepted with probability 1.
-    accepted = true;
-    return draft;
-  }
-  const double target = static_cast<double>(residual_uniform) * total;
-  double running = 0.0;
-  int32_t last = -1;
-  for (size_t i = 0; i < p.size(); ++i) {
-    const double mass = residual(i);
-    if (mass <= 0.0) continue;
-    running += mass;
-    last = static_cast<int32_t>(i);
-    if (running > target) return last;
-  }
-  return last;  // rounding left the target past the running mass
+  int32_t token = -1, kept = 0;
+  kernels::rejection_sample_rows({view(p.data(), DType::kF32, {1, vocab}),
+                                  q.empty() ? Tensor() : view(q.data(), DType::kF32, {1, vocab}),
+                                  view(&draft, DType::kI32, {1}), view(&accept_uniform, DType::kF32, {1}),
+                                  view(&residual_uniform, DType::kF32, {1})},
+                                 view(&token, DType::kI32, {1}), view(&kept, DType::kI32, {1}));
+  accepted = kept != 0;
+  return token;
 }
 
 // ---- SpeculationController

@@ -87,7 +87,8 @@ SampledToken describe_token(std::span<const float> logits, int32_t token, int32_
 // q [V] the draft's distribution (empty: a deterministic draft, q one-hot at `draft`). Accepts with
 // probability min(1, p(draft) / q(draft)); `accept_uniform` and `residual_uniform` are independent
 // uniforms in [0, 1). Returns `draft` when accepted, otherwise a token drawn from
-// norm(max(0, p - q)) (for a one-hot q: p without the draft, renormalised).
+// norm(max(0, p - q)) (for a one-hot q: p without the draft, renormalised). One row of
+// kernels::rejection_sample_rows (kernels/rejection_sampling.h), whose CUDA twin decides alike.
 int32_t rejection_sample(std::span<const float> p, std::span<const float> q, int32_t draft, float accept_uniform,
                          float residual_uniform, bool& accepted);
 
