@@ -418,8 +418,9 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
     });
     scheduler_.set_prefill_limit(prefill_budget_->limit(decoding));
   }
-  const SchedulePlan plan = schedule_step();
+  SchedulePlan plan = schedule_step();
   if (plan.empty()) return;
+  if (speculative_) plan.ragged_verify = speculative_->ragged_verify();
   const auto schedule_end = std::chrono::steady_clock::now();
   sampler_->begin_step(plan);  // constrained rows' masks, overlapping the forward
   StepResult result = forward(plan);

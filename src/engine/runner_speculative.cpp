@@ -120,7 +120,7 @@ void Runner::allocate_speculative_buffers() {
 }
 
 std::pair<int64_t, int64_t> Runner::fixed_verify_shape(const SchedulePlan& plan) const {
-  if (limits_.max_drafts <= 0 || greedy_tokens_.tensor.empty()) return {0, 0};
+  if (limits_.max_drafts <= 0 || greedy_tokens_.tensor.empty() || plan.ragged_verify) return {0, 0};
   const auto seqs = static_cast<int64_t>(plan.chunks.size());
   int64_t k = 0, longest = 0;
   for (const ScheduledChunk& chunk : plan.chunks) {

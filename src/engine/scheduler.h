@@ -48,6 +48,9 @@ struct SchedulePlan {
   std::vector<ScheduledChunk> chunks;
   int64_t num_tokens = 0;           // rows, draft rows included
   int64_t num_draft_rows = 0;
+  // A verify step runs in the ragged layout even when every sequence decodes (the speculation
+  // controller's choice: per-sequence drafts, no padding rows), not in the fixed one.
+  bool ragged_verify = false;
   std::vector<Sequence*> preempted;  // moved back to waiting this step (swapped out or to recompute)
   int64_t swapped_in = 0;            // preempted sequences brought back from the host tier this step
   // Admissions of this step: tokens looked up in the prefix cache, tokens found there, and hits

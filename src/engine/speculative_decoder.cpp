@@ -47,7 +47,8 @@ SpeculativeDecoder::SpeculativeDecoder(const SpeculativeConfig& config, const Sp
       faults_(faults),
       // Priors until measured: the MTP head of a trained checkpoint accepts most drafts; n-gram
       // lookup only where text repeats.
-      controller_(config, config.method == SpeculativeMethod::kMtp ? 0.6 : 0.4) {
+      controller_(config, config.method == SpeculativeMethod::kMtp ? 0.6 : 0.4,
+                  [&model](int64_t rows) { return model.routed_weight_bytes(rows); }) {
   METRALE_CHECK(config_.method != SpeculativeMethod::kNone, "a speculative decoder without a method");
   if (config_.method == SpeculativeMethod::kMtp) {
     auto mtp = std::make_unique<MtpDrafter>(
@@ -112,11 +113,19 @@ void SpeculativeDecoder::prepare(std::span<Sequence* const> running, size_t num_
     available[i] = std::min(limit, static_cast<int32_t>(sequence.draft_tokens.size()));
   }
   // With the proposals known, verify only what pays (e.g. not the drafts of a few sequences of a
-  // large batch); an exploration or probe keeps its choice.
-  const int32_t cap = choice.explored ? choice.drafts : controller_.refine(choice.drafts, acceptance, available, other_rows);
+  // large batch), in the fixed layout or, per sequence, in the ragged one; an exploration or probe
+  // keeps its choice.
+  SpeculationController::Layout layout = controller_.layout(choice, acceptance, available, other_rows);
+  if (forced_ragged_steps_ > 0 && forced_plain_steps_ == 0 && other_rows == 0) {
+    --forced_ragged_steps_;
+    for (size_t i = 0; i < decoding.size(); ++i)
+      layout.drafts[i] = std::min(available[i], static_cast<int32_t>(i % static_cast<size_t>(config_.num_drafts + 1)));
+    layout.ragged = true;
+  }
+  ragged_verify_ = layout.ragged;
   for (size_t i = 0; i < decoding.size(); ++i) {
     Sequence& sequence = *decoding[i];
-    const auto limit = static_cast<size_t>(std::min(cap, available[i]));
+    const auto limit = static_cast<size_t>(layout.drafts[i]);
     if (sequence.draft_tokens.size() > limit) {
       sequence.draft_tokens.resize(limit);
       if (!sequence.draft_probs.empty())
@@ -185,6 +194,7 @@ void SpeculativeDecoder::finish_step(const SchedulePlan& plan, const StepResult&
     if (chunk.decodes()) {
       ++record.num_decoding;
       record.drafts = std::max(record.drafts, static_cast<int32_t>(chunk.num_drafts));
+      record.draft_rows += chunk.num_drafts;
     } else {
       record.other_rows += chunk.num_rows();
     }
@@ -192,6 +202,8 @@ void SpeculativeDecoder::finish_step(const SchedulePlan& plan, const StepResult&
   // The step's k is its longest draft run (what the choice decides); a fixed layout may pad it
   // to a captured shape's, whose cost is then this k's.
   record.drafter_ran = drafter_->runs_after_step();
+  // A verify without a fixed layout ran ragged (mixed steps are costed apart, by their rows).
+  record.ragged = plan.num_draft_rows > 0 && result.rows_per_seq == 0;
   record.seconds = std::max(seconds.count() - untimed_seconds_, 0.5 * seconds.count());
   untimed_seconds_ = 0.0;
   controller_.record_step(record);
@@ -208,6 +220,7 @@ void SpeculativeDecoder::finish_step(const SchedulePlan& plan, const StepResult&
 void SpeculativeDecoder::abandon() {
   pending_verify_.reset();
   launched_ = false;
+  ragged_verify_ = false;
   untimed_seconds_ = 0.0;
   drafter_->abandon();
   controller_.abandon_step();

@@ -53,6 +53,9 @@ class SpeculativeDecoder {
   // Before the schedule: gives each decoding sequence of `running` its drafts for this step.
   // `num_waiting` sequences may join the step's schedule (they decode next).
   void prepare(std::span<Sequence* const> running, size_t num_waiting);
+  // Whether this step's verify should run in the ragged layout (SchedulePlan::ragged_verify): each
+  // sequence with its own drafts and no padding rows.
+  bool ragged_verify() const { return ragged_verify_; }
   // After the forward. A verify step's commit is now pending.
   void track(const StepResult& result);
   // After acceptance: commits the pending verify's kept rows and launches the drafter's work for
@@ -72,6 +75,9 @@ class SpeculativeDecoder {
 
   // Tests: the next `steps` steps run plain with the drafter off, whatever the controller chooses.
   void force_plain_steps(int64_t steps) { forced_plain_steps_ = steps; }
+  // Tests: the next `steps` steps verify in the ragged layout, decoding sequence i of a step keeping
+  // at most i % (num_drafts + 1) of its drafts (none included), whatever the controller chooses.
+  void force_ragged_steps(int64_t steps) { forced_ragged_steps_ = steps; }
   // Tests: the MTP drafter has no stashed rows waiting for their keys (true without MTP).
   bool mtp_stash_empty() const { return mtp_ == nullptr || mtp_->stash_empty(); }
 
@@ -92,9 +98,11 @@ class SpeculativeDecoder {
     FixedStep fixed;
   };
   std::optional<PendingVerify> pending_verify_;
-  bool launched_ = false;          // the drafter launched this step's work (end_step collects it)
-  double untimed_seconds_ = 0.0;   // this step's one-off work left out of its measured cost
+  bool launched_ = false;         // the drafter launched this step's work (end_step collects it)
+  bool ragged_verify_ = false;    // prepare() chose the ragged layout for this step's verify
+  double untimed_seconds_ = 0.0;  // this step's one-off work left out of its measured cost
   int64_t forced_plain_steps_ = 0;
+  int64_t forced_ragged_steps_ = 0;
 };
 
 }  // namespace metrale

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <utility>
 
 #include "core/error.h"
+#include "kernels/rejection_sampling.h"
 
 namespace metrale {
 
@@ -136,35 +138,21 @@ SampledToken describe_token(std::span<const float> logits, int32_t token, int32_
 
 int32_t rejection_sample(std::span<const float> p, std::span<const float> q, int32_t draft, float accept_uniform,
                          float residual_uniform, bool& accepted) {
-  const auto d = static_cast<size_t>(draft);
-  METRALE_CHECK(d < p.size() && (q.empty() || q.size() == p.size()), "rejection_sample: draft {} of {}", draft, p.size());
-  const double q_draft = q.empty() ? 1.0 : static_cast<double>(q[d]);
-  const double ratio = q_draft > 0.0 ? static_cast<double>(p[d]) / q_draft : 1.0;
-  accepted = static_cast<double>(accept_uniform) < ratio;
-  if (accepted) return draft;
-  // Residual norm(max(0, p - q)); for a one-hot q that is p without the draft.
-  const auto residual = [&](size_t i) {
-    const double qi = q.empty() ? (i == d ? 1.0 : 0.0) : static_cast<double>(q[i]);
-    return std::max(0.0, static_cast<double>(p[i]) - qi);
+  METRALE_CHECK(draft >= 0 && static_cast<size_t>(draft) < p.size() && (q.empty() || q.size() == p.size()),
+                "rejection_sample: draft {} of {}", draft, p.size());
+  // One row of the rejection-sampling kernel's CPU implementation: the decision the GPU twin makes.
+  const auto vocab = static_cast<int64_t>(p.size());
+  const auto view = [](const void* data, DType dtype, Shape shape) {
+    return Tensor(const_cast<void*>(data), dtype, std::move(shape), Device::cpu());
   };
-  double total = 0.0;
-  for (size_t i = 0; i < p.size(); ++i) total += residual(i);
-  if (!(total > 0.0)) {
-    // p <= q everywhere means p == q (up to rounding): the draft is then accepted with probability 1.
-    accepted = true;
-    return draft;
-  }
-  const double target = static_cast<double>(residual_uniform) * total;
-  double running = 0.0;
-  int32_t last = -1;
-  for (size_t i = 0; i < p.size(); ++i) {
-    const double mass = residual(i);
-    if (mass <= 0.0) continue;
-    running += mass;
-    last = static_cast<int32_t>(i);
-    if (running > target) return last;
-  }
-  return last;  // rounding left the target past the running mass
+  int32_t token = -1, kept = 0;
+  kernels::rejection_sample_rows({view(p.data(), DType::kF32, {1, vocab}),
+                                  q.empty() ? Tensor() : view(q.data(), DType::kF32, {1, vocab}),
+                                  view(&draft, DType::kI32, {1}), view(&accept_uniform, DType::kF32, {1}),
+                                  view(&residual_uniform, DType::kF32, {1})},
+                                 view(&token, DType::kI32, {1}), view(&kept, DType::kI32, {1}));
+  accepted = kept != 0;
+  return token;
 }
 
 // ---- SpeculationController
@@ -191,8 +179,9 @@ constexpr double kSequenceDecay = 0.15;
 
 }  // namespace
 
-SpeculationController::SpeculationController(const SpeculativeConfig& config, double prior_acceptance)
-    : config_(config), global_acceptance_(prior_acceptance) {}
+SpeculationController::SpeculationController(const SpeculativeConfig& config, double prior_acceptance,
+                                             StepCostFeature feature)
+    : config_(config), feature_(std::move(feature)), global_acceptance_(prior_acceptance) {}
 
 size_t SpeculationController::bucket_index(int64_t num_decoding) {
   size_t index = 0;
@@ -249,6 +238,57 @@ double SpeculationController::estimate_seconds(const Bucket* found, int64_t num_
     }
   }
   return decode_fit_.measured() ? decode_fit_.predict(rows(drafts)) : 1.0;
+}
+
+RaggedVerifyFit::Vector SpeculationController::ragged_features(int64_t num_decoding, int64_t draft_rows) const {
+  return {1.0, static_cast<double>(draft_rows) / static_cast<double>(std::max<int64_t>(num_decoding, 1)),
+          feature_.added(num_decoding, draft_rows)};
+}
+
+double SpeculationController::ragged_seconds(const Bucket* found, int64_t num_decoding, int64_t draft_rows) const {
+  const double plain = estimate_seconds(found, num_decoding, 0);
+  if (draft_rows <= 0) return plain;
+  // The prior: what one draft per sequence costs in the fixed layout (draft_rows = num_decoding),
+  // put on the weights those rows select when the model reports them (a memory-bound MoE step pays
+  // for its experts, not its rows), on the rows otherwise.
+  const double one_draft = std::max(0.0, estimate_seconds(found, num_decoding, 1) / plain - 1.0);
+  const double added_by_one = feature_.added(num_decoding, num_decoding);
+  RaggedVerifyFit::Vector prior{0.0, 0.0, 0.0};
+  if (feature_.active() && added_by_one > 0.05) {
+    prior[2] = one_draft / added_by_one;
+  } else {
+    prior[1] = one_draft;
+  }
+  const RaggedVerifyFit::Vector features = ragged_features(num_decoding, draft_rows);
+  double relative = 0.0;
+  if (found != nullptr) {
+    relative = found->ragged.predict(features, prior);
+  } else {
+    for (size_t i = 0; i < features.size(); ++i) relative += prior[i] * features[i];
+  }
+  // Rows never make a step cheaper than plain.
+  return plain * (1.0 + std::max(relative, 0.0));
+}
+
+double SpeculationController::predicted_ragged_seconds(int64_t num_decoding, int64_t draft_rows) const {
+  return ragged_seconds(find_bucket(num_decoding), num_decoding, draft_rows);
+}
+
+int64_t SpeculationController::ragged_samples(int64_t num_decoding) const {
+  const Bucket* found = find_bucket(num_decoding);
+  return found != nullptr ? found->ragged.samples() : 0;
+}
+
+DraftAllocation SpeculationController::ragged_allocation(const Bucket* found, std::span<const double> acceptance,
+                                                         std::span<const int32_t> available) const {
+  const auto num_decoding = static_cast<int64_t>(acceptance.size());
+  std::vector<int32_t> capped(available.begin(), available.end());
+  for (int32_t& drafts : capped) drafts = std::clamp(drafts, 0, config_.num_drafts);
+  // The slowest tenth may lose what the margin allows: every sequence pays the step's draft rows,
+  // and those of the slow tenth often get none.
+  return allocate_drafts(
+      acceptance, capped, [&](int64_t rows) { return ragged_seconds(found, num_decoding, rows); },
+      slow_acceptance(acceptance), 1.0 / kDraftMargin);
 }
 
 bool SpeculationController::candidate(const Bucket* found, int32_t drafts) const {
@@ -388,7 +428,27 @@ SpeculationController::Choice SpeculationController::choose(std::span<const doub
   const double slow = slow_acceptance(acceptance);
   last_tokens_ = tokens;
   last_slow_acceptance_ = slow;
-  const Choice choice = decide(&found, found.steps, num_decoding, tokens, slow);
+  Choice choice = decide(&found, found.steps, num_decoding, tokens, slow);
+  if (choice.probe) {
+    choice.ragged = true;  // only the sequences with drafts get draft rows
+  } else if (!choice.explored && found.ragged.samples() > 0) {
+    // Measured ragged verifies: per-sequence drafts may pay where one k for all does not.
+    const DraftAllocation allocation = ragged_allocation(&found, acceptance, available);
+    const auto most = static_cast<int32_t>(tokens.size()) - 1;
+    const int32_t k = std::min(choice.drafts, most);
+    const double fixed_rate = tokens[static_cast<size_t>(k)] / estimate_seconds(&found, num_decoding, k);
+    if (allocation.draft_rows > 0 && allocation.rate() >= kDraftMargin * fixed_rate) {
+      choice.drafts = *std::max_element(allocation.drafts.begin(), allocation.drafts.end());
+      choice.ragged = true;
+    }
+  }
+  if (!choice.explored && !choice.ragged && choice.drafts > 0 && found.steps % kExploreEvery == kExploreEvery / 2 &&
+      (found.ragged.samples() == 0 || found.steps - found.ragged.measured_at() >= kStaleSteps)) {
+    // Drafting pays in the fixed layout: now and then the same drafts run ragged, so that the
+    // ragged fit is measured where per-sequence drafts might pay more.
+    choice.explored = true;
+    choice.ragged = true;
+  }
   probe_pending_ = choice.probe;
   if (choice.probe) {
     // A probe: the next one waits twice as long unless drafting turns on meanwhile.
@@ -412,6 +472,42 @@ int32_t SpeculationController::refine(int32_t cap, std::span<const double> accep
                      slow_acceptance(acceptance));
 }
 
+SpeculationController::Layout SpeculationController::layout(const Choice& choice, std::span<const double> acceptance,
+                                                            std::span<const int32_t> available,
+                                                            int64_t other_rows) const {
+  METRALE_CHECK(acceptance.size() == available.size(), "acceptance of {} sequences, drafts of {}", acceptance.size(),
+                available.size());
+  const auto num_decoding = static_cast<int64_t>(acceptance.size());
+  Layout out;
+  out.drafts.assign(acceptance.size(), 0);
+  const auto uniform = [&](int32_t cap) {
+    for (size_t i = 0; i < available.size(); ++i) out.drafts[i] = std::clamp(available[i], 0, std::max(cap, 0));
+  };
+  if (num_decoding == 0 || choice.drafts <= 0) return out;
+  if (!config_.adaptive || other_rows > 0 || choice.explored) {
+    // Mixed steps run ragged anyway; an exploration or a probe keeps its choice (a probe, and an
+    // exploration of the ragged layout, in the ragged layout).
+    uniform(choice.explored || !config_.adaptive ? choice.drafts
+                                                 : refine(choice.drafts, acceptance, available, other_rows));
+    out.ragged = choice.explored && choice.ragged && other_rows == 0;
+    return out;
+  }
+  const int32_t cap = refine(choice.drafts, acceptance, available, 0);
+  uniform(cap);
+  const Bucket* found = find_bucket(num_decoding);
+  if (!choice.ragged || found == nullptr) return out;
+  const DraftAllocation allocation = ragged_allocation(found, acceptance, available);
+  if (allocation.draft_rows == 0) return out;
+  const std::vector<double> tokens = tokens_by_drafts(acceptance, available);
+  const int32_t k = std::min(cap, static_cast<int32_t>(tokens.size()) - 1);
+  const double fixed_rate = tokens[static_cast<size_t>(k)] / estimate_seconds(found, num_decoding, k);
+  if (allocation.rate() >= kDraftMargin * fixed_rate) {
+    out.drafts = allocation.drafts;
+    out.ragged = true;
+  }
+  return out;
+}
+
 int32_t SpeculationController::planned_drafts(int64_t num_decoding) const {
   if (config_.method == SpeculativeMethod::kNone || num_decoding <= 0) return 0;
   if (!config_.adaptive) return config_.num_drafts;
@@ -428,7 +524,16 @@ int32_t SpeculationController::planned_drafts(int64_t num_decoding) const {
       tokens[static_cast<size_t>(k)] = static_cast<double>(num_decoding) * expected_tokens(a, k);
   }
   const Bucket* found = find_bucket(num_decoding);
-  return decide(found, found != nullptr ? found->steps + 1 : 1, num_decoding, tokens, slow).drafts;
+  const int32_t drafts = decide(found, found != nullptr ? found->steps + 1 : 1, num_decoding, tokens, slow).drafts;
+  if (drafts > 0 || found == nullptr || found->ragged.samples() == 0) return drafts;
+  // The next step may still draft for some sequences in the ragged layout.
+  const std::vector<double> acceptance(static_cast<size_t>(num_decoding), std::clamp(global_acceptance_, 0.0, 0.99));
+  const std::vector<int32_t> available(static_cast<size_t>(num_decoding), config_.num_drafts);
+  const DraftAllocation allocation = ragged_allocation(found, acceptance, available);
+  if (allocation.draft_rows == 0 ||
+      allocation.rate() < kDraftMargin * static_cast<double>(num_decoding) / estimate_seconds(found, num_decoding, 0))
+    return 0;
+  return *std::max_element(allocation.drafts.begin(), allocation.drafts.end());
 }
 
 double SpeculationController::record_verify(double sequence_ema, int64_t drafted, int64_t accepted) {
@@ -474,8 +579,14 @@ void SpeculationController::record_step(const SpeculativeStepRecord& step) {
   Bucket& found = bucket(step.num_decoding);
   const int32_t drafts = std::clamp(step.drafts, 1, config_.num_drafts);
   const double plain = estimate_seconds(&found, step.num_decoding, 0);
-  if (expected_tokens(std::clamp(pooled, 0.0, 0.99), drafts) * plain >=
-      kDraftMargin * estimate_seconds(&found, step.num_decoding, drafts)) {
+  const double a = std::clamp(pooled, 0.0, 0.99);
+  const auto n = static_cast<double>(step.num_decoding);
+  // A ragged probe: the sequences that drafted gain, every sequence pays the step.
+  const bool pays = step.ragged ? (n + a * static_cast<double>(step.draft_rows)) * plain >=
+                                      kDraftMargin * n * ragged_seconds(&found, step.num_decoding, step.draft_rows)
+                                : expected_tokens(a, drafts) * plain >=
+                                      kDraftMargin * estimate_seconds(&found, step.num_decoding, drafts);
+  if (pays) {
     found.next_probe = found.steps + 1;
     found.probe_interval = kFirstProbe;
   }
@@ -492,8 +603,16 @@ void SpeculationController::record_cost(const SpeculativeStepRecord& step) {
   // nor a verify: it joins no cell. (An MTP verify that ran no head, the last before plain steps,
   // does join its cell: a probe measures that way.)
   if (drafts == 0 && step.drafter_ran) return;
-  decode_fit_.add(rows, step.seconds);
   Bucket& found = bucket(step.num_decoding);
+  if (step.ragged && drafts > 0) {
+    // The ragged layout has its own fit, relative to the bucket's plain step.
+    const double plain = estimate_seconds(&found, step.num_decoding, 0);
+    const int64_t draft_rows = step.draft_rows > 0 ? step.draft_rows : step.num_decoding * drafts;
+    found.ragged.add(ragged_features(step.num_decoding, draft_rows), step.seconds / plain - 1.0);
+    found.ragged.set_measured_at(found.steps);
+    return;
+  }
+  decode_fit_.add(rows, step.seconds);
   Cell& cell = found.cells[static_cast<size_t>(drafts)];
   // A cell's first sample is provisional (a shape's first step can pay one-off costs): a cheaper
   // second one replaces it. Then samples are averaged, and later ones decay (0.2): the cost moves

@@ -28,6 +28,7 @@
 
 #include "engine/request.h"
 #include "engine/sampler.h"
+#include "engine/speculation_cost.h"
 
 namespace metrale {
 
@@ -86,7 +87,8 @@ SampledToken describe_token(std::span<const float> logits, int32_t token, int32_
 // q [V] the draft's distribution (empty: a deterministic draft, q one-hot at `draft`). Accepts with
 // probability min(1, p(draft) / q(draft)); `accept_uniform` and `residual_uniform` are independent
 // uniforms in [0, 1). Returns `draft` when accepted, otherwise a token drawn from
-// norm(max(0, p - q)) (for a one-hot q: p without the draft, renormalised).
+// norm(max(0, p - q)) (for a one-hot q: p without the draft, renormalised). One row of
+// kernels::rejection_sample_rows (kernels/rejection_sampling.h), whose CUDA twin decides alike.
 int32_t rejection_sample(std::span<const float> p, std::span<const float> q, int32_t draft, float accept_uniform,
                          float residual_uniform, bool& accepted);
 
@@ -116,6 +118,8 @@ struct SpeculativeStepRecord {
   int32_t drafts = 0;        // drafts per sequence the step's layout verified (0: a plain step)
   bool drafter_ran = false;  // the step also ran the MTP head (catch-up and drafts for the next step)
   double seconds = 0.0;      // wall time of the whole step (forward, acceptance, drafter, bookkeeping)
+  int64_t draft_rows = 0;    // draft rows of the decoding sequences, in all
+  bool ragged = false;       // a verify in the ragged layout (each sequence its own drafts, no padding)
 };
 
 // Acceptance statistics and the per-step choice of k.
@@ -134,6 +138,15 @@ struct SpeculativeStepRecord {
 //
 // Steps with prefill rows run in the ragged layout; they are costed by two linear fits (plain and
 // verify) of time against rows.
+//
+// Decode-only verifies may run in the ragged layout too, each sequence with its own number of
+// drafts (0 included) and no padding rows. Their cost per bucket is RaggedVerifyFit
+// (engine/speculation_cost.h): time relative to the bucket's plain step against the draft rows and
+// the model's cost feature (the weights the draft rows select, e.g. the experts a MoE layer adds),
+// starting from a prior built from the fixed-layout cells. The drafts per sequence maximise the
+// batch's expected tokens per second (allocate_drafts), and the ragged layout is chosen when it is
+// predicted faster than the best fixed k. Probes run ragged: only the sequences with drafts get a
+// draft row, and they measure the ragged fit.
 //
 // Only k under which the batch's slowest tenth (by acceptance) still progresses as fast as plain
 // decoding are candidates: every sequence pays the step's k, and a batch finishes with its slowest
@@ -154,7 +167,8 @@ class SpeculationController {
   static constexpr int64_t kLongestProbeInterval = 1024;
 
   SpeculationController() = default;
-  SpeculationController(const SpeculativeConfig& config, double prior_acceptance);
+  // `feature`: the model's step cost feature (Model::routed_weight_bytes); empty for none.
+  SpeculationController(const SpeculativeConfig& config, double prior_acceptance, StepCostFeature feature = {});
 
   // The step's draft cap (0..num_drafts). `acceptance[i]` is decoding sequence i's expected
   // acceptance and `available[i]` the drafts it could verify (num_drafts before any are proposed);
@@ -164,12 +178,22 @@ class SpeculationController {
     int32_t drafts = 0;
     bool explored = false;  // an exploration or probe: keep it (refine() would undo it)
     bool probe = false;     // a one-draft probe while drafting is off
+    bool ragged = false;    // the ragged layout is expected to pay (or is explored): layout() decides
   };
   Choice choose(std::span<const double> acceptance, std::span<const int32_t> available, int64_t other_rows);
   // The best cap for the drafts proposed, at most `cap` (no exploration): 0 when verifying them
   // would not pay, e.g. when only a few sequences found an n-gram draft.
   int32_t refine(int32_t cap, std::span<const double> acceptance, std::span<const int32_t> available,
                  int64_t other_rows) const;
+  // The step's drafts per sequence once the proposals are known (`available[i]` drafts each, at most
+  // choice.drafts): the fixed layout at refine()'s cap, or the ragged allocation when it is predicted
+  // faster by a margin (always for a probe or a ragged exploration).
+  struct Layout {
+    std::vector<int32_t> drafts;  // per decoding sequence
+    bool ragged = false;
+  };
+  Layout layout(const Choice& choice, std::span<const double> acceptance, std::span<const int32_t> available,
+                int64_t other_rows) const;
   // The cap the next step of `num_decoding` sequences is expected to choose, at the global
   // acceptance: when > 0 the MTP head must run after this step (and draft that many).
   int32_t planned_drafts(int64_t num_decoding) const;
@@ -186,6 +210,10 @@ class SpeculationController {
   double global_acceptance() const { return global_acceptance_; }
   // The measured time of a decode-only step of `num_decoding` sequences verifying k drafts (< 0: unmeasured).
   double measured_seconds(int64_t num_decoding, int32_t drafts) const;
+  // The predicted time of a ragged decode-only verify of `num_decoding` sequences and `draft_rows`
+  // draft rows, and how many ragged steps of that bucket were measured.
+  double predicted_ragged_seconds(int64_t num_decoding, int64_t draft_rows) const;
+  int64_t ragged_samples(int64_t num_decoding) const;
 
  private:
   struct Cell {
@@ -198,11 +226,17 @@ class SpeculationController {
     int64_t steps = 0;
     int64_t next_probe = kFirstProbe;
     int64_t probe_interval = kFirstProbe;
+    RaggedVerifyFit ragged;
   };
   static size_t bucket_index(int64_t num_decoding);
   Bucket& bucket(int64_t num_decoding);
   const Bucket* find_bucket(int64_t num_decoding) const;
   double estimate_seconds(const Bucket* bucket, int64_t num_decoding, int32_t drafts) const;
+  RaggedVerifyFit::Vector ragged_features(int64_t num_decoding, int64_t draft_rows) const;
+  double ragged_seconds(const Bucket* bucket, int64_t num_decoding, int64_t draft_rows) const;
+  // The best per-sequence drafts of a ragged verify (available[i] each).
+  DraftAllocation ragged_allocation(const Bucket* bucket, std::span<const double> acceptance,
+                                    std::span<const int32_t> available) const;
   bool candidate(const Bucket* bucket, int32_t drafts) const;
   // The best k by expected tokens per second; tokens[k] for k = 0..most drafts available (a cap
   // above `most_available` costs what most_available costs), among the k that do not slow down a
@@ -221,6 +255,7 @@ class SpeculationController {
   std::vector<double> tokens_by_drafts(std::span<const double> acceptance, std::span<const int32_t> available) const;
 
   SpeculativeConfig config_;
+  CostFeatureScale feature_;
   double global_acceptance_ = 0.5;
   std::vector<Bucket> buckets_;
   double step_accepted_ = 0.0, step_trials_ = 0.0;  // this step's verifies, pooled (record_verify)

@@ -15,6 +15,60 @@ struct StepSampler::DeviceSampling {
   int64_t capacity = 0;
 };
 
+namespace {
+
+void allocate_sampling(StepSampler::DeviceSampling& state, int64_t n, Device device) {
+  state.capacity = n;
+  state.host = PinnedBuffer(static_cast<size_t>(n) * 40);
+  state.temperature = OwnedTensor(DType::kF32, {n}, device);
+  state.top_k = OwnedTensor(DType::kI32, {n}, device);
+  state.top_p = OwnedTensor(DType::kF32, {n}, device);
+  state.min_p = OwnedTensor(DType::kF32, {n}, device);
+  state.seed = OwnedTensor(DType::kI64, {n}, device);
+  state.step = OwnedTensor(DType::kI64, {n}, device);
+  state.tokens = OwnedTensor(DType::kI32, {n}, device);
+  state.logprobs = OwnedTensor(DType::kF32, {n}, device);
+}
+
+// The staging area's parameter arrays. Host layout: temperature f32 | top_k i32 | top_p f32 |
+// min_p f32 | seed i64 | step i64, each [capacity].
+struct RowArrays {
+  float* temperature;
+  int32_t* top_k;
+  float* top_p;
+  float* min_p;
+  int64_t* seed;
+  int64_t* step;
+};
+
+RowArrays host_arrays(StepSampler::DeviceSampling& state) {
+  const int64_t n = state.capacity;
+  auto* base = static_cast<char*>(state.host.data());
+  return {reinterpret_cast<float*>(base),          reinterpret_cast<int32_t*>(base + 4 * n),
+          reinterpret_cast<float*>(base + 8 * n),  reinterpret_cast<float*>(base + 12 * n),
+          reinterpret_cast<int64_t*>(base + 16 * n), reinterpret_cast<int64_t*>(base + 24 * n)};
+}
+
+void upload_arrays(StepSampler::DeviceSampling& state, const RowArrays& host, int64_t rows, Device device) {
+  const auto upload = [&](OwnedTensor& target, const void* source, size_t element) {
+    copy_bytes_async(target.tensor.data(), device, source, Device::cpu(), static_cast<size_t>(rows) * element);
+  };
+  upload(state.temperature, host.temperature, 4);
+  upload(state.top_k, host.top_k, 4);
+  upload(state.top_p, host.top_p, 4);
+  upload(state.min_p, host.min_p, 4);
+  upload(state.seed, host.seed, 8);
+  upload(state.step, host.step, 8);
+}
+
+kernels::SamplingRowParams row_params(StepSampler::DeviceSampling& state, int64_t begin, int64_t end) {
+  return {state.temperature.tensor.slice(0, begin, end), state.top_k.tensor.slice(0, begin, end),
+          state.top_p.tensor.slice(0, begin, end),       state.min_p.tensor.slice(0, begin, end),
+          state.seed.tensor.slice(0, begin, end),        state.step.tensor.slice(0, begin, end)};
+}
+
+}  // namespace
+
 StepSampler::StepSampler(const SpeculativeConfig& speculative, int64_t vocab_size, int64_t max_num_seqs)
     : speculative_(speculative),
       vocab_(vocab_size),
@@ -42,6 +96,8 @@ StepTokens StepSampler::sample(const SchedulePlan& plan, StepResult& result, Run
   if (plan.num_draft_rows > 0 && tokens.all_greedy) {
     if (result.greedy_tokens.empty()) runner.greedy_rows(result);
     accept_greedy_rows(result, runner, tokens);
+  } else if (plan.num_draft_rows > 0 && verifies_on_device(result)) {
+    accept_sampled_rows(result, tokens);
   }
   std::vector<SampledToken> device_sampled;
   const bool sampled_on_device =
@@ -109,8 +165,82 @@ bool StepSampler::all_greedy(const StepResult& result) const {
   return true;
 }
 
+bool StepSampler::verifies_on_device(const StepResult& result) const {
+  for (const LogitRowUse& use : result.uses) {
+    const Sequence& sequence = *use.chunk.sequence;
+    const SamplingParams& params = sequence.request.sampling;
+    if (!sequence.draft_probs.empty() || params.top_logprobs > 0 || params.repetition_penalty != 1.0f ||
+        params.presence_penalty != 0.0f || params.frequency_penalty != 0.0f || sequence.request.return_prompt_logits ||
+        ConstrainedRows::needs_processing(sequence))
+      return false;
+  }
+  return true;
+}
+
+void StepSampler::accept_sampled_rows(const StepResult& result, StepTokens& out) {
+  const Device device = result.logits.device();
+  const int64_t rows = result.logits.size(0);
+  if (!verify_sampling_ || verify_sampling_->capacity < rows) {
+    verify_sampling_ = std::make_unique<DeviceSampling>();
+    allocate_sampling(*verify_sampling_, std::max<int64_t>(rows, max_num_seqs_), device);
+  }
+  DeviceSampling& state = *verify_sampling_;
+  RowArrays host = host_arrays(state);
+  // Rows nobody reads (padding rows of the fixed layout, prompt rows) take the argmax: any valid
+  // row is fine for the kernel, which marks rows without a valid logit with token -1.
+  std::fill(host.temperature, host.temperature + rows, 0.0f);
+  std::fill(host.top_k, host.top_k + rows, 0);
+  std::fill(host.top_p, host.top_p + rows, 1.0f);
+  std::fill(host.min_p, host.min_p + rows, 0.0f);
+  std::fill(host.seed, host.seed + rows, 0);
+  std::fill(host.step, host.step + rows, 0);
+  // Row i of a verify chunk draws the token that follows i accepted drafts with the uniform that
+  // plain decoding would use for that token (the Sampler's (seed, step) stream): a deterministic
+  // draft d is kept when the draw is d. Drawing t ~ p and keeping d iff t == d is rejection
+  // sampling for a one-hot q (accepted with probability p(d); on rejection t follows p without d,
+  // renormalised), so the output follows the model's distribution; and since every row uses plain
+  // decoding's uniform, the tokens are the ones plain decoding samples for the same seed.
+  for (const LogitRowUse& use : result.uses) {
+    const Sequence& sequence = *use.chunk.sequence;
+    if (!use.chunk.samples || sequence.request.max_tokens == 0) continue;
+    const SamplingParams& params = sequence.request.sampling;
+    const int64_t first = use.first_row + use.num_rows - 1 - use.chunk.num_drafts;
+    for (int64_t i = 0; i <= use.chunk.num_drafts; ++i) {
+      const int64_t row = first + i;
+      host.temperature[row] = params.temperature;
+      host.top_k[row] = params.top_k;
+      host.top_p[row] = params.top_p;
+      host.min_p[row] = params.min_p;
+      host.seed[row] = static_cast<int64_t>(sequence.seed);
+      host.step[row] = sequence.num_output() + i;
+    }
+  }
+  upload_arrays(state, host, rows, device);
+  const auto sample = [&](int64_t begin, int64_t end) {
+    kernels::sample_tokens(result.logits.slice(0, begin, end), row_params(state, begin, end),
+                           state.tokens.tensor.slice(0, begin, end), state.logprobs.tensor.slice(0, begin, end));
+  };
+  if (device.is_cpu()) {
+    // The CPU kernel rejects non-finite rows: only the rows the sequences own.
+    for (const LogitRowUse& use : result.uses) sample(use.first_row, use.first_row + use.num_rows);
+  } else {
+    sample(0, rows);
+  }
+  auto* tokens = reinterpret_cast<int32_t*>(state.host.data());
+  auto* logprobs = reinterpret_cast<float*>(tokens + state.capacity);
+  copy_bytes_async(tokens, Device::cpu(), state.tokens.tensor.data(), device, static_cast<size_t>(rows) * 4);
+  copy_bytes_async(logprobs, Device::cpu(), state.logprobs.tensor.data(), device, static_cast<size_t>(rows) * 4);
+  if (device.is_cuda()) synchronize(device);
+  accept_rows(result, {tokens, static_cast<size_t>(rows)}, {logprobs, static_cast<size_t>(rows)}, out);
+}
+
 void StepSampler::accept_greedy_rows(const StepResult& result, Runner& runner, StepTokens& out) {
   const auto [tokens, logprobs] = runner.fetch_greedy_rows(result);
+  accept_rows(result, tokens, logprobs, out);
+}
+
+void StepSampler::accept_rows(const StepResult& result, std::span<const int32_t> tokens,
+                              std::span<const float> logprobs, StepTokens& out) {
   const bool replay = speculative_.replay_accept_rate >= 0.0;
   for (size_t u = 0; u < result.uses.size(); ++u) {
     const LogitRowUse& use = result.uses[u];
@@ -126,7 +256,7 @@ void StepSampler::accept_greedy_rows(const StepResult& result, Runner& runner, S
     for (int64_t i = 0; i <= num_drafts; ++i) {
       const int64_t row = first + i;
       const int32_t best = tokens[static_cast<size_t>(row)];
-      if (best < 0) raise(ErrorCode::kInternal, "greedy verify found no valid logit in row {}", row);
+      if (best < 0) raise(ErrorCode::kInternal, "verify found no valid logit in row {}", row);
       const bool last = i == num_drafts;
       const int32_t draft = last ? -1 : sequence.draft_tokens[static_cast<size_t>(i)];
       if (replay && !last) {
@@ -183,9 +313,12 @@ std::vector<SampledToken> StepSampler::accept_chunk(const LogitRowUse& use, cons
         continue;
       }
     }
-    if (params.is_greedy() || last || replay) {
-      // Greedy: the target's own choice, exactly as without speculation; a draft is kept when it
-      // is that choice. The last row (bonus) samples as a plain decode row does.
+    if (params.is_greedy() || last || replay || sequence.draft_probs.empty()) {
+      // The target's own choice, exactly as without speculation (greedy: the argmax; sampling: the
+      // Sampler's draw with plain decoding's uniform); a draft is kept when it is that choice. For a
+      // deterministic (one-hot) draft this is rejection sampling: kept with probability p(draft),
+      // otherwise a token of p without the draft. The last row (bonus) samples as a plain decode
+      // row does.
       std::copy(raw.begin(), raw.end(), scratch_.begin());
       SampledToken token = sampler_.sample(scratch_, params, sequence.prompt(), history, sequence.seed, step);
       const bool matches = !last && !replay && token.token == draft;
@@ -229,19 +362,8 @@ bool StepSampler::sample_on_device(const StepResult& result, std::vector<Sampled
     }
   }
   if (!device_sampling_ || device_sampling_->capacity < rows) {
-    auto state = std::make_unique<DeviceSampling>();
-    state->capacity = std::max<int64_t>(rows, max_num_seqs_);
-    const int64_t n = state->capacity;
-    state->host = PinnedBuffer(static_cast<size_t>(n) * 40);
-    state->temperature = OwnedTensor(DType::kF32, {n}, device);
-    state->top_k = OwnedTensor(DType::kI32, {n}, device);
-    state->top_p = OwnedTensor(DType::kF32, {n}, device);
-    state->min_p = OwnedTensor(DType::kF32, {n}, device);
-    state->seed = OwnedTensor(DType::kI64, {n}, device);
-    state->step = OwnedTensor(DType::kI64, {n}, device);
-    state->tokens = OwnedTensor(DType::kI32, {n}, device);
-    state->logprobs = OwnedTensor(DType::kF32, {n}, device);
-    device_sampling_ = std::move(state);
+    device_sampling_ = std::make_unique<DeviceSampling>();
+    allocate_sampling(*device_sampling_, std::max<int64_t>(rows, max_num_seqs_), device);
   }
   DeviceSampling& state = *device_sampling_;
   // Host layout: temperature f32 | top_k i32 | top_p f32 | min_p f32 | seed i64 | step i64, each [n].

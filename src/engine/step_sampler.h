@@ -22,7 +22,7 @@ struct StepTokens {
   std::vector<std::vector<SampledToken>> emitted;  // per LogitRowUse: accepted drafts, then the sampled token
   std::vector<int64_t> accepted;                   // drafts each chunk kept
   std::vector<int64_t> kept_rows;                  // rows each sequence keeps: its known rows + accepted drafts
-  bool from_greedy_rows = false;                   // a verify accepted from the argmax rows alone
+  bool from_greedy_rows = false;                   // a verify accepted from per-row tokens on the device
   bool all_greedy = false;                         // StepSampler::all_greedy of the step
 };
 
@@ -46,6 +46,13 @@ class StepSampler {
   // logprobs or prompt logits: its next token is the argmax, its MTP drafts the head's argmax, and a
   // verify step accepts from the argmax rows alone.
   bool all_greedy(const StepResult& result) const;
+  // A verify step whose rows can all be sampled and accepted on the device: deterministic drafts
+  // (no draft distribution), no penalties, top logprobs, prompt logits, bias or constraint.
+  bool verifies_on_device(const StepResult& result) const;
+
+  // Sampling on the device: per-row parameters and results (a pinned staging area and the device
+  // arrays), sized for max_num_seqs rows or the step's.
+  struct DeviceSampling;
 
  private:
   // Samples rows [0, uses.size()) of a device logits tensor on the device when every row can be
@@ -56,6 +63,13 @@ class StepSampler {
   std::vector<SampledToken> accept_chunk(const LogitRowUse& use, const Tensor& logits, int64_t& accepted);
   // Greedy acceptance from StepResult::greedy_tokens.
   void accept_greedy_rows(const StepResult& result, Runner& runner, StepTokens& tokens);
+  // Acceptance of a verify of sampled (and greedy) requests on the device: every verify row sampled
+  // with its request's parameters and plain decoding's uniform, drafts kept while they equal it.
+  void accept_sampled_rows(const StepResult& result, StepTokens& tokens);
+  // Walks each chunk's rows: drafts kept while they equal their row's token (`tokens`, `logprobs`
+  // [R] on the host), then the first other row's token (or the bonus row's).
+  void accept_rows(const StepResult& result, std::span<const int32_t> tokens, std::span<const float> logprobs,
+                   StepTokens& out);
   // Prompt logits for scoring: rows for positions below num_prompt.
   void copy_prompt_logits(const LogitRowUse& use, const Tensor& logits) const;
 
@@ -67,9 +81,8 @@ class StepSampler {
   std::vector<float> host_logits_;  // logits rows copied from the device for sampling
   std::vector<float> scratch_;      // [V] a row for acceptance
   std::vector<float> probs_;        // [V] the target distribution
-  // Sampling on the device: per-row parameters and results, sized for max_num_seqs rows.
-  struct DeviceSampling;
   std::unique_ptr<DeviceSampling> device_sampling_;
+  std::unique_ptr<DeviceSampling> verify_sampling_;  // every row of a sampled verify step
 };
 
 }  // namespace metrale

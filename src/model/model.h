@@ -57,6 +57,13 @@ class Model {
   virtual void forward(const ForwardBatch& batch, const ModelCaches& caches, const Tensor& logits,
                        Arena& workspace) = 0;
 
+  // --- Step cost ---------------------------------------------------------------------------------
+  // Expected bytes of weights a step of `rows` rows reads only because some row selected them (the
+  // sum of FeedForward::routed_weight_bytes over the layers): 0 for a model whose steps read all its
+  // weights whatever the rows. The speculation controller's cost feature: verify rows that select
+  // more weights cost more than their compute.
+  virtual double routed_weight_bytes(int64_t /*rows*/) const { return 0.0; }
+
   // --- Speculative decoding: verify and commit -------------------------------------------------
   // Bytes of ForwardBatch::verify_scratch a verify step of `num_tokens` rows over `num_seqs`
   // sequences needs (0: the model's caches need no commit, e.g. attention only).

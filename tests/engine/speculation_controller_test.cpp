@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <random>
 #include <vector>
 
 #include "engine/ngram_index.h"
+#include "engine/speculation_cost.h"
 #include "engine/speculator.h"
 
 namespace metrale {
@@ -267,6 +269,206 @@ TEST(SpeculationController, TurnsDraftingBackOnWhenAcceptanceRises) {
   // Back on from the first probe after the change (probes come 64, then 128 steps apart).
   EXPECT_GT(drafting_between(200, 600), 380);
   EXPECT_GT(std::count(outcome.drafts_by_step.begin() + 200, outcome.drafts_by_step.end(), 3), 300);
+}
+
+// ---- Per-sequence drafts in the ragged layout
+
+// Expected tokens per second of every per-sequence allocation (k_i <= available_i), the best of them.
+double best_allocation_rate(std::span<const double> acceptance, std::span<const int32_t> available,
+                            const std::function<double(int64_t)>& seconds) {
+  std::vector<int32_t> drafts(acceptance.size(), 0);
+  double best = 0.0;
+  for (;;) {
+    double tokens = 0.0;
+    int64_t rows = 0;
+    for (size_t i = 0; i < drafts.size(); ++i) {
+      tokens += expected_tokens(acceptance[i], drafts[i]);
+      rows += drafts[i];
+    }
+    best = std::max(best, tokens / seconds(rows));
+    size_t i = 0;
+    while (i < drafts.size() && drafts[i] == available[i]) drafts[i++] = 0;
+    if (i == drafts.size()) break;
+    ++drafts[i];
+  }
+  return best;
+}
+
+TEST(SpeculationCost, AllocationIsTheBestOfEveryPerSequenceChoice) {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> uniform(0.0, 0.95);
+  for (int trial = 0; trial < 200; ++trial) {
+    const size_t n = 1 + static_cast<size_t>(rng() % 5);
+    std::vector<double> acceptance(n);
+    std::vector<int32_t> available(n);
+    for (size_t i = 0; i < n; ++i) {
+      acceptance[i] = uniform(rng);
+      available[i] = static_cast<int32_t>(rng() % 4);
+    }
+    // Step time: a fixed part, a per-row part and an MoE-like part that saturates (experts).
+    const double fixed = 1.0, per_row = 0.01 * static_cast<double>(rng() % 20);
+    const double expert = 0.1 * static_cast<double>(rng() % 10);
+    const auto seconds = [&](int64_t rows) {
+      const double touched = 1.0 - std::pow(0.8, static_cast<double>(static_cast<int64_t>(n) + rows));
+      return fixed + per_row * static_cast<double>(rows) + expert * touched;
+    };
+    // No slow-tenth limit (floor 0): the throughput alone.
+    const DraftAllocation allocation = allocate_drafts(acceptance, available, seconds, 0.0, 0.0);
+    EXPECT_NEAR(allocation.rate(), best_allocation_rate(acceptance, available, seconds), 1e-9) << "trial " << trial;
+    int64_t rows = 0;
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_LE(allocation.drafts[i], available[i]);
+      rows += allocation.drafts[i];
+    }
+    EXPECT_EQ(rows, allocation.draft_rows);
+  }
+}
+
+TEST(SpeculationCost, DraftsGoToTheSequencesThatAcceptAndNoneWhenNothingPays) {
+  const std::vector<double> acceptance = {0.9, 0.05, 0.9, 0.05};
+  const std::vector<int32_t> available(4, 3);
+  // A draft row costs 4% of the step: the accepting sequences draft, the others do not.
+  const auto cheap = [](int64_t rows) { return 1.0 + 0.04 * static_cast<double>(rows); };
+  const DraftAllocation some = allocate_drafts(acceptance, available, cheap, 0.0, 0.0);
+  EXPECT_GT(some.drafts[0], 0);
+  EXPECT_GT(some.drafts[2], 0);
+  EXPECT_EQ(some.drafts[1], 0);
+  EXPECT_EQ(some.drafts[3], 0);
+  // A draft row costs as much as the step: nothing pays.
+  const auto dear = [](int64_t rows) { return 1.0 + static_cast<double>(rows); };
+  EXPECT_EQ(allocate_drafts(acceptance, available, dear, 0.0, 0.0).draft_rows, 0);
+  // The slowest tenth (acceptance 0.05, no drafts) must keep its plain pace: no draft row at all.
+  EXPECT_EQ(allocate_drafts(acceptance, available, cheap, 0.05, 1.0).draft_rows, 0);
+}
+
+TEST(SpeculationCost, TheFitLearnsTheExpertTermFromRaggedSteps) {
+  // Relative extra cost 0.1 + 0.02 D/n + 0.5 added: the fit, started from a prior that puts it all
+  // on the rows, predicts it after a few dozen varied steps.
+  RaggedVerifyFit fit;
+  const RaggedVerifyFit::Vector prior{0.0, 0.3, 0.0};
+  std::mt19937_64 rng(5);
+  const auto truth = [](const RaggedVerifyFit::Vector& x) { return 0.1 * x[0] + 0.02 * x[1] + 0.5 * x[2]; };
+  for (int i = 0; i < 60; ++i) {
+    const double d = static_cast<double>(rng() % 8) / 2.0;
+    // Within a bucket the batch size varies: the experts the drafts add are not a function of D.
+    const double added = d > 0.0 ? 0.1 * static_cast<double>(1 + rng() % 10) : 0.0;
+    const RaggedVerifyFit::Vector x{1.0, d, added};
+    fit.add(x, truth(x));
+  }
+  for (const RaggedVerifyFit::Vector& x :
+       {RaggedVerifyFit::Vector{1.0, 1.0, 0.6}, RaggedVerifyFit::Vector{1.0, 3.0, 0.9}})
+    EXPECT_NEAR(fit.predict(x, prior), truth(x), 0.03 * (1.0 + truth(x)));
+  // Unmeasured, it predicts the prior.
+  const RaggedVerifyFit empty;
+  EXPECT_NEAR(empty.predict({1.0, 2.0, 0.5}, prior), 0.6, 1e-12);
+}
+
+// A decode-only MoE workload with per-sequence acceptance and drafts: sequence i accepts each
+// draft with probability acceptance[i] and finds drafts only when has_drafts[i] (n-gram lookup).
+// A fixed-layout step pads every sequence to 1 + k rows; a ragged one has 1 + k_i rows per sequence
+// and costs `eager` more (no graph). Step time: base + expert_seconds * distinct experts / E +
+// row_seconds * rows, the experts of `rows` rows choosing top_k of E each.
+struct MoeWorkload {
+  std::vector<double> acceptance;
+  std::vector<bool> has_drafts;
+  int32_t num_drafts = 3;
+  double experts = 64, top_k = 8;
+  double base = 0.3e-3, expert_seconds = 0.7e-3, row_seconds = 0.002e-3, eager = 0.02e-3;
+  double distinct(int64_t rows) const {
+    return experts * (1.0 - std::pow(1.0 - top_k / experts, static_cast<double>(rows)));
+  }
+  double seconds(int64_t rows) const {
+    return base + expert_seconds * distinct(rows) / experts + row_seconds * static_cast<double>(rows);
+  }
+};
+
+struct MoeOutcome {
+  double tokens_per_second = 0.0;
+  int64_t ragged_steps = 0;
+};
+
+MoeOutcome simulate_moe(const MoeWorkload& work, int64_t steps) {
+  const auto n = static_cast<int64_t>(work.acceptance.size());
+  SpeculationController controller(adaptive_config(SpeculativeMethod::kNgram, work.num_drafts), 0.4,
+                                   [&work](int64_t rows) { return work.distinct(rows) * 1e6; });
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  std::vector<double> ema(static_cast<size_t>(n), -1.0);
+  MoeOutcome outcome;
+  double tokens = 0.0, seconds = 0.0;
+  for (int64_t step = 0; step < steps; ++step) {
+    std::vector<double> acceptance(ema.size());
+    for (size_t i = 0; i < ema.size(); ++i) acceptance[i] = controller.acceptance(ema[i]);
+    std::vector<int32_t> available(ema.size(), work.num_drafts);
+    const SpeculationController::Choice choice = controller.choose(acceptance, available, 0);
+    for (size_t i = 0; i < ema.size(); ++i) available[i] = work.has_drafts[i] ? choice.drafts : 0;
+    const SpeculationController::Layout layout = controller.layout(choice, acceptance, available, 0);
+    int32_t longest = 0;
+    int64_t draft_rows = 0;
+    for (size_t i = 0; i < ema.size(); ++i) {
+      const int32_t k = layout.drafts[i];
+      longest = std::max(longest, k);
+      draft_rows += k;
+      int64_t accepted = 0;
+      while (accepted < k && uniform(rng) < work.acceptance[i]) ++accepted;
+      tokens += static_cast<double>(accepted + 1);
+      if (k > 0) ema[i] = controller.record_verify(ema[i], k, accepted);
+    }
+    const bool ragged = layout.ragged && draft_rows > 0;
+    const double step_seconds = ragged ? work.seconds(n + draft_rows) + work.eager : work.seconds(n * (1 + longest));
+    SpeculativeStepRecord record;
+    record.num_decoding = n;
+    record.drafts = longest;
+    record.seconds = step_seconds;
+    record.draft_rows = draft_rows;
+    record.ragged = ragged;
+    controller.record_step(record);
+    outcome.ragged_steps += ragged ? 1 : 0;
+    seconds += step_seconds;
+  }
+  outcome.tokens_per_second = tokens / seconds;
+  return outcome;
+}
+
+// The best fixed k of the MoE workload (padded layout), as tokens per second.
+double best_fixed_moe_rate(const MoeWorkload& work) {
+  const auto n = static_cast<int64_t>(work.acceptance.size());
+  double best = 0.0;
+  for (int32_t k = 0; k <= work.num_drafts; ++k) {
+    double tokens = 0.0;
+    for (size_t i = 0; i < work.acceptance.size(); ++i)
+      tokens += expected_tokens(work.acceptance[i], work.has_drafts[i] ? k : 0);
+    best = std::max(best, tokens / work.seconds(n * (1 + k)));
+  }
+  return best;
+}
+
+TEST(SpeculationController, DraftsPerSequenceInTheRaggedLayoutOnAMoe) {
+  // Batch 8 of a MoE: two sequences repeat themselves (n-gram drafts, acceptance 0.9), six find
+  // nothing. Padding every sequence to 1 + k rows routes those rows to experts too.
+  MoeWorkload work;
+  work.acceptance = {0.9, 0.1, 0.1, 0.9, 0.1, 0.1, 0.1, 0.1};
+  work.has_drafts = {true, false, false, true, false, false, false, false};
+  std::vector<int32_t> available(8, 0);
+  for (size_t i = 0; i < 8; ++i) available[i] = work.has_drafts[i] ? work.num_drafts : 0;
+  const auto n = static_cast<int64_t>(work.acceptance.size());
+  const double oracle = best_allocation_rate(
+      work.acceptance, available, [&](int64_t rows) { return work.seconds(n + rows) + (rows > 0 ? work.eager : 0.0); });
+  const double fixed = best_fixed_moe_rate(work);
+  ASSERT_GT(oracle, 1.1 * fixed);  // the workload is one where per-sequence drafts pay
+  const MoeOutcome outcome = simulate_moe(work, 4000);
+  EXPECT_GE(outcome.tokens_per_second, 0.95 * oracle);
+  EXPECT_GT(outcome.ragged_steps, 3000);
+}
+
+TEST(SpeculationController, StaysNearPlainOnAMoeWhereNoDraftPays) {
+  // Every sequence accepts little: neither layout pays; probes (ragged) cost almost nothing.
+  MoeWorkload work;
+  work.acceptance.assign(8, 0.15);
+  work.has_drafts.assign(8, true);
+  const auto n = static_cast<int64_t>(work.acceptance.size());
+  const double plain = static_cast<double>(n) / work.seconds(n);
+  EXPECT_GE(simulate_moe(work, 4000).tokens_per_second, 0.98 * plain);
 }
 
 // ---- N-gram index

@@ -29,6 +29,7 @@ class EngineTestAccess {
  public:
   static void run_plain(Engine& engine, int64_t steps) { engine.speculative_->force_plain_steps(steps); }
   static bool mtp_stash_empty(const Engine& engine) { return engine.speculative_->mtp_stash_empty(); }
+  static void run_ragged(Engine& engine, int64_t steps) { engine.speculative_->force_ragged_steps(steps); }
 };
 
 namespace {
@@ -110,12 +111,14 @@ constexpr EngineSetup kSetups[] = {
 };
 
 // `plain_every` > 0: every that many steps the next half of them run plain with the MTP head off
-// (EngineTestAccess), whatever the controller would choose.
+// (EngineTestAccess), whatever the controller would choose. `ragged`: every verify runs in the
+// ragged layout with per-sequence draft counts (EngineTestAccess::run_ragged).
 std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineSetup& setup,
                                       SpeculativeConfig speculative,
                                       const std::vector<std::vector<int32_t>>& prompt_set, int32_t max_tokens,
                                       EngineStats* stats = nullptr, int32_t top_logprobs = 3,
-                                      Device device = Device::cpu(), int32_t plain_every = 0) {
+                                      Device device = Device::cpu(), int32_t plain_every = 0, bool ragged = false,
+                                      const std::function<void(Request&)>& adjust = {}) {
   EngineConfig config;
   config.enable_prefix_caching = setup.prefix_caching;
   config.num_kv_blocks = setup.num_kv_blocks;
@@ -131,10 +134,13 @@ std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineS
     config.gpu_memory_utilization = 0.5;
   }
   Engine engine(factory(), config);
+  if (ragged) EngineTestAccess::run_ragged(engine, int64_t{1} << 40);
   std::vector<int64_t> ids;
   std::map<int64_t, Generated> early;  // events of the steps before the last request is added
   for (const auto& prompt : prompt_set) {
-    ids.push_back(engine.add_request(greedy(prompt, max_tokens, top_logprobs)));
+    Request request = greedy(prompt, max_tokens, top_logprobs);
+    if (adjust) adjust(request);
+    ids.push_back(engine.add_request(request));
     // The second request shares the first's prefix: admit it after the first has cached it.
     if (setup.prefix_caching && ids.size() == 1) {
       for (int i = 0; i < 3; ++i) record(engine.step(), early);
@@ -180,6 +186,28 @@ ModelFactory golden_model(const std::string& name) {
 bool can_verify(const Model& model) { return model.capabilities().supports_verify; }
 
 // ---- Unit pieces
+
+TEST(StepCostFeature, RoutedWeightsGrowWithTheRowsUntilEveryExpertIsRead) {
+  ASSERT_TRUE(testing::fixture_exists(kGoldens / "qwen3_tied" / "model"));
+  ASSERT_TRUE(testing::fixture_exists(kGoldens / "qwen3_moe" / "model"));
+  // A dense model reads all its weights for any row.
+  const auto dense = golden_model("qwen3_tied")();
+  EXPECT_EQ(dense->routed_weight_bytes(1), 0.0);
+  EXPECT_EQ(dense->routed_weight_bytes(64), 0.0);
+  // One row selects top_k of E experts per MoE layer; many rows every expert.
+  const auto moe = golden_model("qwen3_moe")();
+  const ModelConfig& c = moe->config();
+  const auto experts = static_cast<double>(c.get_int("num_local_experts", c.get_int("num_experts", 0)));
+  const auto top_k = static_cast<double>(c.get_int("num_experts_per_tok"));
+  ASSERT_GT(experts, top_k);
+  const double one = moe->routed_weight_bytes(1), two = moe->routed_weight_bytes(2);
+  const double all = moe->routed_weight_bytes(1 << 20);
+  EXPECT_GT(one, 0.0);
+  EXPECT_NEAR(one / all, top_k / experts, 1e-9);
+  EXPECT_GT(two, one);
+  EXPECT_LT(two, 2.0 * one);  // two rows share some experts
+  EXPECT_NEAR(moe->routed_weight_bytes(4096) / all, 1.0, 1e-9);
+}
 
 TEST(NgramDrafter, ProposesWhatFollowedTheLatestLongestMatch) {
   // Suffix [7, 8] occurs at 1 and 5; the latest earlier one (5) is followed by 4, 7, 8.
@@ -261,6 +289,58 @@ TEST_P(GreedyEquivalence, NgramGivesThePlainTokens) {
         EXPECT_GT(stats.num_preemptions, 0);
       }
     }
+  }
+}
+
+TEST_P(GreedyEquivalence, NgramInTheRaggedLayoutGivesThePlainTokens) {
+  // Per-sequence draft counts (0 included) without padding rows, as the controller's ragged layout
+  // and its probes run them.
+  const std::string name = GetParam();
+  ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
+  const ModelFactory factory = golden_model(name);
+  const auto probe = factory();
+  if (!can_verify(*probe)) GTEST_SKIP() << name << ": the model's recurrent layers cannot verify yet";
+  const auto prompt_set = prompts(probe->config().vocab_size, 11);
+  const EngineSetup& setup = kSetups[0];
+  const auto plain = generate(factory, setup, {}, prompt_set, 14);
+  EngineStats stats;
+  const auto ragged = generate(factory, setup, spec_config(SpeculativeMethod::kNgram, 3), prompt_set, 14, &stats, 3,
+                               Device::cpu(), 0, /*ragged=*/true);
+  expect_same(ragged, plain, name + " ngram ragged");
+  EXPECT_GT(stats.verify_steps, 0);
+  // The adaptive controller (with the model's cost feature) decides its own layouts: same tokens.
+  const auto adaptive =
+      generate(factory, setup, spec_config(SpeculativeMethod::kNgram, 3, /*adaptive=*/true), prompt_set, 14);
+  expect_same(adaptive, plain, name + " ngram adaptive");
+}
+
+TEST_P(GreedyEquivalence, NgramSamplesWhatPlainDecodingSamples) {
+  // Sampled requests: each verify row draws with plain decoding's uniform for its token and keeps
+  // a draft when the draw is the draft, so the seeded output is plain decoding's, token for token
+  // (on the device path without top logprobs, and on the host path with them).
+  const std::string name = GetParam();
+  ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
+  const ModelFactory factory = golden_model(name);
+  const auto probe = factory();
+  if (!can_verify(*probe)) GTEST_SKIP() << name << ": the model's recurrent layers cannot verify yet";
+  const auto prompt_set = prompts(probe->config().vocab_size, 11);
+  uint64_t next_seed = 100;
+  const auto sampled = [&next_seed](Request& request) {
+    request.sampling.temperature = 0.8f;
+    request.sampling.top_p = 0.95f;
+    request.sampling.seed = next_seed++;
+  };
+  const EngineSetup& setup = kSetups[0];
+  for (const int32_t top_logprobs : {0, 2}) {
+    next_seed = 100;
+    const auto plain = generate(factory, setup, {}, prompt_set, 14, nullptr, top_logprobs, Device::cpu(), 0, false,
+                                sampled);
+    next_seed = 100;
+    EngineStats stats;
+    const auto spec = generate(factory, setup, spec_config(SpeculativeMethod::kNgram, 3), prompt_set, 14, &stats,
+                               top_logprobs, Device::cpu(), 0, false, sampled);
+    expect_same(spec, plain, name + " sampled ngram, top logprobs " + std::to_string(top_logprobs));
+    EXPECT_GT(stats.verify_steps, 0);
   }
 }
 

@@ -40,6 +40,7 @@ class DecoderModel : public Model {
   void forward(const ForwardBatch& batch, const ModelCaches& caches, const Tensor& logits, Arena& workspace) override;
 
   size_t verify_scratch_bytes(int64_t num_tokens, int64_t num_seqs) const override;
+  double routed_weight_bytes(int64_t rows) const override { return trunk_.routed_weight_bytes(rows); }
   void commit_verified(const ForwardBatch& batch, std::span<const int32_t> kept_rows, const ModelCaches& caches,
                        Arena& workspace) override;
   void commit_kept_rows(const ForwardBatch& batch, const VerifyCommit& kept, const ModelCaches& caches,

@@ -101,6 +101,10 @@ class FeedForward {
   virtual ~FeedForward() = default;
   // x [T, H]; out [T, H] is overwritten.
   virtual void forward(const StepContext& step, const Tensor& x, const Tensor& out) = 0;
+  // Expected bytes of weights that a step of `rows` rows reads only because some row selected them
+  // (weights every step reads do not count): the cost feature of blocks whose weight traffic grows
+  // with the rows, such as routed experts. 0 for a block that reads all its weights for any row.
+  virtual double routed_weight_bytes(int64_t /*rows*/) const { return 0.0; }
 };
 
 // One decoder layer: its stream blocks (in order, on the streams), then two sites of the residual

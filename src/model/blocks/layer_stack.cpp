@@ -67,6 +67,12 @@ bool LayerStack::needs_commit() const {
   return std::any_of(block_has_slots_.begin(), block_has_slots_.end(), [](uint8_t slots) { return slots != 0; });
 }
 
+double LayerStack::routed_weight_bytes(int64_t rows) const {
+  double bytes = 0.0;
+  for (const DecoderLayer& layer : layers_) bytes += layer.ffn->routed_weight_bytes(rows);
+  return bytes;
+}
+
 std::vector<StepInputSpec> LayerStack::step_input_specs() const {
   std::vector<StepInputSpec> specs;
   for (const StatefulBlock* block : blocks_) {

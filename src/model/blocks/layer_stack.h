@@ -39,6 +39,8 @@ class LayerStack {
   // Whether any block keeps per-slot state, so that a verify step needs a commit.
   bool needs_commit() const;
   std::vector<StepInputSpec> step_input_specs() const;
+  // The layers' FeedForward::routed_weight_bytes for a step of `rows` rows.
+  double routed_weight_bytes(int64_t rows) const;
   // host_inputs: one per step_input_specs() entry; each block fills its own.
   void prestage(const PrestageRows& rows, std::span<const Tensor> host_inputs) const;
 

@@ -1,5 +1,8 @@
 #include "model/blocks/moe.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "core/error.h"
 #include "kernels/linear.h"
 #include "runtime/stream.h"
@@ -91,6 +94,17 @@ Tensor Moe::load_bf16(Weights& weights, const std::string& key, const Shape& sha
   const Tensor view = *placed;
   owned_.push_back(std::move(placed));
   return view;
+}
+
+double Moe::routed_weight_bytes(int64_t rows) const {
+  if (rows <= 0 || config_.num_experts <= 0) return 0.0;
+  const auto experts = static_cast<double>(config_.num_experts);
+  const double miss = 1.0 - std::min(1.0, static_cast<double>(config_.top_k) / experts);
+  const double distinct = experts * (1.0 - std::pow(miss, static_cast<double>(rows)));
+  const double per_expert = 3.0 * static_cast<double>(config_.hidden_size) *
+                            static_cast<double>(config_.expert_intermediate_size) *
+                            static_cast<double>(dtype_size(router_.dtype()));
+  return distinct * per_expert;
 }
 
 void Moe::forward(const StepContext& step, const Tensor& x, const Tensor& out) {

@@ -53,6 +53,9 @@ class Moe : public FeedForward {
  public:
   Moe(const MoeConfig& config, Weights& weights, const std::string& prefix);
   void forward(const StepContext& step, const Tensor& x, const Tensor& out) override;
+  // Uniform routing: `rows` rows choosing top_k of E experts touch E (1 - (1 - top_k / E)^rows)
+  // distinct experts in expectation, each 3 x H x I weights (gate, up, down).
+  double routed_weight_bytes(int64_t rows) const override;
 
  private:
   void load_experts_cpu(Weights& weights, const std::string& prefix);
