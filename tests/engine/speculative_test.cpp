@@ -262,15 +262,25 @@ TEST(RejectionSampling, OutputFollowsTheTargetDistribution) {
 
 // ---- Greedy equivalence
 
-class GreedyEquivalence : public ::testing::TestWithParam<std::string> {};
+// Each case: the golden model's factory and the prompts every test of the suite feeds it; cases whose
+// recurrent layers cannot verify are skipped, a missing fixture fails.
+class GreedyEquivalence : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    name = GetParam();
+    ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
+    factory = golden_model(name);
+    const auto probe = factory();
+    if (!can_verify(*probe)) GTEST_SKIP() << name << ": the model's recurrent layers cannot verify yet";
+    prompt_set = prompts(probe->config().vocab_size, 11);
+  }
+
+  std::string name;
+  ModelFactory factory;
+  std::vector<std::vector<int32_t>> prompt_set;
+};
 
 TEST_P(GreedyEquivalence, NgramGivesThePlainTokens) {
-  const std::string name = GetParam();
-  ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
-  const ModelFactory factory = golden_model(name);
-  const auto probe = factory();
-  if (!can_verify(*probe)) GTEST_SKIP() << name << ": the model's recurrent layers cannot verify yet";
-  const auto prompt_set = prompts(probe->config().vocab_size, 11);
   for (const EngineSetup& setup : kSetups) {
     const auto plain = generate(factory, setup, {}, prompt_set, 14);
     const auto plain_argmax = generate(factory, setup, {}, prompt_set, 14, nullptr, 0);
@@ -295,12 +305,6 @@ TEST_P(GreedyEquivalence, NgramGivesThePlainTokens) {
 TEST_P(GreedyEquivalence, NgramInTheRaggedLayoutGivesThePlainTokens) {
   // Per-sequence draft counts (0 included) without padding rows, as the controller's ragged layout
   // and its probes run them.
-  const std::string name = GetParam();
-  ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
-  const ModelFactory factory = golden_model(name);
-  const auto probe = factory();
-  if (!can_verify(*probe)) GTEST_SKIP() << name << ": the model's recurrent layers cannot verify yet";
-  const auto prompt_set = prompts(probe->config().vocab_size, 11);
   const EngineSetup& setup = kSetups[0];
   const auto plain = generate(factory, setup, {}, prompt_set, 14);
   EngineStats stats;
@@ -318,12 +322,6 @@ TEST_P(GreedyEquivalence, NgramSamplesWhatPlainDecodingSamples) {
   // Sampled requests: each verify row draws with plain decoding's uniform for its token and keeps
   // a draft when the draw is the draft, so the seeded output is plain decoding's, token for token
   // (on the device path without top logprobs, and on the host path with them).
-  const std::string name = GetParam();
-  ASSERT_TRUE(testing::fixture_exists(kGoldens / name / "model"));
-  const ModelFactory factory = golden_model(name);
-  const auto probe = factory();
-  if (!can_verify(*probe)) GTEST_SKIP() << name << ": the model's recurrent layers cannot verify yet";
-  const auto prompt_set = prompts(probe->config().vocab_size, 11);
   uint64_t next_seed = 100;
   const auto sampled = [&next_seed](Request& request) {
     request.sampling.temperature = 0.8f;

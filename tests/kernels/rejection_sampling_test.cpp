@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -109,6 +110,12 @@ int degrees_of_freedom(const std::vector<float>& p) {
   return static_cast<int>(std::count_if(p.begin(), p.end(), [](float x) { return x > 0.0f; })) - 1;
 }
 
+// The acceptance rate of `draws` is `expected` within five binomial standard deviations.
+void expect_acceptance_near(const Draws& draws, double expected, int64_t trials, const std::string& label) {
+  const double sd = std::sqrt(expected * (1.0 - expected) / static_cast<double>(trials));
+  EXPECT_NEAR(static_cast<double>(draws.accepted) / static_cast<double>(trials), expected, 5.0 * sd + 1e-9) << label;
+}
+
 TEST(RejectionSampling, EmittedTokensFollowTheTargetForAnyDraftDistribution) {
   constexpr int64_t kTrials = 60000;
   std::mt19937_64 rng(21);
@@ -119,11 +126,10 @@ TEST(RejectionSampling, EmittedTokensFollowTheTargetForAnyDraftDistribution) {
     const std::vector<float> q = random_distribution(rng, vocab, static_cast<size_t>(c % 3));
     const Draws draws = draw(p, q, -1, kTrials, 100 + static_cast<uint64_t>(c));
     EXPECT_LT(chi_square(draws, p, kTrials), chi_square_bound(degrees_of_freedom(p))) << "case " << c;
-    // Acceptance: sum_i min(p_i, q_i), within five standard deviations.
+    // Acceptance: sum_i min(p_i, q_i).
     double overlap = 0.0;
     for (size_t i = 0; i < vocab; ++i) overlap += std::min(p[i], q[i]);
-    const double sd = std::sqrt(overlap * (1.0 - overlap) / static_cast<double>(kTrials));
-    EXPECT_NEAR(static_cast<double>(draws.accepted) / kTrials, overlap, 5.0 * sd + 1e-9) << "case " << c;
+    expect_acceptance_near(draws, overlap, kTrials, "case " + std::to_string(c));
   }
 }
 
@@ -134,9 +140,7 @@ TEST(RejectionSampling, DeterministicDraftsAreKeptWithTheirTargetProbability) {
   for (int32_t d = 0; d < 7; ++d) {
     const Draws draws = draw(p, {}, d, kTrials, 300 + static_cast<uint64_t>(d));
     EXPECT_LT(chi_square(draws, p, kTrials), chi_square_bound(degrees_of_freedom(p))) << "draft " << d;
-    const double pd = p[static_cast<size_t>(d)];
-    const double sd = std::sqrt(pd * (1.0 - pd) / static_cast<double>(kTrials));
-    EXPECT_NEAR(static_cast<double>(draws.accepted) / kTrials, pd, 5.0 * sd + 1e-9) << "draft " << d;
+    expect_acceptance_near(draws, p[static_cast<size_t>(d)], kTrials, "draft " + std::to_string(d));
   }
 }
 
