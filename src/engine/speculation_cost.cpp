@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "engine/speculator.h"
 
 namespace metrale {
 
@@ -63,19 +64,6 @@ double RaggedVerifyFit::predict(const Vector& features, const Vector& prior) con
   return relative;
 }
 
-namespace {
-
-double expected_chain_tokens(double acceptance, int32_t drafts) {
-  double total = 0.0, term = 1.0;
-  for (int32_t i = 0; i <= drafts; ++i) {
-    total += term;
-    term *= acceptance;
-  }
-  return total;
-}
-
-}  // namespace
-
 DraftAllocation allocate_drafts(std::span<const double> acceptance, std::span<const int32_t> available,
                                 const std::function<double(int64_t draft_rows)>& seconds, double slow_acceptance,
                                 double slow_floor) {
@@ -117,7 +105,7 @@ DraftAllocation allocate_drafts(std::span<const double> acceptance, std::span<co
     for (double reach = slow; slow_drafts < most && reach >= cut && reach > 0.0; reach *= slow) ++slow_drafts;
     const double step_seconds = seconds(static_cast<int64_t>(count));
     if (!(step_seconds > 0.0)) continue;
-    if (expected_chain_tokens(slow, slow_drafts) * plain_seconds < slow_floor * step_seconds) continue;
+    if (expected_tokens(slow, slow_drafts) * plain_seconds < slow_floor * step_seconds) continue;
     if (tokens / step_seconds > best.rate()) {
       best.tokens = tokens;
       best.seconds = step_seconds;
