@@ -44,8 +44,10 @@ MhcSiteMaps MhcResidual::load_site(Weights& weights, const std::string& prefix, 
                                    int64_t hidden_size, RmsNorm norm, std::vector<OwnedTensor>& owned) {
   const int64_t mix = (2 + num_streams) * num_streams;
   const auto load = [&](const std::string& key, const Shape& shape) {
-    OwnedTensor placed(DType::kBF16, shape, weights.device());
-    weights.load_into(prefix + key, *placed);  // f32 in the file: rounded to bf16 as the reference loads it
+    // f32 in the file: converted to the compute dtype (rounded to bf16 as the reference's bf16 inference
+    // loads it, or kept by an f32 run).
+    OwnedTensor placed(weights.compute_dtype(), shape, weights.device());
+    weights.load_into(prefix + key, *placed);
     const Tensor view = *placed;
     owned.push_back(std::move(placed));
     return view;
