@@ -41,7 +41,7 @@ struct LoadOptions {
   // f32 on the CPU and bf16 on the GPU. kF32 on the GPU converts every weight to f32 at load and runs
   // the whole forward in f32 (the tight comparison against an fp32 reference; slower, twice the
   // memory). The CPU computes in f32 only: kBF16 there is an error.
-  std::optional<DType> compute_dtype;
+  std::optional<DType> compute_dtype = std::nullopt;
 };
 
 std::span<const ArchEntry> registered_architectures();

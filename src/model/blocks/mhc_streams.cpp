@@ -44,9 +44,9 @@ MhcSiteMaps MhcResidual::load_site(Weights& weights, const std::string& prefix, 
                                    int64_t hidden_size, RmsNorm norm, std::vector<OwnedTensor>& owned) {
   const int64_t mix = (2 + num_streams) * num_streams;
   const auto load = [&](const std::string& key, const Shape& shape) {
-    // f32 in the file: converted to the compute dtype (rounded to bf16 as the reference's bf16 inference
-    // loads it, or kept by an f32 run).
-    OwnedTensor placed(weights.compute_dtype(), shape, weights.device());
+    OwnedTensor placed(DType::kBF16, shape, weights.device());
+    // f32 in the file: rounded to bf16 as the reference loads it, on both devices and in f32 runs too
+    // (the maps' dtype is part of the model, not of the activations).
     weights.load_into(prefix + key, *placed);
     const Tensor view = *placed;
     owned.push_back(std::move(placed));

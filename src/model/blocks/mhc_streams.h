@@ -9,8 +9,7 @@
 // Per step (allocate): streams [T, n*D] (stream-major per token), input [T, D] (the embeddings,
 // copied into every stream by begin), and the state one site's pre map leaves for its post map:
 // post [T, n] f32, comb [T, n, n] f32, h [T, D] activation dtype. A site's maps fn [(2+n)n, n*D],
-// base [(2+n)n], scale [3] are held in the compute dtype: bf16 as the reference rounds them on a bf16
-// load, or f32 in an f32 run.
+// base [(2+n)n], scale [3] are held in bf16, as the reference rounds them on a bf16 load.
 #pragma once
 
 #include <string>
@@ -33,7 +32,7 @@ class MhcResidual : public ResidualScheme {
               std::vector<OwnedTensor> owned, Device device);
 
   // The maps of one site under `prefix` ("layers.3.attn_hc."): fn, base, scale, read into owned
-  // tensors of the compute dtype (appended to `owned`).
+  // bf16 tensors (appended to `owned`).
   static MhcSiteMaps load_site(Weights& weights, const std::string& prefix, int64_t num_streams,
                                int64_t hidden_size, RmsNorm norm, std::vector<OwnedTensor>& owned);
 
