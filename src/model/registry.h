@@ -37,10 +37,10 @@ struct LoadOptions {
   // attention and MLP) are quantised to FP8 blocks at load. A checkpoint whose config.json declares
   // fp8 quantization is read in FP8 either way.
   WeightQuantization quantization = WeightQuantization::kNone;
-  // The dtype of the activations (and of the weights on the GPU): nullopt is the device's default,
-  // f32 on the CPU and bf16 on the GPU. kF32 on the GPU converts every weight to f32 at load and runs
-  // the whole forward in f32 (the tight comparison against an fp32 reference; slower, twice the
-  // memory). The CPU computes in f32 only: kBF16 there is an error.
+  // The dtype of the activations (and of the weights on the GPU): nullopt is the device's default, f32
+  // on the CPU and bf16 on the GPU. kF32 on the GPU converts the weights to f32 at load (the mHC maps,
+  // bf16 by definition, excepted) and runs the whole forward in f32 (the tight comparison against an
+  // fp32 reference; slower, twice the memory). The CPU computes in f32 only: kBF16 there is an error.
   std::optional<DType> compute_dtype = std::nullopt;
 };
 
