@@ -23,8 +23,16 @@ std::filesystem::path default_model_dir() {
   return std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "demo";
 }
 
+std::optional<DType> compute_dtype(const EngineOptions& options) {
+  if (options.dtype == "auto") return std::nullopt;
+  if (options.dtype == "bfloat16") return DType::kBF16;
+  if (options.dtype == "float32") return DType::kF32;
+  raise(ErrorCode::kInvalidArgument, "--dtype {}: expected auto, bfloat16 or float32", options.dtype);
+}
+
 LoadOptions load_options(const EngineOptions& options) {
-  return LoadOptions{options.allow_unused_weights, parse_weight_quantization(options.quantization)};
+  return LoadOptions{options.allow_unused_weights, parse_weight_quantization(options.quantization),
+                     compute_dtype(options)};
 }
 
 void add_model_option(CLI::App& command, EngineOptions& options) {
@@ -39,6 +47,13 @@ void add_device_options(CLI::App& command, EngineOptions& options) {
                      "fp8: quantise the attention and dense MLP projection weights to FP8 (e4m3, 128x128 block "
                      "scales) at load; none: as stored (a checkpoint declaring fp8 loads in FP8 either way)")
       ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
+  command
+      .add_option("--dtype", options.dtype,
+                  "activation dtype: auto (float32 on the CPU, bfloat16 on the GPU), bfloat16, or float32 (on the "
+                  "GPU: weights converted to float32 at load and the whole forward in float32, for exact "
+                  "comparisons; slower, twice the weight memory). The CPU computes in float32 only")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "bfloat16", "float32"}));
   command.add_option("--device", options.device, "cpu, cuda or cuda:N (default: the GPU when present, else cpu)");
   command.add_option("--threads", options.threads, "CPU threads (default: all cores; at most 4 per core)")
       ->check(CLI::Range(0, ThreadPool::kMaxThreads));

@@ -227,7 +227,7 @@ RunnerLimits Engine::runner_limits() const {
 
 void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
   const Device device = model_->device();
-  const DType activation = device.is_cpu() ? DType::kF32 : DType::kBF16;
+  const DType activation = model_->activation_dtype();
   const uint64_t per_block = std::max<uint64_t>(1, paged_bytes_per_block(specs, config_.block_size, activation));
   const uint64_t per_slot = slot_bytes_per_slot(specs, activation);
   const int64_t blocks_per_seq = checked_ceil_div<int64_t>(plan_.max_model_len, config_.block_size, "blocks per sequence");

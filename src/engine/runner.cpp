@@ -238,7 +238,7 @@ size_t Runner::plan_workspace() {
   CacheConfig scratch_config;
   scratch_config.block_size = static_cast<int32_t>(limits_.block_size);
   scratch_config.num_blocks = static_cast<int32_t>(seqs * ((per_seq + limits_.block_size - 1) / limits_.block_size));
-  scratch_config.activation_dtype = DType::kBF16;
+  scratch_config.activation_dtype = model_.activation_dtype();
   CacheManager scratch(engine_cache_specs(model_, limits_.mtp), scratch_config, device);
   CacheManager* real_cache = cache_;
   cache_ = &scratch;

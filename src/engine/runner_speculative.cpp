@@ -15,10 +15,6 @@
 namespace metrale {
 namespace {
 
-DType activation_dtype_of(Device device) {
-  return device.is_cpu() ? DType::kF32 : DType::kBF16;
-}
-
 // Grows `buffer` to hold at least `shape` (eager steps may allocate; the device is synchronised
 // first so that no queued kernel still reads the old buffer) and returns a view of that shape.
 // Buffers that graphs captured are allocated at full size up front and never grow here.
@@ -73,7 +69,7 @@ void Runner::allocate_speculative_buffers() {
   const int64_t seqs = limits_.max_num_seqs, k = limits_.max_drafts;
   const int64_t rows = seqs * (1 + k);
   const int64_t hidden = model_.config().hidden_size, vocab = model_.config().vocab_size;
-  const DType act = activation_dtype_of(device);
+  const DType act = model_.activation_dtype();
   // Greedy sampling of every verify row: constant parameters (temperature 0).
   greedy_temperature_ = OwnedTensor(DType::kF32, {rows}, device);
   greedy_top_k_ = OwnedTensor(DType::kI32, {rows}, device);
@@ -256,7 +252,7 @@ void Runner::run_fixed_verify(const ForwardBatch& batch, int64_t rows, std::span
 void Runner::attach_speculative_outputs(ForwardBatch& batch, bool verify, bool fixed, StepResult& result) {
   const Device device = model_.device();
   if (keep_hidden_) {
-    result.hidden = grown(hidden_, activation_dtype_of(device), {batch.num_tokens, model_.config().hidden_size}, device);
+    result.hidden = grown(hidden_, model_.activation_dtype(), {batch.num_tokens, model_.config().hidden_size}, device);
     batch.hidden_out = result.hidden;
   }
   if (!verify) return;
@@ -428,7 +424,7 @@ void Runner::run_fixed_mtp(const StagedMtp& staged) {
   const FixedLayout& a = staged.layout;
   const int64_t seqs = a.seqs, rows = seqs * (1 + a.k), drafts = staged.drafts;
   const Device device = model_.device();
-  const DType act = activation_dtype_of(device);
+  const DType act = model_.activation_dtype();
   const int64_t hidden = model_.config().hidden_size, vocab = model_.config().vocab_size;
   const int64_t layers = std::max<int64_t>(model_.num_mtp_layers(), 1);
   const int64_t max_kv_len = staged.max_kv_len > 0 ? staged.max_kv_len : limits_.max_model_len;
@@ -505,7 +501,7 @@ Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_sourc
   const BatchBuilder::Built built = builder_.build_step(groups_, options);
   ForwardBatch batch = built.batch;
   const int64_t t = batch.num_tokens, r = built.shape.num_logit_rows;
-  const DType act = activation_dtype_of(device);
+  const DType act = model_.activation_dtype();
   const Tensor hidden_in = grown(mtp_hidden_in_, act, {t, hidden_size}, device);
   kernels::gather_rows(hidden_source, built.hidden_rows, hidden_in);
   mtp_flip_ ^= 1;
@@ -545,7 +541,7 @@ void Runner::run_mtp_key_batch(std::span<const MtpKeyRow> rows, int64_t padded, 
   }
   const BatchBuilder::Built built = builder_.build_key_rows(groups_);
   const Tensor hidden_in =
-      grown(mtp_hidden_in_, activation_dtype_of(device), {padded, model_.config().hidden_size}, device);
+      grown(mtp_hidden_in_, model_.activation_dtype(), {padded, model_.config().hidden_size}, device);
   kernels::gather_rows(hidden_source, built.hidden_rows, hidden_in);
   workspace_.reset();
   model_.mtp_write_keys(built.batch, model_caches(), hidden_in, workspace_, 0);

@@ -12,7 +12,8 @@ namespace metrale::kernels {
 
 // k, v [T, n_kv_heads, head_dim] (strided views allowed, head_dim contiguous); slot_mapping [T] i32
 // (block * block_size + offset, or -1 to skip); k_cache, v_cache [num_blocks, block_size,
-// n_kv_heads, head_dim]. CUDA: bf16 caches; k, v bf16 (copied bit for bit) or f16/f32 (rounded).
+// n_kv_heads, head_dim]. CUDA: bf16 or f32 caches; k, v of any float dtype, copied bit for bit when
+// it is the caches' and rounded otherwise.
 METRALE_DECLARE_OP_IMPLS(kv_cache_write, (const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                                           const Tensor& k_cache, const Tensor& v_cache))
 
@@ -42,7 +43,8 @@ size_t paged_attention_workspace_bytes(int64_t num_seqs, int64_t num_tokens, int
 // q [T, n_heads, head_dim]; out [T, n_heads, head_dim]; cu_q [S+1] i32; kv_lens [S] i32;
 // block_tables [S, max_blocks] i32. n_heads must be a multiple of n_kv_heads (GQA). q and out may be
 // strided views (head_dim contiguous); the caches are contiguous.
-// CUDA: q, out and the caches bf16; head_dim 64, 128 or 256 (others raise kUnsupported); the
+// CUDA: q, out and the caches all bf16 (tensor cores at head_dim 64, 128 and 256, a CUDA-core kernel
+// for other even head_dim up to 256) or all f32 (the CUDA-core kernel, fp32 throughout); the
 // metadata on the device (it is read there, never on the host, so the call can be graph-captured);
 // grids follow the host bounds in AttentionParams (or T and max_blocks * block_size when 0).
 METRALE_DECLARE_OP_IMPLS(paged_attention, (const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,

@@ -12,6 +12,7 @@ namespace metrale::kernels {
 // CUDA: the fast paths take bf16 x and bf16 weights, with out bf16 or f32:
 //   M <= gemv_max_rows() (default 8): a hand-written GEMV that streams each weight row once;
 //   larger M: cuBLASLt (fp32 accumulation), plans cached per shape.
+// f32 x, weight and out (f32 runs) take cuBLASLt at every M with CUBLAS_COMPUTE_32F (no TF32).
 // Other dtypes, K not a multiple of 8 or misaligned pointers take a simple, slower kernel.
 METRALE_DECLARE_OP_IMPLS(linear, (const Tensor& x, const Tensor& weight, const Tensor& out, bool accumulate))
 

@@ -49,7 +49,8 @@ struct MoeExpertWeights {
   // They may point anywhere (one tensor per expert in the checkpoint, or into the fused tensors).
   std::vector<Tensor> gate, up, down;
 
-  // The fused layout the CUDA ops read: contiguous bf16 on the device.
+  // The fused layout the CUDA ops read: contiguous on the device, bf16 (tensor-core and 16-byte GEMV
+  // kernels) or f32 (f32 runs: CUDA-core kernels, fp32 throughout).
   //   gate_up [E, 2I, H]: rows [0, I) are expert e's gate rows, rows [I, 2I) its up rows;
   //   down_fused [E, H, I].
   // Empty on the CPU when the checkpoint stores one tensor per expert.
@@ -109,14 +110,16 @@ METRALE_DECLARE_OP_IMPLS(moe_decode_down, (const Tensor& h, const Tensor& topk_i
 // Grouped path, step 1 (after moe_sort): for every sorted position p of expert e's segment, with
 // slot s = sorted_slots[p] and token t = s / top_k,
 //   h[p] = silu(x[t] . gate[e]^T) * (x[t] . up[e]^T).
-// x [T, H] (CUDA: bf16, rows may be strided); sorted_slots [T * k] i32; expert_offsets [E + 1] i32;
-// h [T * k, I] (CUDA: bf16; CPU: f32 or bf16), rows in sorted order.
+// x [T, H] (CUDA: bf16 with bf16 expert weights, any float dtype with f32 ones; rows may be
+// strided); sorted_slots [T * k] i32; expert_offsets [E + 1] i32; h [T * k, I] (CUDA: bf16 with bf16
+// expert weights, any float dtype with f32 ones; CPU: f32 or bf16), rows in sorted order.
 METRALE_DECLARE_OP_IMPLS(moe_grouped_gate_up, (const Tensor& x, const Tensor& sorted_slots,
                                                const Tensor& expert_offsets, int top_k,
                                                const MoeExpertWeights& experts, const Tensor& h))
 
 // Grouped path, step 2: slot_out[sorted_slots[p]] = h[p] . down[e]^T for p in expert e's segment.
-// h [T * k, I] (CUDA: bf16), sorted order; slot_out [T * k, H] f32, slot order.
+// h [T * k, I] (CUDA: bf16 with bf16 expert weights, any float dtype with f32 ones), sorted order;
+// slot_out [T * k, H] f32, slot order.
 METRALE_DECLARE_OP_IMPLS(moe_grouped_down, (const Tensor& h, const Tensor& sorted_slots, const Tensor& expert_offsets,
                                             const MoeExpertWeights& experts, const Tensor& slot_out))
 

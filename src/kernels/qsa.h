@@ -106,7 +106,7 @@ size_t qsa_attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, int6
 //   otherwise:        the keys of blocks selected[t, 0 .. block_topk) and the tail [nb c, p]
 // with softmax(scale * q.k) in fp32 over exactly those keys. The sigmoid output gate stays outside
 // (sigmoid_gate). CUDA: bf16 q, caches and out, head_dim 64, 128 or 256 on the tensor cores, other
-// even sizes up to 256 on a slower generic path.
+// even sizes up to 256 on a slower generic path; f32 q, caches and out (f32 runs) on the generic path.
 METRALE_DECLARE_OP_IMPLS(qsa_attention, (const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                          const Tensor& cu_q, const Tensor& kv_lens, const Tensor& block_tables,
                                          const Tensor& selected, const Tensor& out, const QsaAttentionParams& params))

@@ -41,6 +41,10 @@ class Model {
 
   virtual const ModelConfig& config() const = 0;
   virtual Device device() const = 0;
+  // The dtype of the activations between blocks (hidden states, the MTP head's input) and of the cache
+  // tensors whose spec names none: f32 on the CPU; bf16 on the GPU unless the model was loaded with
+  // f32 activations (LoadOptions::compute_dtype).
+  virtual DType activation_dtype() const { return device().is_cpu() ? DType::kF32 : DType::kBF16; }
   virtual ModelCapabilities capabilities() const { return {}; }
   // One spec per stateful block, in forward order (ModelCaches::blocks).
   virtual std::vector<CacheSpec> cache_specs() const = 0;

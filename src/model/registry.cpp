@@ -67,12 +67,27 @@ const ArchEntry& require_architecture(const ModelConfig& config) {
   return *entry;
 }
 
+// Applies a requested compute dtype (LoadOptions::compute_dtype) to `weights`.
+void apply_compute_dtype(Weights& weights, std::optional<DType> compute_dtype) {
+  if (!compute_dtype) return;
+  if (weights.device().is_cpu()) {
+    if (*compute_dtype != DType::kF32) {
+      raise(ErrorCode::kUnsupported, "the CPU computes in float32; {} activations need a GPU",
+            dtype_name(*compute_dtype));
+    }
+    return;
+  }
+  weights.set_compute_dtype(*compute_dtype);
+}
+
 }  // namespace
 
-std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed) {
+std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed,
+                                         std::optional<DType> compute_dtype) {
   const ArchEntry& entry = require_architecture(config);
   if (device.is_cuda()) kernels::linear_prepare(device);
   Weights weights(RandomWeights{seed, 0.02f, config.tie_word_embeddings}, device);
+  apply_compute_dtype(weights, compute_dtype);
   return entry.build(config, weights);
 }
 
@@ -120,8 +135,9 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   Weights weights(store, device);
   const bool checkpoint_fp8 = checkpoint_has_fp8_weights(config);
   weights.set_fp8(checkpoint_fp8, options.quantization);
-  METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {}{}", entry->model_type, dir.string(), weights.prefix(),
-                   device.to_string(),
+  apply_compute_dtype(weights, options.compute_dtype);
+  METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {} computing in {}{}", entry->model_type, dir.string(),
+                   weights.prefix(), device.to_string(), dtype_name(weights.compute_dtype()),
                    checkpoint_fp8                                         ? " with the checkpoint's FP8 weights"
                    : options.quantization == WeightQuantization::kFp8 ? ", quantising projections to FP8" : "");
   // Counted as they are read; the count may end below the total (tensors an architecture skips).

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -36,6 +37,11 @@ struct LoadOptions {
   // attention and MLP) are quantised to FP8 blocks at load. A checkpoint whose config.json declares
   // fp8 quantization is read in FP8 either way.
   WeightQuantization quantization = WeightQuantization::kNone;
+  // The dtype of the activations (and of the weights on the GPU): nullopt is the device's default, f32
+  // on the CPU and bf16 on the GPU. kF32 on the GPU converts the weights to f32 at load (the mHC maps,
+  // bf16 by definition, excepted) and runs the whole forward in f32 (the tight comparison against an
+  // fp32 reference; slower, twice the memory). The CPU computes in f32 only: kBF16 there is an error.
+  std::optional<DType> compute_dtype = std::nullopt;
 };
 
 std::span<const ArchEntry> registered_architectures();
@@ -45,7 +51,9 @@ const ArchEntry* find_architecture(std::string_view model_type);
 // file and the tensor or field at fault.
 // Every tensor of the checkpoint is read by the model or ignored on purpose (see LoadOptions).
 std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device, const LoadOptions& options = {});
-// Builds the architecture of `config` with random weights generated on `device` (benchmarks).
-std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed = 1);
+// Builds the architecture of `config` with random weights generated on `device` (benchmarks), computing
+// in `compute_dtype` (as LoadOptions::compute_dtype).
+std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed = 1,
+                                         std::optional<DType> compute_dtype = {});
 
 }  // namespace metrale

@@ -123,6 +123,7 @@ Weights Weights::with_prefix(std::string prefix) const {
     derived.progress_ = progress_;
     derived.checkpoint_fp8_ = checkpoint_fp8_;
     derived.quantization_ = quantization_;
+    derived.compute_dtype_ = compute_dtype_;
     return derived;
   }
   RandomWeights random = random_;
@@ -130,7 +131,15 @@ Weights Weights::with_prefix(std::string prefix) const {
   Weights derived(random, device_);
   derived.prefix_ = std::move(prefix);
   derived.quantization_ = quantization_;
+  derived.compute_dtype_ = compute_dtype_;
   return derived;
+}
+
+void Weights::set_compute_dtype(DType dtype) {
+  if (dtype != DType::kBF16 && dtype != DType::kF32) {
+    raise(ErrorCode::kUnsupported, "compute dtype {}: the GPU computes in bfloat16 or float32", dtype_name(dtype));
+  }
+  compute_dtype_ = dtype;
 }
 
 const WeightStore& Weights::store() const {
@@ -162,7 +171,7 @@ bool Weights::has_root(const std::string& name) const {
 }
 
 Tensor Weights::synthesize(const std::string& name, const Shape& shape) {
-  const DType dtype = device_.is_cpu() ? DType::kF32 : DType::kBF16;
+  const DType dtype = compute_dtype();
   Buffer buffer(device_, static_cast<size_t>(shape.numel()) * dtype_size(dtype));
   Tensor tensor(buffer.data(), dtype, shape, device_);
   // Vectors are norm weights and gates: near 1 keeps activations in range through deep stacks.
@@ -236,22 +245,24 @@ Tensor Weights::get_root(const std::string& requested, const Shape& shape) {
     buffers_.push_back(std::move(buffer));
     return placed;
   }
-  // The GPU computes with bf16 weights: other float dtypes are converted on the way up.
-  Buffer buffer(device_, static_cast<size_t>(view.numel()) * dtype_size(DType::kBF16));
-  if (view.dtype() == DType::kBF16) {
+  // The GPU computes with weights of its compute dtype: other float dtypes are converted on the way up.
+  const DType dtype = compute_dtype_;
+  Buffer buffer(device_, static_cast<size_t>(view.numel()) * dtype_size(dtype));
+  if (view.dtype() == dtype) {
     copy_bytes(buffer.data(), device_, view.data(), Device::cpu(), view.nbytes());
   } else {
-    std::vector<uint16_t> converted(static_cast<size_t>(view.numel()));
+    std::vector<char> converted(static_cast<size_t>(view.numel()) * dtype_size(dtype));
     std::vector<float> row(static_cast<size_t>(std::min<int64_t>(view.numel(), 1 << 20)));
     for (int64_t begin = 0; begin < view.numel(); begin += static_cast<int64_t>(row.size())) {
       const int64_t count = std::min<int64_t>(static_cast<int64_t>(row.size()), view.numel() - begin);
       convert_to_f32(view.dtype(), static_cast<const char*>(view.data()) + begin * static_cast<int64_t>(view.element_size()),
                      row.data(), static_cast<size_t>(count));
-      convert_from_f32(DType::kBF16, row.data(), converted.data() + begin, static_cast<size_t>(count));
+      convert_from_f32(dtype, row.data(), converted.data() + begin * static_cast<int64_t>(dtype_size(dtype)),
+                       static_cast<size_t>(count));
     }
-    copy_bytes(buffer.data(), device_, converted.data(), Device::cpu(), converted.size() * sizeof(uint16_t));
+    copy_bytes(buffer.data(), device_, converted.data(), Device::cpu(), converted.size());
   }
-  Tensor placed(buffer.data(), DType::kBF16, view.shape(), device_);
+  Tensor placed(buffer.data(), dtype, view.shape(), device_);
   buffers_.push_back(std::move(buffer));
   return placed;
 }

@@ -85,8 +85,16 @@ class Weights {
   void set_fp8(bool checkpoint_fp8, WeightQuantization quantization);
   // Whether get_linear() may return FP8 weights (blocks then keep their projections unfused).
   bool fp8_linears() const { return checkpoint_fp8_ || quantization_ == WeightQuantization::kFp8; }
-  // The dtype weights have on the model's device when placed by get() (bf16 on the GPU).
-  DType device_dtype(DType stored) const { return device_.is_cpu() ? stored : DType::kBF16; }
+  // The dtype the model computes its activations in: f32 on the CPU; on the GPU bf16, or f32 when
+  // set_compute_dtype() asks for it (exact comparisons against an fp32 reference).
+  DType compute_dtype() const { return device_.is_cpu() ? DType::kF32 : compute_dtype_; }
+  // GPU only: bf16 (the default) or f32. Weights placed by get() and the projections blocks fuse on
+  // the device then take this dtype (an f32 run converts every weight to f32 at load). Ignored on the
+  // CPU, which computes in f32 on weights as stored.
+  void set_compute_dtype(DType dtype);
+  // The dtype weights have on the model's device when placed by get(): as stored on the CPU, the
+  // compute dtype on the GPU.
+  DType device_dtype(DType stored) const { return device_.is_cpu() ? stored : compute_dtype_; }
 
   // The same checkpoint with keys relative to `prefix` instead (e.g. "mtp." for the MTP head, whose
   // keys sit at the root of Qwen3.5 and Qwen3-Next checkpoints). It collects its own device copies.
@@ -125,6 +133,7 @@ class Weights {
   std::shared_ptr<StageProgress> progress_;  // null: not counted
   bool checkpoint_fp8_ = false;
   WeightQuantization quantization_ = WeightQuantization::kNone;
+  DType compute_dtype_ = DType::kBF16;  // the GPU's (compute_dtype())
 };
 
 }  // namespace metrale

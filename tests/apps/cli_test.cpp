@@ -56,6 +56,17 @@ TEST(Cli, RuntimeErrorsExitOneWithOneLine) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Cli, DtypeFlag) {
+  const std::string model = (kGoldens / "qwen3_tied" / "model").string();
+  // float32 is the CPU's own dtype; bfloat16 activations need a GPU; other names are usage errors.
+  const auto f32 = run_metrale("score --device cpu --dtype float32 --model " + model + " --tokens 1,2,3");
+  EXPECT_EQ(f32.exit_code, 0) << f32.err;
+  const auto bf16 = run_metrale("score --device cpu --dtype bfloat16 --model " + model + " --tokens 1,2,3");
+  EXPECT_EQ(bf16.exit_code, 1);
+  EXPECT_NE(bf16.err.find("the CPU computes in float32"), std::string::npos) << bf16.err;
+  EXPECT_EQ(run_metrale("score --device cpu --dtype f16 --model " + model + " --tokens 1,2,3").exit_code, 2);
+}
+
 TEST(Cli, ScoreReproducesGoldenLogits) {
   const auto case_dir = kGoldens / "qwen3_long";
   ASSERT_TRUE(std::filesystem::exists(case_dir / "logits.npy")) << case_dir;

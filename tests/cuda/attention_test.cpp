@@ -346,6 +346,84 @@ TEST(CudaPagedAttention, GenericHeadDimMatchesCpu) {
   check({4, 2, 16, 16}, mixed, 704, windowed);
 }
 
+// f32 q, caches and out (f32 runs): the CUDA-core kernel at every head size, fp32 throughout, so it
+// must agree with the CPU twin up to summation order. The caches are the batch's bf16 values widened
+// (NaN where no sequence owns a slot); the KV-cache write into f32 caches is checked bit for bit.
+void check_f32(const Geometry& g, const std::vector<SeqSpec>& seqs, uint64_t seed, int window = 0) {
+  HostBatch b = make_batch(g, seqs, seed);
+  SCOPED_TRACE(describe(g, seqs) + " f32 window " + std::to_string(window));
+  const auto widen = [](const std::vector<uint16_t>& bits) {
+    std::vector<float> values(bits.size());
+    for (size_t i = 0; i < bits.size(); ++i) values[i] = bf16_bits_to_f32(bits[i]);
+    return values;
+  };
+  std::vector<float> k = widen(b.k_cache), v = widen(b.v_cache), q = widen(b.q);
+  const int64_t T = b.tokens, H = g.heads, D = g.head_dim;
+  const Tensor k_host(k.data(), DType::kF32, b.cache_shape()), v_host(v.data(), DType::kF32, b.cache_shape());
+  const Tensor q_host(q.data(), DType::kF32, {T, H, D});
+  kernels::AttentionParams params;
+  params.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  params.window = window;
+  params.max_q_len = b.max_q;
+  params.max_kv_len = b.max_kv;
+  std::vector<float> expected(static_cast<size_t>(T * H * D));
+  kernels::cpu::paged_attention(q_host, k_host, v_host, b.cu_tensor(), b.lens_tensor(), b.tables_tensor(),
+                                Tensor(expected.data(), DType::kF32, {T, H, D}), params);
+  const OwnedTensor k_cache = to_device(k_host), v_cache = to_device(v_host), q_device = to_device(q_host);
+  const OwnedTensor cu_q = to_device(b.cu_tensor()), kv_lens = to_device(b.lens_tensor());
+  const OwnedTensor tables = to_device(b.tables_tensor());
+  OwnedTensor out(DType::kF32, {T, H, D}, Device::cuda());
+  kernels::paged_attention(*q_device, *k_cache, *v_cache, *cu_q, *kv_lens, *tables, *out, params);
+  synchronize(Device::cuda());
+  std::vector<float> got(expected.size());
+  copy_tensor(Tensor(got.data(), DType::kF32, {T, H, D}), *out);
+  const std::vector<double> actual(got.begin(), got.end()), reference(expected.begin(), expected.end());
+  EXPECT_TRUE(testing::close_rel_l2(actual, reference, 1e-5));
+}
+
+TEST(CudaPagedAttention, F32MatchesCpuTightly) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  const std::vector<SeqSpec> mixed = {{0, 40}, {130, 1}, {17, 9}, {0, 1}};
+  check_f32({4, 2, 16, 16}, mixed, 1201);
+  check_f32({4, 1, 32, 16}, mixed, 1202);
+  check_f32({8, 2, 64, 16}, mixed, 1203);
+  check_f32({4, 2, 128, 16}, mixed, 1204);
+  check_f32({4, 2, 256, 8}, {{0, 20}, {300, 1}}, 1205);
+  check_f32({4, 2, 16, 16}, mixed, 1206, 8);
+}
+
+TEST(CudaKvCacheWrite, F32CachesHoldTheValuesExactly) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  const int64_t tokens = 5, kv_heads = 2, head_dim = 16, slots = 32;
+  std::vector<float> k(static_cast<size_t>(tokens * kv_heads * head_dim)), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = 0.1f * static_cast<float>(i) + 1e-7f;  // not representable in bf16
+    v[i] = -0.3f * static_cast<float>(i) + 3e-7f;
+  }
+  std::vector<int32_t> slot_mapping = {7, -1, 0, 31, 12};
+  const OwnedTensor k_device = to_device(Tensor(k.data(), DType::kF32, {tokens, kv_heads, head_dim}));
+  const OwnedTensor v_device = to_device(Tensor(v.data(), DType::kF32, {tokens, kv_heads, head_dim}));
+  const OwnedTensor slot_device = to_device(Tensor(slot_mapping.data(), DType::kI32, {tokens}));
+  std::vector<float> zeros(static_cast<size_t>(slots * kv_heads * head_dim), 0.0f);
+  const Shape cache_shape{slots / 8, 8, kv_heads, head_dim};
+  const OwnedTensor k_cache = to_device(Tensor(zeros.data(), DType::kF32, cache_shape));
+  const OwnedTensor v_cache = to_device(Tensor(zeros.data(), DType::kF32, cache_shape));
+  kernels::kv_cache_write(*k_device, *v_device, *slot_device, *k_cache, *v_cache);
+  std::vector<float> k_got(zeros.size()), v_got(zeros.size());
+  copy_tensor(Tensor(k_got.data(), DType::kF32, cache_shape), *k_cache);
+  copy_tensor(Tensor(v_got.data(), DType::kF32, cache_shape), *v_cache);
+  const size_t row = static_cast<size_t>(kv_heads * head_dim);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t slot = slot_mapping[static_cast<size_t>(t)];
+    if (slot < 0) continue;
+    for (size_t e = 0; e < row; ++e) {
+      ASSERT_EQ(k_got[static_cast<size_t>(slot) * row + e], k[static_cast<size_t>(t) * row + e]) << "token " << t;
+      ASSERT_EQ(v_got[static_cast<size_t>(slot) * row + e], v[static_cast<size_t>(t) * row + e]) << "token " << t;
+    }
+  }
+  EXPECT_EQ(k_got[row], 0.0f);  // slot 1: nobody writes it (the -1 row is skipped)
+}
+
 TEST(CudaPagedAttention, LongPrefillQwen3Shape) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   check({32, 8, 128, 16}, {{0, 1500}, {600, 400}}, 701);

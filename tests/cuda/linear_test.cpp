@@ -126,6 +126,21 @@ TEST(CudaLinear, SimplePathForOtherShapesAndDtypes) {
   }
 }
 
+TEST(CudaLinear, F32OperandsMatchCpuTwinAtEveryRowCount) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(9004);
+  // f32 x, weight and out (f32 runs): cuBLASLt with CUBLAS_COMPUTE_32F (no TF32) at every M, the
+  // simple kernel where cuBLASLt has no algorithm (odd offsets).
+  for (const int64_t m : {1, 2, 7, 64, 300}) {
+    for (const auto& [n, k] : {std::pair<int64_t, int64_t>{67, 136}, {257, 1000}, {33, 100}}) {
+      for (const bool accumulate : {false, true}) {
+        check_problem({m, n, k, DType::kF32, DType::kF32, DType::kF32, accumulate, 0}, rng);
+      }
+    }
+    check_problem({m, 77, 264, DType::kF32, DType::kF32, DType::kF32, false, 1}, rng);
+  }
+}
+
 TEST(CudaLinear, EmptyAndMismatchedShapes) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   const OwnedTensor w(DType::kBF16, {3, 8}, Device::cuda());

@@ -153,16 +153,17 @@ TEST(CudaMoeSort, MatchesCpuTwinExactly) {
 // Expert paths
 
 struct Experts {
-  OwnedTensor gate_up_host, down_host;      // [E, 2I, H], [E, H, I] bf16
+  OwnedTensor gate_up_host, down_host;      // [E, 2I, H], [E, H, I] bf16 (or f32)
   OwnedTensor gate_up_device, down_device;
   kernels::MoeExpertWeights host, device;
 };
 
-std::unique_ptr<Experts> random_experts(int64_t experts, int64_t hidden, int64_t inter, Random& rng) {
+std::unique_ptr<Experts> random_experts(int64_t experts, int64_t hidden, int64_t inter, Random& rng,
+                                        DType dtype = DType::kBF16) {
   auto set = std::make_unique<Experts>();
   // Scaled so that the activations stay O(1) through SiLU and the down projection.
-  set->gate_up_host = testing::random_tensor(DType::kBF16, {experts, 2 * inter, hidden}, rng, -0.1f, 0.1f);
-  set->down_host = testing::random_tensor(DType::kBF16, {experts, hidden, inter}, rng, -0.1f, 0.1f);
+  set->gate_up_host = testing::random_tensor(dtype, {experts, 2 * inter, hidden}, rng, -0.1f, 0.1f);
+  set->down_host = testing::random_tensor(dtype, {experts, hidden, inter}, rng, -0.1f, 0.1f);
   set->gate_up_device = to_device(*set->gate_up_host);
   set->down_device = to_device(*set->down_host);
   set->host = kernels::MoeExpertWeights::from_fused(*set->gate_up_host, *set->down_host);
@@ -240,6 +241,55 @@ TEST(CudaMoeGrouped, MatchesCpuTwin) {
     copy_tensor(*h_device, *h);  // the down GEMM from the same h on both sides
     kernels::moe_grouped_down(*h_device, *sorted_device, *offsets_device, experts->device, *y_device);
     EXPECT_TRUE(testing::close_rel_l2(*to_host(*y_device), testing::to_doubles(*y), 1e-5));
+  }
+}
+
+// f32 expert weights and activations (f32 runs): both paths on CUDA cores, fp32 throughout, so both
+// must agree with the CPU twin up to summation order. Sizes off every tile and vector width.
+TEST(CudaMoeF32, DecodeAndGroupedMatchCpuTwin) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(7010);
+  for (const ExpertCase c : {ExpertCase{3, 2, 5, 40, 24}, ExpertCase{37, 2, 6, 60, 36}, ExpertCase{1, 1, 1, 7, 5},
+                             ExpertCase{50, 4, 9, 72, 20}}) {
+    SCOPED_TRACE(::testing::Message() << "T " << c.tokens << " k " << c.k << " E " << c.experts << " H " << c.hidden
+                                      << " I " << c.inter);
+    const auto experts = random_experts(c.experts, c.hidden, c.inter, rng, DType::kF32);
+    const OwnedTensor x_wide = testing::random_tensor(DType::kF32, {c.tokens, c.hidden + 4}, rng);
+    const Tensor x = x_wide->slice(1, 0, c.hidden);
+    std::vector<int32_t> ids = random_routes(c.tokens, c.k, c.experts, rng);
+    const Tensor ids_host(ids.data(), DType::kI32, {c.tokens, c.k});
+    const int64_t slots = c.tokens * c.k;
+    const OwnedTensor x_device = to_device(*x_wide), ids_device = to_device(ids_host);
+    const Tensor x_view = x_device->slice(1, 0, c.hidden);
+
+    // Decode path.
+    OwnedTensor h(DType::kF32, {slots, c.inter}), y(DType::kF32, {slots, c.hidden});
+    kernels::moe_decode_gate_up(x, ids_host, experts->host, *h);
+    kernels::moe_decode_down(*h, ids_host, experts->host, *y);
+    const OwnedTensor h_device = poisoned_device(DType::kF32, {slots, c.inter});
+    const OwnedTensor y_device = poisoned_device(DType::kF32, {slots, c.hidden});
+    if (slots <= 65535) {
+      kernels::moe_decode_gate_up(x_view, *ids_device, experts->device, *h_device);
+      EXPECT_TRUE(testing::close_rel_l2(*to_host(*h_device), testing::to_doubles(*h), 1e-5));
+      kernels::moe_decode_down(*h_device, *ids_device, experts->device, *y_device);
+      EXPECT_TRUE(testing::close_rel_l2(*to_host(*y_device), testing::to_doubles(*y), 1e-5));
+    }
+
+    // Grouped path.
+    OwnedTensor offsets(DType::kI32, {c.experts + 1}), sorted(DType::kI32, {slots});
+    OwnedTensor scratch(DType::kI32, {kernels::moe_sort_scratch_elements(slots, c.experts)});
+    kernels::moe_sort(ids_host, *offsets, *sorted, *scratch);
+    OwnedTensor hg(DType::kF32, {slots, c.inter}), yg(DType::kF32, {slots, c.hidden});
+    kernels::moe_grouped_gate_up(x, *sorted, *offsets, static_cast<int>(c.k), experts->host, *hg);
+    kernels::moe_grouped_down(*hg, *sorted, *offsets, experts->host, *yg);
+    const OwnedTensor offsets_device = to_device(*offsets), sorted_device = to_device(*sorted);
+    const OwnedTensor hg_device = poisoned_device(DType::kF32, {slots, c.inter});
+    const OwnedTensor yg_device = poisoned_device(DType::kF32, {slots, c.hidden});
+    kernels::moe_grouped_gate_up(x_view, *sorted_device, *offsets_device, static_cast<int>(c.k), experts->device,
+                                 *hg_device);
+    EXPECT_TRUE(testing::close_rel_l2(*to_host(*hg_device), testing::to_doubles(*hg), 1e-5));
+    kernels::moe_grouped_down(*hg_device, *sorted_device, *offsets_device, experts->device, *yg_device);
+    EXPECT_TRUE(testing::close_rel_l2(*to_host(*yg_device), testing::to_doubles(*yg), 1e-5));
   }
 }
 

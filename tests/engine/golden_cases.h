@@ -53,7 +53,8 @@ struct GoldenCase {
     logits = read_npy_f32(dir / "logits.npy");
   }
 
-  std::unique_ptr<Engine> make_engine(Device device, int32_t max_prefill_chunk) const {
+  // `load`: e.g. LoadOptions::compute_dtype for the GPU's f32 runs.
+  std::unique_ptr<Engine> make_engine(Device device, int32_t max_prefill_chunk, const LoadOptions& load = {}) const {
     EngineConfig config;
     config.scheduler.max_prefill_chunk = max_prefill_chunk;
     config.scheduler.max_num_seqs = 4;
@@ -61,13 +62,13 @@ struct GoldenCase {
     config.max_model_len = 512;
     config.gpu_memory_utilization = 0.5;
     config.graph_batch_sizes = {1, 2, 4};
-    return std::make_unique<Engine>(load_model(dir / "model", device), config);
+    return std::make_unique<Engine>(load_model(dir / "model", device, load), config);
   }
 };
 
 // Relative L2 error of the logits of every position against transformers' full forward.
-inline double score_relative_l2(const GoldenCase& golden, Device device, int32_t chunk) {
-  auto engine = golden.make_engine(device, chunk);
+inline double score_relative_l2(const GoldenCase& golden, Device device, int32_t chunk, const LoadOptions& load = {}) {
+  auto engine = golden.make_engine(device, chunk, load);
   Request request;
   request.prompt = golden.input_ids;
   request.max_tokens = 0;
@@ -104,7 +105,8 @@ inline double score_relative_l2(const GoldenCase& golden, Device device, int32_t
 
 // Greedy generation against transformers' cached generation. A mismatch is accepted only at a
 // near-tie (top-2 margin under `near_tie` on either side), after which the sequences diverge.
-inline void expect_greedy_matches(const GoldenCase& golden, Device device, float near_tie) {
+inline void expect_greedy_matches(const GoldenCase& golden, Device device, float near_tie,
+                                  const LoadOptions& load = {}) {
   const auto& greedy = golden.info.at("greedy");
   const std::vector<int32_t> prompt = read_ids(greedy.at("prompt_ids"));
   const std::vector<int32_t> expected = read_ids(greedy.at("output_ids"));
@@ -114,7 +116,7 @@ inline void expect_greedy_matches(const GoldenCase& golden, Device device, float
     if (source != nullptr)
       for (const auto& m : *source) reference_margins.push_back(m.get<float>());
   }
-  auto engine = golden.make_engine(device, 0);
+  auto engine = golden.make_engine(device, 0, load);
   Request request;
   request.prompt = prompt;
   request.max_tokens = static_cast<int32_t>(expected.size());

@@ -121,7 +121,8 @@ TEST(Fp8Weights, QuantisingAtLoadEqualsTheFp8CheckpointAndStaysCloseToBf16) {
   testing::write_tiny_checkpoint(bf16_dir.path(), spec, weights);
   write_fp8_checkpoint(fp8_dir.path(), spec, weights, nullptr);
   const auto bf16 = load_model(bf16_dir.path(), Device::cpu());
-  const auto quantised = load_model(bf16_dir.path(), Device::cpu(), LoadOptions{false, WeightQuantization::kFp8});
+  const auto quantised =
+      load_model(bf16_dir.path(), Device::cpu(), LoadOptions{.quantization = WeightQuantization::kFp8});
   const auto checkpoint = load_model(fp8_dir.path(), Device::cpu());
   const std::vector<int32_t> prompt = random_tokens(spec, 12, 42);
   ForwardRunner bf16_runner(*bf16), quantised_runner(*quantised), checkpoint_runner(*checkpoint);

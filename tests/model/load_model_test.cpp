@@ -53,6 +53,19 @@ TEST(LoadModel, TinyQwen3LoadsWithItsCacheSpecs) {
   EXPECT_EQ(model->verify_scratch_bytes(8, 2), 0u);  // keys per token only: nothing to commit
 }
 
+TEST(LoadModel, TheCpuComputesInFloat32Only) {
+  TempDir dir;
+  const TinySpec spec;
+  testing::write_tiny_checkpoint(dir.path(), spec, testing::make_tiny_weights(spec, 1));
+  EXPECT_EQ(load_model(dir.path(), Device::cpu())->activation_dtype(), DType::kF32);
+  LoadOptions options;
+  options.compute_dtype = DType::kF32;
+  EXPECT_EQ(load_model(dir.path(), Device::cpu(), options)->activation_dtype(), DType::kF32);
+  options.compute_dtype = DType::kBF16;
+  EXPECT_TRUE(throws_error([&] { load_model(dir.path(), Device::cpu(), options); }, ErrorCode::kUnsupported,
+                           {"float32", "bf16"}));
+}
+
 TEST(LoadModel, UnknownModelTypeListsTheSupportedOnes) {
   TempDir dir;
   TinySpec spec;

@@ -17,6 +17,8 @@
 //    fp32, causal/window masking only on the tiles that need it.
 // Scores are computed by mma.sync m16n8k16 (bf16 in, fp32 accumulate); P is rounded to bf16 for the
 // P.V product, as in flash-attention; the softmax statistics stay fp32.
+//  * generic kernel (CUDA cores, fp32 throughout): head sizes the tensor-core kernels are not built
+//    for, and f32 q/out/caches (f32 runs), whatever the head size.
 #include <algorithm>
 #include <array>
 #include <climits>
@@ -724,13 +726,14 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const AttentionA
 }
 
 // ================================================================================================
-// KV-cache write: one thread per 16-byte chunk (bf16 inputs with aligned rows), or per element.
+// KV-cache write: one thread per 16-byte chunk (bf16 inputs into bf16 caches with aligned rows), or
+// per element.
 // ================================================================================================
 struct CacheWriteArgs {
   int64_t k_token_stride, k_head_stride, v_token_stride, v_head_stride;  // elements
   const int32_t* slot_mapping;                                           // [T]
-  bf16* k_cache;  // [num_slots, n_kv_heads, head_dim] viewed flat
-  bf16* v_cache;
+  void* k_cache;  // [num_slots, n_kv_heads, head_dim] viewed flat, bf16 or f32
+  void* v_cache;
   int64_t num_slots;
   int num_kv_heads, head_dim;
   int64_t total;  // work items
@@ -752,11 +755,12 @@ __global__ void kv_cache_write_vec_kernel(const bf16* __restrict__ k, const bf16
   const uint4 value =
       __ldg(reinterpret_cast<const uint4*>(v + token * a.v_token_stride + head * a.v_head_stride) + chunk);
   const int64_t dst = (slot * a.num_kv_heads + head) * a.head_dim;
-  reinterpret_cast<uint4*>(a.k_cache + dst)[chunk] = key;
-  reinterpret_cast<uint4*>(a.v_cache + dst)[chunk] = value;
+  reinterpret_cast<uint4*>(static_cast<bf16*>(a.k_cache) + dst)[chunk] = key;
+  reinterpret_cast<uint4*>(static_cast<bf16*>(a.v_cache) + dst)[chunk] = value;
 }
 
-template <typename T>
+// T: the dtype of k and v; C: the caches'.
+template <typename T, typename C>
 __global__ void kv_cache_write_scalar_kernel(const T* __restrict__ k, const T* __restrict__ v, const CacheWriteArgs a) {
   const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index >= a.total) return;
@@ -767,8 +771,8 @@ __global__ void kv_cache_write_scalar_kernel(const T* __restrict__ k, const T* _
   const int64_t slot = __ldg(a.slot_mapping + token);
   if (slot < 0 || slot >= a.num_slots) return;
   const int64_t dst = (slot * a.num_kv_heads + head) * a.head_dim + dim;
-  a.k_cache[dst] = from_f32<bf16>(to_f32<T>(k[token * a.k_token_stride + head * a.k_head_stride + dim]));
-  a.v_cache[dst] = from_f32<bf16>(to_f32<T>(v[token * a.v_token_stride + head * a.v_head_stride + dim]));
+  static_cast<C*>(a.k_cache)[dst] = from_f32<C>(to_f32<T>(k[token * a.k_token_stride + head * a.k_head_stride + dim]));
+  static_cast<C*>(a.v_cache)[dst] = from_f32<C>(to_f32<T>(v[token * a.v_token_stride + head * a.v_head_stride + dim]));
 }
 
 // ================================================================================================
@@ -943,8 +947,9 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
   METRALE_EXPECT(k.device() == k_cache.device() && v.device() == k_cache.device() &&
                      v_cache.device() == k_cache.device() && slot_mapping.device() == k_cache.device(),
                  "kv_cache_write: every tensor must be on " + k_cache.device().to_string());
-  if (k_cache.dtype() != DType::kBF16 || v_cache.dtype() != DType::kBF16) {
-    raise_message(ErrorCode::kUnsupported, "kv_cache_write (cuda): caches must be bf16, got " + k_cache.describe());
+  if ((k_cache.dtype() != DType::kBF16 && k_cache.dtype() != DType::kF32) || v_cache.dtype() != k_cache.dtype()) {
+    raise_message(ErrorCode::kUnsupported,
+                  "kv_cache_write (cuda): caches must both be bf16 or both f32, got " + k_cache.describe());
   }
   if (k.dtype() != v.dtype()) {
     raise_message(ErrorCode::kUnsupported, "kv_cache_write (cuda): k and v dtypes differ");
@@ -957,16 +962,16 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
   args.v_token_stride = v.stride(0);
   args.v_head_stride = v.stride(1);
   args.slot_mapping = slot_mapping.data_as<const int32_t>();
-  args.k_cache = k_cache.data_as<bf16>();
-  args.v_cache = v_cache.data_as<bf16>();
+  args.k_cache = k_cache.data();
+  args.v_cache = v_cache.data();
   args.num_slots = k_cache.size(0) * k_cache.size(1);
   args.num_kv_heads = static_cast<int>(kv_heads);
   args.head_dim = static_cast<int>(head_dim);
   const cudaStream_t stream = stream_of(k_cache);
-  const bool vectorized = k.dtype() == DType::kBF16 && head_dim % 8 == 0 && args.k_token_stride % 8 == 0 &&
-                          args.k_head_stride % 8 == 0 && args.v_token_stride % 8 == 0 && args.v_head_stride % 8 == 0 &&
-                          aligned16(k.data()) && aligned16(v.data()) && aligned16(k_cache.data()) &&
-                          aligned16(v_cache.data());
+  const bool vectorized = k.dtype() == DType::kBF16 && k_cache.dtype() == DType::kBF16 && head_dim % 8 == 0 &&
+                          args.k_token_stride % 8 == 0 && args.k_head_stride % 8 == 0 && args.v_token_stride % 8 == 0 &&
+                          args.v_head_stride % 8 == 0 && aligned16(k.data()) && aligned16(v.data()) &&
+                          aligned16(k_cache.data()) && aligned16(v_cache.data());
   constexpr int kBlock = 256;
   if (vectorized) {
     args.total = tokens * kv_heads * (head_dim / 8);
@@ -977,17 +982,24 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
   }
   args.total = tokens * kv_heads * head_dim;
   METRALE_DISPATCH_FLOAT(k.dtype(), "kv_cache_write", [&] {
-    launch_kernel(kv_cache_write_scalar_kernel<scalar_t>, dim3(ceil_div(args.total, kBlock)), dim3(kBlock), 0, stream,
-                  k.data_as<const scalar_t>(), v.data_as<const scalar_t>(), args);
+    using T = scalar_t;
+    if (k_cache.dtype() == DType::kF32) {
+      launch_kernel(kv_cache_write_scalar_kernel<T, float>, dim3(ceil_div(args.total, kBlock)), dim3(kBlock), 0, stream,
+                    k.data_as<const T>(), v.data_as<const T>(), args);
+    } else {
+      launch_kernel(kv_cache_write_scalar_kernel<T, bf16>, dim3(ceil_div(args.total, kBlock)), dim3(kBlock), 0, stream,
+                    k.data_as<const T>(), v.data_as<const T>(), args);
+    }
   });
   METRALE_CHECK_LAUNCH("kv_cache_write_scalar_kernel");
 }
 
 // ---------------------------------------------------------------------------------------------
 // Generic path for head sizes the tensor-core kernels are not instantiated for (tiny test models,
-// head_dim 16 or 32, any even size up to 256). One CTA per (query row, head): keys are scored in
-// chunks of kGenericKeys into shared memory, softmaxed online, and each thread owns output channels.
-// Correct and simple, not fast: production head sizes take the kernels above.
+// head_dim 16 or 32, any even size up to 256) and for f32 q, out and caches at any head size. One CTA
+// per (query row, head): keys are scored in chunks of kGenericKeys into shared memory, softmaxed
+// online, and each thread owns output channels. Correct and simple, not fast: production head sizes
+// in bf16 take the kernels above.
 
 constexpr int kGenericThreads = 128;
 constexpr int kGenericKeys = 128;
@@ -997,8 +1009,11 @@ __device__ __forceinline__ int generic_slot(const PagedKv& kv, int sequence, int
   return table[key / kv.block_size] * kv.block_size + key % kv.block_size;
 }
 
-__global__ void __launch_bounds__(kGenericThreads) generic_attention_kernel(AttentionArgs args, int head_dim,
-                                                                             int num_seqs) {
+// T: the storage dtype of q, out and the caches (bf16 or float). AttentionArgs types them as bf16 for
+// the tensor-core kernels; here they are read as T.
+template <typename T>
+__global__ void __launch_bounds__(kGenericThreads)
+    generic_attention_kernel(AttentionArgs args, int head_dim, int num_seqs) {
   __shared__ float q_shared[256];
   __shared__ float scores[kGenericKeys];
   const int row = blockIdx.x, head = blockIdx.y;
@@ -1010,8 +1025,11 @@ __global__ void __launch_bounds__(kGenericThreads) generic_attention_kernel(Atte
   const int position = kv_len - q_len + (row - args.cu_q[sequence]);
   const int first_key = args.window > 0 ? max(0, position - args.window + 1) : 0;
   const int kv_head = head / args.group;
-  const bf16* q = args.q + static_cast<int64_t>(row) * args.q_token_stride + static_cast<int64_t>(head) * args.q_head_stride;
-  for (int d = threadIdx.x; d < head_dim; d += kGenericThreads) q_shared[d] = __bfloat162float(q[d]);
+  const T* k_cache = reinterpret_cast<const T*>(args.kv.k_cache);
+  const T* v_cache = reinterpret_cast<const T*>(args.kv.v_cache);
+  const T* q = reinterpret_cast<const T*>(args.q) + static_cast<int64_t>(row) * args.q_token_stride +
+               static_cast<int64_t>(head) * args.q_head_stride;
+  for (int d = threadIdx.x; d < head_dim; d += kGenericThreads) q_shared[d] = to_f32(q[d]);
   __syncthreads();
   // Each thread accumulates channels threadIdx.x and threadIdx.x + 128 (head_dim <= 256).
   float acc0 = 0.0f, acc1 = 0.0f, running_max = -INFINITY, running_sum = 0.0f;
@@ -1020,9 +1038,9 @@ __global__ void __launch_bounds__(kGenericThreads) generic_attention_kernel(Atte
     const int count = min(kGenericKeys, position + 1 - chunk);
     if (threadIdx.x < count) {
       const int slot = generic_slot(args.kv, sequence, chunk + threadIdx.x);
-      const bf16* k = args.kv.k_cache + (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
+      const T* k = k_cache + (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
       float dot = 0.0f;
-      for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * __bfloat162float(k[d]);
+      for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * to_f32(k[d]);
       scores[threadIdx.x] = dot * scale;
     }
     __syncthreads();
@@ -1037,24 +1055,30 @@ __global__ void __launch_bounds__(kGenericThreads) generic_attention_kernel(Atte
       const float p = exp2f(scores[j] - new_max);
       running_sum += p;
       const int slot = generic_slot(args.kv, sequence, chunk + j);
-      const bf16* v = args.kv.v_cache + (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
-      if (threadIdx.x < head_dim) acc0 += p * __bfloat162float(v[threadIdx.x]);
-      if (threadIdx.x + kGenericThreads < head_dim) acc1 += p * __bfloat162float(v[threadIdx.x + kGenericThreads]);
+      const T* v = v_cache + (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
+      if (threadIdx.x < head_dim) acc0 += p * to_f32(v[threadIdx.x]);
+      if (threadIdx.x + kGenericThreads < head_dim) acc1 += p * to_f32(v[threadIdx.x + kGenericThreads]);
     }
     running_max = new_max;
     __syncthreads();
   }
   const float inverse = running_sum > 0.0f ? 1.0f / running_sum : 0.0f;
-  bf16* out = args.out + static_cast<int64_t>(row) * args.out_token_stride + static_cast<int64_t>(head) * args.out_head_stride;
-  if (threadIdx.x < head_dim) out[threadIdx.x] = __float2bfloat16_rn(acc0 * inverse);
-  if (threadIdx.x + kGenericThreads < head_dim) out[threadIdx.x + kGenericThreads] = __float2bfloat16_rn(acc1 * inverse);
+  T* out = reinterpret_cast<T*>(args.out) + static_cast<int64_t>(row) * args.out_token_stride +
+           static_cast<int64_t>(head) * args.out_head_stride;
+  if (threadIdx.x < head_dim) out[threadIdx.x] = from_f32<T>(acc0 * inverse);
+  if (threadIdx.x + kGenericThreads < head_dim) out[threadIdx.x + kGenericThreads] = from_f32<T>(acc1 * inverse);
 }
 
-void launch_generic_attention(const AttentionArgs& args, int64_t tokens, int64_t heads, int64_t head_dim,
+void launch_generic_attention(const AttentionArgs& args, DType dtype, int64_t tokens, int64_t heads, int64_t head_dim,
                               int64_t num_seqs, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(heads));
-  generic_attention_kernel<<<grid, kGenericThreads, 0, stream>>>(args, static_cast<int>(head_dim),
-                                                                 static_cast<int>(num_seqs));
+  if (dtype == DType::kF32) {
+    generic_attention_kernel<float>
+        <<<grid, kGenericThreads, 0, stream>>>(args, static_cast<int>(head_dim), static_cast<int>(num_seqs));
+  } else {
+    generic_attention_kernel<bf16>
+        <<<grid, kGenericThreads, 0, stream>>>(args, static_cast<int>(head_dim), static_cast<int>(num_seqs));
+  }
   METRALE_CHECK_LAUNCH("generic_attention_kernel");
 }
 
@@ -1085,12 +1109,14 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
               t->describe());
     }
   }
-  if (q.dtype() != DType::kBF16 || out.dtype() != DType::kBF16 || k_cache.dtype() != DType::kBF16 ||
-      v_cache.dtype() != DType::kBF16) {
-    unsupported("q, out and the caches must be bf16, got q " + q.describe() + ", cache " + k_cache.describe() +
-                ", out " + out.describe());
+  const DType dtype = q.dtype();
+  if ((dtype != DType::kBF16 && dtype != DType::kF32) || out.dtype() != dtype || k_cache.dtype() != dtype ||
+      v_cache.dtype() != dtype) {
+    unsupported("q, out and the caches must all be bf16 or all f32, got q " + q.describe() + ", cache " +
+                k_cache.describe() + ", out " + out.describe());
   }
-  const bool generic_head_dim = head_dim != 64 && head_dim != 128 && head_dim != 256;
+  // f32 runs take the generic kernel at every head size (the tensor-core kernels read bf16).
+  const bool generic_head_dim = dtype == DType::kF32 || (head_dim != 64 && head_dim != 128 && head_dim != 256);
   if (generic_head_dim && (head_dim > 256 || head_dim % 2 != 0)) {
     unsupported("head_dim " + std::to_string(head_dim) + " (supported: even sizes up to 256)");
   }
@@ -1142,7 +1168,7 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
   const DeviceProps& props = device_props(device_index);
   const cudaStream_t stream = stream_of(out);
   if (generic_head_dim) {
-    launch_generic_attention(args, tokens, heads, head_dim, num_seqs, stream);
+    launch_generic_attention(args, dtype, tokens, heads, head_dim, num_seqs, stream);
     return;
   }
 

@@ -4,11 +4,13 @@
 //   - GEMV (M <= gemv_max_rows(), default 2): each warp streams 2 or 4 weight rows once with 16-byte
 //     loads, all M input rows go through L1, fp32 partial sums, warp-shuffle reduction. Bandwidth
 //     bound: the weight bytes are the cost (see gemm_gemv.cuh).
-//   - cuBLASLt (larger M): row-major y = x . W^T is the column-major product y^T = W . x^T, i.e. a
-//     column-major GEMM with m = N, n = M, k = K, A = W read transposed (W's row-major [N, K] is a
-//     column-major [K, N] with ld K), B = x (column-major [K, M] with ld = x's row stride), and
-//     C = D = out (column-major [N, M] with ld = out's row stride).
-//   - a simple warp-per-output kernel for everything else (non-bf16 operands, K % 8 != 0,
+//   - cuBLASLt (larger M; f32 operands at any M): row-major y = x . W^T is the column-major product
+//     y^T = W . x^T, i.e. a column-major GEMM with m = N, n = M, k = K, A = W read transposed (W's
+//     row-major [N, K] is a column-major [K, N] with ld K), B = x (column-major [K, M] with ld = x's
+//     row stride), and C = D = out (column-major [N, M] with ld = out's row stride).
+//     f32 operands (an f32 run) take CUBLAS_COMPUTE_32F, which never rounds to TF32: products and
+//     sums stay IEEE fp32, as the CPU reference.
+//   - a simple warp-per-output kernel for everything else (mixed or f16 operands, K % 8 != 0,
 //     misaligned rows): correct, not fast.
 //
 // Crossover, measured on the H200 (CudaLinearBench, Qwen3-8B shapes): the GEMV streams 3.0-4.4 TB/s
@@ -176,6 +178,7 @@ void lt_check(cublasStatus_t status, const char* what) {
 
 struct LtPlanKey {
   int64_t m, n, k, lda, ldc;
+  int in_dtype;  // of x and the weight: bf16 or f32
   int out_dtype;
   bool accumulate;
   uint32_t align_x, align_w, align_out;
@@ -191,7 +194,7 @@ struct LtPlanKeyHash {
     mix(static_cast<uint64_t>(key.k));
     mix(static_cast<uint64_t>(key.lda));
     mix(static_cast<uint64_t>(key.ldc));
-    mix(static_cast<uint64_t>(key.out_dtype) * 2 + (key.accumulate ? 1 : 0));
+    mix(static_cast<uint64_t>(key.in_dtype) * 64 + static_cast<uint64_t>(key.out_dtype) * 2 + (key.accumulate ? 1 : 0));
     mix((static_cast<uint64_t>(key.align_x) << 32) ^ (static_cast<uint64_t>(key.align_w) << 16) ^ key.align_out);
     return h;
   }
@@ -214,6 +217,8 @@ class LtPlan {
   // Returns false when cuBLASLt has no algorithm for the problem.
   bool build(cublasLtHandle_t handle, const LtPlanKey& key) {
     const cudaDataType_t out_type = key.out_dtype == static_cast<int>(DType::kF32) ? CUDA_R_32F : CUDA_R_16BF;
+    const cudaDataType_t in_type = key.in_dtype == static_cast<int>(DType::kF32) ? CUDA_R_32F : CUDA_R_16BF;
+    // CUBLAS_COMPUTE_32F (not ..._FAST_TF32): fp32 operands are multiplied in full fp32.
     lt_check(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
     const cublasOperation_t transpose = CUBLAS_OP_T, no_transpose = CUBLAS_OP_N;
     lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
@@ -221,12 +226,12 @@ class LtPlan {
     lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &no_transpose, sizeof(no_transpose)),
              "set TRANSB");
     // Column-major: A = W stored [K, N] (ld K), B = x stored [K, M] (ld lda), C = D = out [N, M] (ld ldc).
-    lt_check(cublasLtMatrixLayoutCreate(&a_, CUDA_R_16BF, static_cast<uint64_t>(key.k), static_cast<uint64_t>(key.n),
-                                        key.k),
-             "layout A");
-    lt_check(cublasLtMatrixLayoutCreate(&b_, CUDA_R_16BF, static_cast<uint64_t>(key.k), static_cast<uint64_t>(key.m),
-                                        key.lda),
-             "layout B");
+    lt_check(
+        cublasLtMatrixLayoutCreate(&a_, in_type, static_cast<uint64_t>(key.k), static_cast<uint64_t>(key.n), key.k),
+        "layout A");
+    lt_check(
+        cublasLtMatrixLayoutCreate(&b_, in_type, static_cast<uint64_t>(key.k), static_cast<uint64_t>(key.m), key.lda),
+        "layout B");
     lt_check(cublasLtMatrixLayoutCreate(&c_, out_type, static_cast<uint64_t>(key.n), static_cast<uint64_t>(key.m),
                                         key.ldc),
              "layout C");
@@ -329,6 +334,7 @@ bool run_cublaslt(const Tensor& x, const Tensor& weight, const Tensor& out, bool
                       x.size(1),
                       x.stride(0),
                       out.stride(0),
+                      static_cast<int>(x.dtype()),
                       static_cast<int>(out.dtype()),
                       accumulate,
                       alignment_of(x.data()),
@@ -385,6 +391,9 @@ void linear(const Tensor& x, const Tensor& weight, const Tensor& out, bool accum
                              (out.dtype() == DType::kF32 || out.dtype() == DType::kBF16);
   const bool vectorizable = k % gemv::kChunk == 0 && x.stride(0) % gemv::kChunk == 0 && aligned_16(x.data()) &&
                             aligned_16(weight.data());
+  // f32 x and weight with an f32 out (f32 runs): cuBLASLt at every M; no GEMV for fp32 weights.
+  const bool f32_operands = x.dtype() == DType::kF32 && weight.dtype() == DType::kF32 && out.dtype() == DType::kF32;
+  if (f32_operands && k > 0 && run_cublaslt(x, weight, out, accumulate, stream)) return;
   if (bf16_operands && k > 0) {
     if (m <= gemv_max_rows()) {
       if (vectorizable) {

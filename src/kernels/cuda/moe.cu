@@ -8,9 +8,12 @@
 //   moe_decode_down      and 2 up rows (or 4 down rows) of the slot's expert with 16-byte loads.
 //   moe_grouped_gate_up  tensor-core grouped GEMMs over the expert-sorted rows (gemm_grouped.cuh).
 //   moe_grouped_down
+//   f32 expert weights (f32 runs): both paths take CUDA-core kernels, one warp per output element,
+//                        fp32 throughout (correct, not fast).
 //   moe_combine          fp32 weighted sum over the k slots in order, plus the gated shared expert.
 //   gather_rows, scatter_add_rows: row copies; the scatter runs one thread per column over the
 //                        rows in order (deterministic, no atomics).
+#include <algorithm>
 #include <mutex>
 #include <string>
 
@@ -385,6 +388,125 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 }
 
 // ---------------------------------------------------------------------------------------------
+// f32 expert weights (f32 runs): one warp per output element on CUDA cores, for both paths.
+
+// Which expert and slot a row of the expert ops belongs to. Decode path (sorted_slots null): row r
+// is slot r, its expert ids[r]. Grouped path: row p is sorted position p, its slot sorted_slots[p],
+// its expert the segment of expert_offsets [E + 1] that holds p.
+struct ExpertRows {
+  const int32_t* ids;             // [T * k] (decode)
+  const int32_t* sorted_slots;    // [T * k] (grouped) or null
+  const int32_t* expert_offsets;  // [E + 1] (grouped)
+  int experts;
+};
+
+__device__ __forceinline__ int row_slot(const ExpertRows& rows, int64_t r) {
+  return rows.sorted_slots != nullptr ? rows.sorted_slots[r] : static_cast<int>(r);
+}
+
+__device__ __forceinline__ int row_expert(const ExpertRows& rows, int64_t r) {
+  if (rows.sorted_slots == nullptr) return clamp_expert(rows.ids[r], rows.experts);
+  int lo = 0, hi = rows.experts - 1;  // the last e with offsets[e] <= r
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (rows.expert_offsets[mid] <= r) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// h[r, i] = silu(x[t] . gate[e][i]) * (x[t] . up[e][i]) with t = slot / top_k; rows * inter warps.
+template <typename XT, typename HT>
+__global__ void expert_gate_up_simple_kernel(const XT* __restrict__ x, int64_t x_stride, ExpertRows rows, int top_k,
+                                             const float* __restrict__ gate_up, int inter, int hidden, float limit,
+                                             HT* __restrict__ h, int64_t h_stride, int64_t count) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t index = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; index < count;
+       index += warps) {
+    const int64_t r = index / inter;
+    const int i = static_cast<int>(index % inter);
+    const int e = row_expert(rows, r);
+    const XT* x_row = x + static_cast<int64_t>(row_slot(rows, r) / top_k) * x_stride;
+    const float* gate_row = gate_up + (static_cast<int64_t>(e) * 2 * inter + i) * hidden;
+    const float* up_row = gate_row + static_cast<int64_t>(inter) * hidden;
+    float gate = 0.0f, up = 0.0f;
+    for (int c = lane; c < hidden; c += 32) {
+      const float value = to_f32(x_row[c]);
+      gate = fmaf(value, gate_row[c], gate);
+      up = fmaf(value, up_row[c], up);
+    }
+    gate = warp_sum(gate);
+    up = warp_sum(up);
+    if (lane == 0) {
+      if (limit > 0.0f) {  // clamped SwiGLU
+        gate = fminf(gate, limit);
+        up = fminf(fmaxf(up, -limit), limit);
+      }
+      h[r * h_stride + i] = from_f32<HT>(gemv::silu(gate) * up);
+    }
+  }
+}
+
+// slot_out[slot(r), c] = h[r] . down[e][c]; rows * hidden warps.
+template <typename HT>
+__global__ void expert_down_simple_kernel(const HT* __restrict__ h, int64_t h_stride, ExpertRows rows,
+                                          const float* __restrict__ down, int hidden, int inter,
+                                          float* __restrict__ slot_out, int64_t out_stride, int64_t count) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t index = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; index < count;
+       index += warps) {
+    const int64_t r = index / hidden;
+    const int c = static_cast<int>(index % hidden);
+    const float* down_row = down + (static_cast<int64_t>(row_expert(rows, r)) * hidden + c) * inter;
+    const HT* h_row = h + r * h_stride;
+    float sum = 0.0f;
+    for (int i = lane; i < inter; i += 32) sum = fmaf(to_f32(h_row[i]), down_row[i], sum);
+    sum = warp_sum(sum);
+    if (lane == 0) slot_out[static_cast<int64_t>(row_slot(rows, r)) * out_stride + c] = sum;
+  }
+}
+
+constexpr int kSimpleThreads = 256;
+
+unsigned simple_blocks(int64_t warps) {
+  return static_cast<unsigned>(std::min<int64_t>((warps + kSimpleThreads / 32 - 1) / (kSimpleThreads / 32), 132 * 64));
+}
+
+void launch_gate_up_simple(const Tensor& x, const ExpertRows& rows, int top_k, const MoeExpertWeights& experts,
+                           const Tensor& h, int64_t num_rows, cudaStream_t stream) {
+  const int64_t count = num_rows * experts.intermediate_size;
+  if (count == 0) return;
+  METRALE_DISPATCH_FLOAT(x.dtype(), "moe expert x", [&] {
+    using XT = scalar_t;
+    METRALE_DISPATCH_FLOAT(h.dtype(), "moe expert h", [&] {
+      expert_gate_up_simple_kernel<XT, scalar_t><<<simple_blocks(count), kSimpleThreads, 0, stream>>>(
+          x.data_as<const XT>(), x.stride(0), rows, top_k, experts.gate_up.data_as<const float>(),
+          static_cast<int>(experts.intermediate_size), static_cast<int>(experts.hidden_size), experts.swiglu_limit,
+          h.data_as<scalar_t>(), h.stride(0), count);
+    });
+  });
+  METRALE_CHECK_LAUNCH("expert_gate_up_simple_kernel");
+}
+
+void launch_down_simple(const Tensor& h, const ExpertRows& rows, const MoeExpertWeights& experts,
+                        const Tensor& slot_out, int64_t num_rows, cudaStream_t stream) {
+  const int64_t count = num_rows * experts.hidden_size;
+  if (count == 0) return;
+  METRALE_DISPATCH_FLOAT(h.dtype(), "moe expert h", [&] {
+    expert_down_simple_kernel<scalar_t><<<simple_blocks(count), kSimpleThreads, 0, stream>>>(
+        h.data_as<const scalar_t>(), h.stride(0), rows, experts.down_fused.data_as<const float>(),
+        static_cast<int>(experts.hidden_size), static_cast<int>(experts.intermediate_size), slot_out.data_as<float>(),
+        slot_out.stride(0), count);
+  });
+  METRALE_CHECK_LAUNCH("expert_down_simple_kernel");
+}
+
+// ---------------------------------------------------------------------------------------------
 // Combine
 
 constexpr int kCombineThreads = 256;
@@ -455,12 +577,17 @@ void check_fused(const MoeExpertWeights& experts, const char* op) {
   const int64_t e = experts.num_experts, h = experts.hidden_size, i = experts.intermediate_size;
   const Tensor& gate_up = experts.gate_up;
   const Tensor& down = experts.down_fused;
-  expect(gate_up.dtype() == DType::kBF16 && down.dtype() == DType::kBF16 && gate_up.is_contiguous() &&
-             down.is_contiguous() && gate_up.ndim() == 3 && down.ndim() == 3 && gate_up.size(0) == e &&
-             gate_up.size(1) == 2 * i && gate_up.size(2) == h && down.size(0) == e && down.size(1) == h &&
-             down.size(2) == i,
-         op, "fused expert weights must be contiguous bf16 gate_up [E, 2I, H] and down [E, H, I]; got " +
-                 shape_of(gate_up) + " and " + shape_of(down));
+  expect((gate_up.dtype() == DType::kBF16 || gate_up.dtype() == DType::kF32) && down.dtype() == gate_up.dtype() &&
+             gate_up.is_contiguous() && down.is_contiguous() && gate_up.ndim() == 3 && down.ndim() == 3 &&
+             gate_up.size(0) == e && gate_up.size(1) == 2 * i && gate_up.size(2) == h && down.size(0) == e &&
+             down.size(1) == h && down.size(2) == i,
+         op,
+         "fused expert weights must be contiguous gate_up [E, 2I, H] and down [E, H, I], both bf16 or both f32; got " +
+             shape_of(gate_up) + " and " + shape_of(down));
+  if (gate_up.dtype() == DType::kF32) {
+    expect(e >= 1 && e * 2 * i * h < (int64_t{1} << 62) && h < (1 << 30) && i < (1 << 30), op, "expert sizes");
+    return;  // the f32 kernels read any sizes and alignments
+  }
   if (h % 8 != 0 || i % 8 != 0) {
     raise_message(ErrorCode::kUnsupported, std::string(op) + ": the CUDA MoE kernels need hidden (" +
                                                std::to_string(h) + ") and expert intermediate (" + std::to_string(i) +
@@ -638,9 +765,15 @@ void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpert
   const int64_t k = topk_ids.size(1), slots = tokens * k;
   expect(h.dtype() == DType::kF32 && h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && h.is_contiguous(), op,
          "h must be contiguous f32 [T * k, I]; got " + shape_of(h));
+  expect(slots <= 65535, op, "too many slots for the decode path");
+  if (experts.gate_up.dtype() == DType::kF32) {
+    expect(x.stride(1) == 1, op, "x rows must be contiguous; got " + shape_of(x));
+    const ExpertRows rows{topk_ids.data_as<const int32_t>(), nullptr, nullptr, static_cast<int>(experts.num_experts)};
+    launch_gate_up_simple(x, rows, static_cast<int>(k), experts, h, slots, stream_of(h));
+    return;
+  }
   expect((x.dtype() == DType::kBF16 || x.dtype() == DType::kF32) && rows_vectorizable(x), op,
          "x must be bf16 or f32 with 16-byte aligned rows; got " + shape_of(x));
-  expect(slots <= 65535, op, "too many slots for the decode path");
   if (slots == 0) return;
   const dim3 grid(static_cast<unsigned>(ceil_div(inter, kDecodeWarps * kDecodeGateUpRows)), static_cast<unsigned>(slots));
   const auto* weights = experts.gate_up.data_as<const __nv_bfloat16>();
@@ -670,6 +803,11 @@ void moe_decode_down(const Tensor& h, const Tensor& topk_ids, const MoeExpertWei
          op, "slot_out must be f32 [T * k, H]; got " + shape_of(slot_out));
   expect(slots <= 65535, op, "too many slots for the decode path");
   if (slots == 0) return;
+  if (experts.down_fused.dtype() == DType::kF32) {
+    const ExpertRows rows{topk_ids.data_as<const int32_t>(), nullptr, nullptr, static_cast<int>(experts.num_experts)};
+    launch_down_simple(h, rows, experts, slot_out, slots, stream_of(slot_out));
+    return;
+  }
   const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kDecodeWarps * kDecodeDownRows)), static_cast<unsigned>(slots));
   moe_decode_down_kernel<<<grid, kDecodeWarps * 32, 0, stream_of(slot_out)>>>(
       h.data_as<const float>(), topk_ids.data_as<const int32_t>(), static_cast<int>(experts.num_experts),
@@ -685,6 +823,17 @@ void moe_grouped_gate_up(const Tensor& x, const Tensor& sorted_slots, const Tens
   const int64_t slots = sorted_slots.numel(), hidden = experts.hidden_size, inter = experts.intermediate_size;
   check_i32_vector(sorted_slots, slots, op, "sorted_slots");
   check_i32_vector(expert_offsets, experts.num_experts + 1, op, "expert_offsets");
+  if (experts.gate_up.dtype() == DType::kF32) {
+    expect(top_k >= 1 && x.ndim() == 2 && x.size(0) * top_k == slots && x.size(1) == hidden && x.stride(1) == 1 &&
+               h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && h.stride(1) == 1,
+           op,
+           "x [T, H] with T * top_k = slots and h [T * k, I], rows contiguous; got x " + shape_of(x) + " h " +
+               shape_of(h));
+    const ExpertRows rows{nullptr, sorted_slots.data_as<const int32_t>(), expert_offsets.data_as<const int32_t>(),
+                          static_cast<int>(experts.num_experts)};
+    launch_gate_up_simple(x, rows, top_k, experts, h, slots, stream_of(h));
+    return;
+  }
   expect(top_k >= 1 && x.ndim() == 2 && x.size(0) * top_k == slots && x.size(1) == hidden &&
              x.dtype() == DType::kBF16 && rows_vectorizable(x),
          op, "x must be bf16 [T, H] with 16-byte aligned rows and T * top_k = slots; got " + shape_of(x));
@@ -717,6 +866,18 @@ void moe_grouped_down(const Tensor& h, const Tensor& sorted_slots, const Tensor&
   const int64_t slots = sorted_slots.numel(), hidden = experts.hidden_size, inter = experts.intermediate_size;
   check_i32_vector(sorted_slots, slots, op, "sorted_slots");
   check_i32_vector(expert_offsets, experts.num_experts + 1, op, "expert_offsets");
+  if (experts.down_fused.dtype() == DType::kF32) {
+    expect(h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && h.stride(1) == 1 &&
+               slot_out.dtype() == DType::kF32 && slot_out.ndim() == 2 && slot_out.size(0) == slots &&
+               slot_out.size(1) == hidden && slot_out.stride(1) == 1,
+           op,
+           "h [T * k, I] and slot_out f32 [T * k, H], rows contiguous; got h " + shape_of(h) + " slot_out " +
+               shape_of(slot_out));
+    const ExpertRows rows{nullptr, sorted_slots.data_as<const int32_t>(), expert_offsets.data_as<const int32_t>(),
+                          static_cast<int>(experts.num_experts)};
+    launch_down_simple(h, rows, experts, slot_out, slots, stream_of(slot_out));
+    return;
+  }
   expect(h.dtype() == DType::kBF16 && h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && rows_vectorizable(h),
          op, "h must be bf16 [T * k, I] with 16-byte aligned rows; got " + shape_of(h));
   expect(slot_out.dtype() == DType::kF32 && slot_out.ndim() == 2 && slot_out.size(0) == slots &&

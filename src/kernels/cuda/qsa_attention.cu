@@ -23,7 +23,8 @@
 // across query tokens, which select different blocks); prefill chunks entirely in the dense regime
 // (max kv_len <= block_topk * c + c - 1) are cheaper through paged_attention.
 //
-// Generic path (other even head sizes up to 256, for tiny test models): one CTA per (row, head),
+// Generic path (other even head sizes up to 256, for tiny test models, and f32 activations at any
+// of them): one CTA per (row, head),
 // keys scored 128 at a time into shared memory, online softmax, each thread owning output channels.
 #include <algorithm>
 #include <array>
@@ -464,6 +465,9 @@ __global__ void __launch_bounds__(kThreads) sparse_merge_kernel(const SparseArgs
 constexpr int kGenericThreads = 128;
 constexpr int kGenericKeys = 128;
 
+// T: the storage dtype of q, out and the caches (bf16, or float in f32 runs); SparseArgs types them
+// as bf16 for the tensor-core kernel, here they are read as T.
+template <typename T>
 __global__ void __launch_bounds__(kGenericThreads) sparse_generic_kernel(const SparseArgs a, int head_dim) {
   __shared__ float q_shared[256];
   __shared__ float scores[kGenericKeys];
@@ -473,8 +477,10 @@ __global__ void __launch_bounds__(kGenericThreads) sparse_generic_kernel(const S
   const KeyList list = key_list(a, t);
   if (list.length == 0) return;
   const int kv_head = head / a.group;
-  const bf16* q = a.q + t * a.q_token_stride + static_cast<int64_t>(head) * a.q_head_stride;
-  for (int d = threadIdx.x; d < head_dim; d += kGenericThreads) q_shared[d] = __bfloat162float(q[d]);
+  const T* k_cache = reinterpret_cast<const T*>(a.k_cache);
+  const T* v_cache = reinterpret_cast<const T*>(a.v_cache);
+  const T* q = reinterpret_cast<const T*>(a.q) + t * a.q_token_stride + static_cast<int64_t>(head) * a.q_head_stride;
+  for (int d = threadIdx.x; d < head_dim; d += kGenericThreads) q_shared[d] = to_f32(q[d]);
   __syncthreads();
   float acc0 = 0.0f, acc1 = 0.0f, running_max = -INFINITY, running_sum = 0.0f;
   for (int chunk = 0; chunk < list.length; chunk += kGenericKeys) {
@@ -484,9 +490,9 @@ __global__ void __launch_bounds__(kGenericThreads) sparse_generic_kernel(const S
       slots[threadIdx.x] = slot;
       float dot = -INFINITY;
       if (slot >= 0) {
-        const bf16* k = a.k_cache + (static_cast<int64_t>(slot) * a.num_kv_heads + kv_head) * head_dim;
+        const T* k = k_cache + (static_cast<int64_t>(slot) * a.num_kv_heads + kv_head) * head_dim;
         dot = 0.0f;
-        for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * __bfloat162float(k[d]);
+        for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * to_f32(k[d]);
         dot *= a.score_scale;
       }
       scores[threadIdx.x] = dot;
@@ -504,17 +510,17 @@ __global__ void __launch_bounds__(kGenericThreads) sparse_generic_kernel(const S
       if (slots[j] < 0) continue;
       const float p = exp2f(scores[j] - base);
       running_sum += p;
-      const bf16* v = a.v_cache + (static_cast<int64_t>(slots[j]) * a.num_kv_heads + kv_head) * head_dim;
-      if (threadIdx.x < head_dim) acc0 += p * __bfloat162float(v[threadIdx.x]);
-      if (threadIdx.x + kGenericThreads < head_dim) acc1 += p * __bfloat162float(v[threadIdx.x + kGenericThreads]);
+      const T* v = v_cache + (static_cast<int64_t>(slots[j]) * a.num_kv_heads + kv_head) * head_dim;
+      if (threadIdx.x < head_dim) acc0 += p * to_f32(v[threadIdx.x]);
+      if (threadIdx.x + kGenericThreads < head_dim) acc1 += p * to_f32(v[threadIdx.x + kGenericThreads]);
     }
     running_max = new_max;
     __syncthreads();
   }
   const float inverse = running_sum > 0.0f ? 1.0f / running_sum : 0.0f;
-  bf16* out = a.out + t * a.out_token_stride + static_cast<int64_t>(head) * a.out_head_stride;
-  if (threadIdx.x < head_dim) out[threadIdx.x] = __float2bfloat16_rn(acc0 * inverse);
-  if (threadIdx.x + kGenericThreads < head_dim) out[threadIdx.x + kGenericThreads] = __float2bfloat16_rn(acc1 * inverse);
+  T* out = reinterpret_cast<T*>(a.out) + t * a.out_token_stride + static_cast<int64_t>(head) * a.out_head_stride;
+  if (threadIdx.x < head_dim) out[threadIdx.x] = from_f32<T>(acc0 * inverse);
+  if (threadIdx.x + kGenericThreads < head_dim) out[threadIdx.x + kGenericThreads] = from_f32<T>(acc1 * inverse);
 }
 
 // ---- host side ----
@@ -632,11 +638,14 @@ void qsa_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache
   for (const Tensor* t : {&q, &k_cache, &v_cache, &cu_q, &kv_lens, &block_tables, &selected, &out}) {
     METRALE_EXPECT(t->device().is_cuda(), "qsa_attention: tensors must be on the GPU (" + t->describe() + ")");
   }
-  if (q.dtype() != DType::kBF16 || out.dtype() != DType::kBF16 || k_cache.dtype() != DType::kBF16 ||
-      v_cache.dtype() != DType::kBF16) {
-    unsupported("q, out and the caches must be bf16, got q " + q.describe() + ", cache " + k_cache.describe());
+  const DType dtype = q.dtype();
+  if ((dtype != DType::kBF16 && dtype != DType::kF32) || out.dtype() != dtype || k_cache.dtype() != dtype ||
+      v_cache.dtype() != dtype) {
+    unsupported("q, out and the caches must all be bf16 or all f32, got q " + q.describe() + ", cache " +
+                k_cache.describe());
   }
-  const bool generic = head_dim != 64 && head_dim != 128 && head_dim != 256;
+  // f32 runs take the generic kernel at every head size (the tensor-core kernel reads bf16).
+  const bool generic = dtype == DType::kF32 || (head_dim != 64 && head_dim != 128 && head_dim != 256);
   if (generic && (head_dim > 256 || head_dim % 2 != 0)) unsupported("head_dim " + std::to_string(head_dim));
   if (!aligned16(k_cache.data()) || !aligned16(v_cache.data())) unsupported("the caches must be 16-byte aligned");
   const int64_t capacity = block_tables.size(1) * block_size;
@@ -674,8 +683,12 @@ void qsa_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache
   a.out_vectorized = aligned16(out.data()) && out.stride(0) % 8 == 0 && out.stride(1) % 8 == 0;
   const cudaStream_t stream = stream_of(out);
   if (generic) {
-    sparse_generic_kernel<<<dim3(static_cast<unsigned>(tokens), static_cast<unsigned>(heads)), kGenericThreads, 0,
-                            stream>>>(a, static_cast<int>(head_dim));
+    const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(heads));
+    if (dtype == DType::kF32) {
+      sparse_generic_kernel<float><<<grid, kGenericThreads, 0, stream>>>(a, static_cast<int>(head_dim));
+    } else {
+      sparse_generic_kernel<bf16><<<grid, kGenericThreads, 0, stream>>>(a, static_cast<int>(head_dim));
+    }
     METRALE_CHECK_LAUNCH("qsa sparse_generic_kernel");
     return;
   }

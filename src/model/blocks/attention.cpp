@@ -15,7 +15,7 @@ Attention::Attention(const AttentionConfig& config, Weights& weights, const std:
   const int64_t h = config.hidden_size, d = config.head_dim;
   const int64_t q_rows = config.num_heads * d * (config.output_gate ? 2 : 1), kv_rows = config.num_kv_heads * d;
   if (weights.device().is_cuda() && !weights.fp8_linears()) {
-    qkv_proj_ = OwnedTensor(DType::kBF16, {q_rows + 2 * kv_rows, h}, weights.device());
+    qkv_proj_ = OwnedTensor(weights.compute_dtype(), {q_rows + 2 * kv_rows, h}, weights.device());
     weights.load_into(prefix + "q_proj.weight", qkv_proj_.tensor.slice(0, 0, q_rows));
     weights.load_into(prefix + "k_proj.weight", qkv_proj_.tensor.slice(0, q_rows, q_rows + kv_rows));
     weights.load_into(prefix + "v_proj.weight", qkv_proj_.tensor.slice(0, q_rows + kv_rows, q_rows + 2 * kv_rows));

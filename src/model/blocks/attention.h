@@ -50,7 +50,7 @@ class Attention : public Mixer {
   static constexpr size_t kKeys = 0, kValues = 1;  // BlockCache::tensors
 
   AttentionConfig config_;
-  // On the GPU q, k and v are one fused bf16 projection [(Q + 2 nKV * D), H] (one weight read per
+  // On the GPU q, k and v are one fused projection (compute dtype) [(Q + 2 nKV * D), H] (one weight read per
   // step); on the CPU, and with FP8 weights, they stay three weights (views into the mapped
   // checkpoint when plain). Q = nH * D, or 2 nH * D with the output gate (query and gate interleaved
   // per head).

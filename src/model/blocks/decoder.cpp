@@ -28,6 +28,7 @@ Tensor load_lm_head(Weights& weights, const ModelConfig& config, const Tensor& e
 DecoderModel::DecoderModel(ModelConfig config, Weights& weights, DecoderParts parts)
     : config_(std::move(config)),
       device_(weights.device()),
+      activation_dtype_(weights.compute_dtype()),
       store_(weights.store_ptr()),
       device_weights_(weights.take_device_buffers()),
       embed_tokens_(parts.embed_tokens),
@@ -52,12 +53,6 @@ void DecoderModel::prestage(const PrestageRows& rows, std::span<const Tensor> ho
 
 std::vector<CacheSpec> DecoderModel::mtp_cache_specs() const {
   return mtp_ ? mtp_->cache_specs() : std::vector<CacheSpec>{};
-}
-
-DType DecoderModel::activation_dtype() const {
-  // The CPU is the fp32 reference; the GPU keeps bf16 activations (fp32 inside kernels), as the
-  // checkpoints' own bf16 inference does.
-  return device_.is_cpu() ? DType::kF32 : DType::kBF16;
 }
 
 namespace {

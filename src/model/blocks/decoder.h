@@ -33,6 +33,7 @@ class DecoderModel : public Model {
 
   const ModelConfig& config() const override { return config_; }
   Device device() const override { return device_; }
+  DType activation_dtype() const override { return activation_dtype_; }
   ModelCapabilities capabilities() const override;
   std::vector<CacheSpec> cache_specs() const override { return trunk_.cache_specs(); }
   std::vector<StepInputSpec> step_input_specs() const override { return trunk_.step_input_specs(); }
@@ -57,7 +58,6 @@ class DecoderModel : public Model {
   const LayerStack& trunk() const { return trunk_; }
 
  private:
-  DType activation_dtype() const;
   MtpHead& mtp_head(int64_t mtp_layer) const;
   // logits [R, V] = lm_head(final_hidden[logit_rows]); final_hidden [T, H].
   void compute_logits(const ForwardBatch& batch, const Tensor& final_hidden, const Tensor& logits,
@@ -65,6 +65,7 @@ class DecoderModel : public Model {
 
   ModelConfig config_;
   Device device_;
+  DType activation_dtype_;                    // Weights::compute_dtype() of the load
   std::shared_ptr<const WeightStore> store_;  // keeps mapped weights alive
   std::vector<Buffer> device_weights_;        // owned device copies (GPU builds)
   Tensor embed_tokens_, lm_head_;

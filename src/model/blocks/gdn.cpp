@@ -62,9 +62,10 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
   }
   const int64_t key_dim = config.key_dim(), value_dim = config.value_dim(), conv_dim = config.conv_dim();
   const Device device = weights.device();
-  // Owned projections take the dtype weights have on the device (bf16 on the GPU, as stored on the CPU).
+  // Owned projections take the dtype weights have on the device (the compute dtype on the GPU, as
+  // stored on the CPU).
   const auto owned_dtype = [&](const std::string& key) {
-    if (weights.is_random()) return device.is_cpu() ? DType::kF32 : DType::kBF16;
+    if (weights.is_random()) return weights.compute_dtype();
     return weights.device_dtype(weights.store().get(weights.prefix() + key).dtype());
   };
   if (config.layout == GdnProjectionLayout::kGroupedQkvz) {
@@ -92,10 +93,10 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
         *in_proj_ba_);
   } else if (device.is_cuda()) {
     // One GEMM per projection group on the GPU: the checkpoint's rows placed side by side.
-    in_proj_qkvz_ = OwnedTensor(DType::kBF16, {conv_dim + value_dim, h}, device);
+    in_proj_qkvz_ = OwnedTensor(weights.compute_dtype(), {conv_dim + value_dim, h}, device);
     weights.load_into(prefix + "in_proj_qkv.weight", in_proj_qkvz_->slice(0, 0, conv_dim));
     weights.load_into(prefix + "in_proj_z.weight", in_proj_qkvz_->slice(0, conv_dim, conv_dim + value_dim));
-    in_proj_ba_ = OwnedTensor(DType::kBF16, {2 * hv, h}, device);
+    in_proj_ba_ = OwnedTensor(weights.compute_dtype(), {2 * hv, h}, device);
     weights.load_into(prefix + "in_proj_b.weight", in_proj_ba_->slice(0, 0, hv));
     weights.load_into(prefix + "in_proj_a.weight", in_proj_ba_->slice(0, hv, 2 * hv));
   } else {

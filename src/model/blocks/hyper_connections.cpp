@@ -11,7 +11,7 @@ HyperConnectionWeights HyperConnectionWeights::load(Weights& weights, const std:
   HyperConnectionWeights w;
   w.norm = weights.get(prefix + "hc_norm.weight", {width});
   if (weights.device().is_cuda() && with_inject) {
-    w.down_inject = OwnedTensor(DType::kBF16, {rank + streams, width}, weights.device());
+    w.down_inject = OwnedTensor(weights.compute_dtype(), {rank + streams, width}, weights.device());
     weights.load_into(prefix + "input_mix_weight_down.weight", w.down_inject.tensor.slice(0, 0, rank));
     weights.load_into(prefix + "block_inject_weight.weight", w.down_inject.tensor.slice(0, rank, rank + streams));
     w.down = w.down_inject.tensor.slice(0, 0, rank);

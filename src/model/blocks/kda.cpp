@@ -33,7 +33,7 @@ KdaMixer::KdaMixer(const KdaConfig& config, Weights& weights, const std::string&
   }
   const int64_t p = config.projection_dim();
   if (weights.device().is_cuda()) {
-    OwnedTensor qkv(DType::kBF16, {3 * p, h}, weights.device());
+    OwnedTensor qkv(weights.compute_dtype(), {3 * p, h}, weights.device());
     weights.load_into(prefix + "q_proj.weight", qkv->slice(0, 0, p));
     weights.load_into(prefix + "k_proj.weight", qkv->slice(0, p, 2 * p));
     weights.load_into(prefix + "v_proj.weight", qkv->slice(0, 2 * p, 3 * p));

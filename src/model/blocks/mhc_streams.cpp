@@ -45,7 +45,9 @@ MhcSiteMaps MhcResidual::load_site(Weights& weights, const std::string& prefix, 
   const int64_t mix = (2 + num_streams) * num_streams;
   const auto load = [&](const std::string& key, const Shape& shape) {
     OwnedTensor placed(DType::kBF16, shape, weights.device());
-    weights.load_into(prefix + key, *placed);  // f32 in the file: rounded to bf16 as the reference loads it
+    // f32 in the file: rounded to bf16 as the reference loads it, on both devices and in f32 runs too
+    // (the maps' dtype is part of the model, not of the activations).
+    weights.load_into(prefix + key, *placed);
     const Tensor view = *placed;
     owned.push_back(std::move(placed));
     return view;

@@ -26,7 +26,7 @@ Mlp::Mlp(Weights& weights, const std::string& prefix, int64_t hidden_size, int64
          float swiglu_limit) {
   weights_.limit = swiglu_limit;
   if (weights.device().is_cuda() && !weights.fp8_linears()) {
-    fused_gate_up_ = OwnedTensor(DType::kBF16, {2 * intermediate_size, hidden_size}, weights.device());
+    fused_gate_up_ = OwnedTensor(weights.compute_dtype(), {2 * intermediate_size, hidden_size}, weights.device());
     weights.load_into(prefix + "gate_proj.weight", fused_gate_up_.tensor.slice(0, 0, intermediate_size));
     weights.load_into(prefix + "up_proj.weight", fused_gate_up_.tensor.slice(0, intermediate_size, 2 * intermediate_size));
     weights_.gate_up = fused_gate_up_.tensor;

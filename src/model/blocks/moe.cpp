@@ -23,7 +23,7 @@ Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) :
     router_ = weights.get(prefix + "gate.weight", {e_count, h});
     load_experts_cpu(weights, prefix);
   } else {
-    router_ = load_bf16(weights, prefix + "gate.weight", {e_count, h});
+    router_ = load_device(weights, prefix + "gate.weight", {e_count, h});
     load_experts_device(weights, prefix);
   }
   experts_.swiglu_limit = config.swiglu_limit;
@@ -36,7 +36,7 @@ Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) :
   if (config.shared_expert_intermediate_size > 0) {
     const int64_t s = config.shared_expert_intermediate_size;
     const auto get = [&](const std::string& key, const Shape& shape) {
-      return on_cpu ? weights.get(prefix + key, shape) : load_bf16(weights, prefix + key, shape);
+      return on_cpu ? weights.get(prefix + key, shape) : load_device(weights, prefix + key, shape);
     };
     const std::string& shared = config.shared_expert_prefix;
     shared_expert_ = SwiGluWeights{get(shared + "gate_proj.weight", {s, h}), get(shared + "up_proj.weight", {s, h}),
@@ -69,8 +69,8 @@ void Moe::load_experts_device(Weights& weights, const std::string& prefix) {
   const auto place = [&](const std::string& key, const Tensor& destination) { weights.load_into(key, destination); };
   const int64_t e_count = config_.num_experts, h = config_.hidden_size, i = config_.expert_intermediate_size;
   const Device device = weights.device();
-  OwnedTensor gate_up(DType::kBF16, {e_count, 2 * i, h}, device);
-  OwnedTensor down(DType::kBF16, {e_count, h, i}, device);
+  OwnedTensor gate_up(weights.compute_dtype(), {e_count, 2 * i, h}, device);
+  OwnedTensor down(weights.compute_dtype(), {e_count, h, i}, device);
   if (weights.has(prefix + "experts.gate_up_proj")) {
     place(prefix + "experts.gate_up_proj", *gate_up);
     place(prefix + "experts.down_proj", *down);
@@ -88,8 +88,8 @@ void Moe::load_experts_device(Weights& weights, const std::string& prefix) {
   owned_.push_back(std::move(down));
 }
 
-Tensor Moe::load_bf16(Weights& weights, const std::string& key, const Shape& shape) {
-  OwnedTensor placed(DType::kBF16, shape, weights.device());
+Tensor Moe::load_device(Weights& weights, const std::string& key, const Shape& shape) {
+  OwnedTensor placed(weights.compute_dtype(), shape, weights.device());
   weights.load_into(key, *placed);
   const Tensor view = *placed;
   owned_.push_back(std::move(placed));
@@ -140,9 +140,8 @@ void Moe::forward(const StepContext& step, const Tensor& x, const Tensor& out) {
     const Tensor sorted_slots = ws.alloc(DType::kI32, {slots});
     const Tensor sort_scratch = ws.alloc(DType::kI32, {kernels::moe_sort_scratch_elements(slots, e_count)});
     kernels::moe_sort(topk_ids, expert_offsets, sorted_slots, sort_scratch);
-    // [T * k, I] in expert-sorted order; the CUDA grouped GEMM writes bf16.
-    const DType hidden_dtype = x.device().is_cuda() ? DType::kBF16 : step.activation_dtype;
-    const Tensor hidden = ws.alloc(hidden_dtype, {slots, inter});
+    // [T * k, I] in expert-sorted order, activation dtype (the CUDA tensor-core GEMM writes bf16).
+    const Tensor hidden = ws.alloc(step.activation_dtype, {slots, inter});
     kernels::moe_grouped_gate_up(x, sorted_slots, expert_offsets, static_cast<int>(k), experts_, hidden);
     kernels::moe_grouped_down(hidden, sorted_slots, expert_offsets, experts_, slot_out);
   }

@@ -8,8 +8,9 @@
 //   per expert: <prefix>experts.{e}.{gate,up,down}_proj.weight  [I, H], [I, H], [H, I]
 //   fused:      <prefix>experts.gate_up_proj [E, 2I, H] (gate rows first), <prefix>experts.down_proj [E, H, I]
 // On the CPU the block keeps zero-copy views into the mapped checkpoint. On CUDA it builds, at load,
-// the layout the kernels read (kernels::MoeExpertWeights): contiguous bf16 gate_up [E, 2I, H] and
-// down [E, H, I], converted on the device when the checkpoint stores f16 or f32.
+// the layout the kernels read (kernels::MoeExpertWeights): contiguous gate_up [E, 2I, H] and
+// down [E, H, I] in the compute dtype (bf16, or f32 in an f32 run), converted at load when the
+// checkpoint stores another dtype.
 //
 // forward runs the same ops on both devices, all from host-known shapes (graph-safe on CUDA):
 //   router logits [T, E] f32 = x . W_gate^T; moe_route -> topk ids [T, k], weights [T, k];
@@ -60,8 +61,9 @@ class Moe : public FeedForward {
  private:
   void load_experts_cpu(Weights& weights, const std::string& prefix);
   void load_experts_device(Weights& weights, const std::string& prefix);
-  // The checkpoint tensor `prefix + key` as bf16 on the model's (CUDA) device, owned by the block.
-  Tensor load_bf16(Weights& weights, const std::string& key, const Shape& shape);
+  // The checkpoint tensor `prefix + key` in the compute dtype on the model's (CUDA) device, owned by
+  // the block.
+  Tensor load_device(Weights& weights, const std::string& key, const Shape& shape);
 
   MoeConfig config_;
   Tensor router_;                        // [E, H]

@@ -139,7 +139,7 @@ void PleTable::gather(const std::vector<int64_t>& ids, int64_t heads, const Tens
 }
 
 PleBlock::PleBlock(const PleConfig& config, Weights& weights, const std::string& prefix)
-    : config_(config), row_dtype_(weights.device().is_cpu() ? DType::kF32 : DType::kBF16) {
+    : config_(config), row_dtype_(weights.compute_dtype()) {
   const int64_t nh = config.num_heads(), width = config.streams * config.hidden_size;
   if (config.ngram_size < 2 || config.ngram_size > kernels::kMaxPleNgram || config.heads_per_ngram < 1) {
     raise(ErrorCode::kBadFormat, "{}: PLE needs 2 <= ngram_size <= {} and heads_per_ngram >= 1, got {} and {}",

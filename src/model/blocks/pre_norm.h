@@ -2,8 +2,8 @@
 //   site s:  x = norm_s(h);  h += sublayer_s(x)
 //   finish:  hidden = norm_final(h)
 // post(s) fused with pre(s + 1) is one kernel (kernels::add_rms_norm: h += out; x = norm_{s+1}(h)),
-// as is post(last) with finish. The residual is f32 on the CPU and bf16 on the GPU (the activation
-// dtype), as transformers' `hidden = residual + hidden` in the checkpoint's dtype.
+// as is post(last) with finish. The residual is in the activation dtype (f32 on the CPU, bf16 on
+// the GPU unless the model runs in f32), as transformers' `hidden = residual + hidden` in the checkpoint's dtype.
 #pragma once
 
 #include <vector>

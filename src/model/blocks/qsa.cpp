@@ -28,7 +28,7 @@ QsaAttention::QsaAttention(const QsaConfig& config, Weights& weights, const std:
   }
   const int64_t q_rows = 2 * config.num_heads * d, kv_rows = config.num_kv_heads * d;
   if (weights.device().is_cuda()) {
-    qkv_proj_ = OwnedTensor(DType::kBF16, {q_rows + 2 * kv_rows, h}, weights.device());
+    qkv_proj_ = OwnedTensor(weights.compute_dtype(), {q_rows + 2 * kv_rows, h}, weights.device());
     weights.load_into(prefix + "q_proj.weight", qkv_proj_.tensor.slice(0, 0, q_rows));
     weights.load_into(prefix + "k_proj.weight", qkv_proj_.tensor.slice(0, q_rows, q_rows + kv_rows));
     weights.load_into(prefix + "v_proj.weight", qkv_proj_.tensor.slice(0, q_rows + kv_rows, q_rows + 2 * kv_rows));
