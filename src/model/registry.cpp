@@ -69,10 +69,12 @@ const ArchEntry& require_architecture(const ModelConfig& config) {
 
 }  // namespace
 
-std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed) {
+std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed,
+                                         WeightQuantization quantization) {
   const ArchEntry& entry = require_architecture(config);
   if (device.is_cuda()) kernels::linear_prepare(device);
   Weights weights(RandomWeights{seed, 0.02f, config.tie_word_embeddings}, device);
+  weights.set_fp8(false, quantization);
   return entry.build(config, weights);
 }
 

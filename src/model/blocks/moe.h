@@ -10,6 +10,11 @@
 // On the CPU the block keeps zero-copy views into the mapped checkpoint. On CUDA it builds, at load,
 // the layout the kernels read (kernels::MoeExpertWeights): contiguous bf16 gate_up [E, 2I, H] and
 // down [E, H, I], converted on the device when the checkpoint stores f16 or f32.
+// FP8 experts (f8e4m3 tensors with *_scale_inv, or Weights under --quantization fp8) take that fused
+// layout on both devices, in f8e4m3 with fp32 128x128 block scales (MoeExpertWeights::gate_up_scale,
+// down_scale), read or quantised one expert at a time: no bf16 copy of the experts is ever made.
+// The shared expert's projections read through Weights::get_linear (plain or FP8); the router
+// (gate.weight) and shared_expert_gate stay in their stored dtype (bf16 on the GPU).
 //
 // forward runs the same ops on both devices, all from host-known shapes (graph-safe on CUDA):
 //   router logits [T, E] f32 = x . W_gate^T; moe_route -> topk ids [T, k], weights [T, k];
@@ -57,6 +62,9 @@ class Moe : public FeedForward {
  private:
   void load_experts_cpu(Weights& weights, const std::string& prefix);
   void load_experts_device(Weights& weights, const std::string& prefix);
+  // FP8 experts (an f8e4m3 checkpoint, --quantization fp8, or random FP8) on either device: fused
+  // f8e4m3 gate_up [E, 2I, H] and down [E, H, I] with their block scales, from either layout.
+  void load_experts_fp8(Weights& weights, const std::string& prefix, bool fused);
   // The checkpoint tensor `prefix + key` as bf16 on the model's (CUDA) device, owned by the block.
   Tensor load_bf16(Weights& weights, const std::string& key, const Shape& shape);
 
