@@ -160,6 +160,49 @@ TEST(Fp8Accuracy, DemoModelStaysCloseToBf16) {
   RecordProperty("demo_fp8_relative_l2", std::to_string(result.relative_l2));
 }
 
+// Perplexity of `ids` (each token scored given the ones before it) from [T, vocab] logits.
+double perplexity(const std::vector<float>& logits, const std::vector<int32_t>& ids) {
+  const size_t vocab = logits.size() / ids.size();
+  double nll = 0;
+  for (size_t p = 0; p + 1 < ids.size(); ++p) {
+    const float* row = logits.data() + p * vocab;
+    const float top = *std::max_element(row, row + vocab);
+    double sum = 0;
+    for (size_t v = 0; v < vocab; ++v) sum += std::exp(static_cast<double>(row[v]) - top);
+    nll += std::log(sum) + top - row[ids[p + 1]];
+  }
+  return std::exp(nll / static_cast<double>(ids.size() - 1));
+}
+
+TEST(Fp8Accuracy, DemoHeldOutPerplexityWithinOnePercentOfBf16) {
+  const std::filesystem::path demo = std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "demo";
+  ASSERT_TRUE(testing::fixtures_present({demo / "train_log.json", demo / "model.safetensors"}));
+  // The first 1024 ids of heldout.txt as train_log.json records them (the whole file is 4,763 ids:
+  // `metrale score --text "$(cat models/demo/heldout.txt)" --quantization fp8` scores all of it).
+  const std::vector<int32_t> all =
+      read_ids(nlohmann::json::parse(read_file(demo / "train_log.json")).at("heldout_eval").at("input_ids"));
+  ASSERT_GE(all.size(), 1024u);
+  const std::vector<int32_t> ids(all.begin(), all.begin() + 1024);
+  const auto score = [&](WeightQuantization quantization) {
+    auto engine = std::make_unique<Engine>(load_model(demo, Device::cpu(), LoadOptions{false, quantization}),
+                                           EngineConfig{});
+    Request request;
+    request.prompt = ids;
+    request.max_tokens = 0;
+    request.return_prompt_logits = true;
+    const int64_t id = engine->add_request(request);
+    while (engine->has_unfinished()) engine->step();
+    return perplexity(engine->sequence(id).prompt_logits, ids);
+  };
+  const double bf16 = score(WeightQuantization::kNone), fp8 = score(WeightQuantization::kFp8);
+  std::printf("[fp8] demo held-out perplexity (first %zu ids): bf16 %.4f, FP8 %.4f (%+.2f%%)\n", ids.size(), bf16, fp8,
+              100.0 * (fp8 / bf16 - 1.0));
+  EXPECT_LE(std::fabs(fp8 / bf16 - 1.0), 0.01);
+  EXPECT_NE(fp8, bf16);
+  RecordProperty("demo_heldout_perplexity_bf16", std::to_string(bf16));
+  RecordProperty("demo_heldout_perplexity_fp8", std::to_string(fp8));
+}
+
 // A copy of the checkpoint in `from` with every projection (2-D names ending in _proj.weight, and
 // the fused expert stacks experts.gate_up_proj / experts.down_proj, quantised per expert) stored as
 // e4m3 codes and *_scale_inv, and the fp8 quantization_config. `replace` may swap tensors first.
