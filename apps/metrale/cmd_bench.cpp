@@ -294,7 +294,8 @@ int run_bench(const BenchOptions& options) {
     const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
     const LoadOptions load = load_options(options.engine);
     model = make_random_model(config, device, 1, load.quantization);
-    source = options.config + (load.quantization == WeightQuantization::kFp8 ? " (random FP8 weights)" : " (random weights)");
+    source = options.config +
+             (load.quantization == WeightQuantization::kFp8 ? " (random FP8 weights)" : " (random weights)");
   } else {
     model = load_model(resolve_model_dir(options.engine), device, load_options(options.engine));
     source = options.engine.model;

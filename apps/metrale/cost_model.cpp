@@ -206,7 +206,8 @@ StepCost CostModel::decode(int64_t batch, int64_t context) const {
   const double kv_elements = b * attention_layers * decode_kv_elements(context);
   const double block_keys = budget_ > 0 ? std::floor(visible / compress_ratio_) : 0.0;
   const double index_elements = b * attention_layers * block_keys * index_dim_;
-  cost.bytes = weight_bytes_of(experts_read) + 2.0 * (kv_elements + index_elements + b * (hidden_ + ple_row_elements_)) +
+  cost.bytes = weight_bytes_of(experts_read) +
+               2.0 * (kv_elements + index_elements + b * (hidden_ + ple_row_elements_)) +
                2.0 * b * (gdn_layers * gdn_state_bytes_ + ple_state_bytes_);
   const double active = mixer_params() + ffn_params(static_cast<double>(top_k_)) + head_params_;
   // Recurrent decode per value head: decay, S^T k, the rank-1 update and S^T q, about 6 dk dv FLOPs.

@@ -224,8 +224,8 @@ Tensor Weights::get_root(const std::string& requested, const Shape& shape) {
   }
   if (!is_floating(view.dtype()) || view.dtype() == DType::kF8E4M3) {
     raise(ErrorCode::kUnsupported,
-          "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32 (FP8 is read for the dense attention and "
-          "MLP projections only)",
+          "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32 (FP8 is read for projection and expert "
+          "weights only, not for embeddings, LM heads, routers, norms or convolutions)",
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
   if (progress_) progress_->advance(1, view.nbytes());
@@ -390,9 +390,9 @@ kernels::LinearWeight Weights::get_linear(const std::string& key, const Shape& s
   if (!store_) {
     if (quantization_ != WeightQuantization::kFp8) return synthesize(prefix_ + key, shape);
     Buffer code_buffer(device_, static_cast<size_t>(shape.numel()));
-    Buffer scale_buffer(device_, static_cast<size_t>(kernels::fp8_scale_blocks(shape[0]) *
-                                                     kernels::fp8_scale_blocks(shape[1])) *
-                                     sizeof(float));
+    Buffer scale_buffer(
+        device_,
+        static_cast<size_t>(kernels::fp8_scale_blocks(shape[0]) * kernels::fp8_scale_blocks(shape[1])) * sizeof(float));
     kernels::LinearWeight placed(
         Tensor(code_buffer.data(), DType::kF8E4M3, shape, device_),
         Tensor(scale_buffer.data(), DType::kF32,
@@ -442,8 +442,8 @@ void Weights::load_fp8_into(const std::string& key, const Tensor& codes, const T
                             int64_t row_begin) {
   METRALE_CHECK(codes.ndim() == 2 && codes.dtype() == DType::kF8E4M3 && codes.is_contiguous() &&
                     scales.dtype() == DType::kF32 && scales.is_contiguous() &&
-                    scales.shape() == (Shape{kernels::fp8_scale_blocks(codes.size(0)),
-                                             kernels::fp8_scale_blocks(codes.size(1))}) &&
+                    scales.shape() ==
+                        (Shape{kernels::fp8_scale_blocks(codes.size(0)), kernels::fp8_scale_blocks(codes.size(1))}) &&
                     codes.device() == device_ && scales.device() == device_,
                 "load_fp8_into {}: codes {} scales {}", key, codes.describe(), scales.describe());
   if (!store_) {

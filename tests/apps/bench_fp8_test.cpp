@@ -4,9 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "apps/cli_helpers.h"
 #include "common/fixtures.h"
@@ -17,10 +16,10 @@ namespace {
 const std::filesystem::path kGoldens = std::filesystem::path(METRALE_TEST_DATA_DIR) / "goldens";
 
 nlohmann::json bench(const std::filesystem::path& config, const std::string& quantization) {
-  const auto result = testing::run_metrale("bench --config " + config.string() + " --random-weights --quantization " +
-                                           quantization +
-                                           " --device cpu --batch 1,2 --prefill 8 --context 4 --iters 1 --warmup 0 "
-                                           "--json");
+  const auto result =
+      testing::run_metrale("bench --config " + config.string() + " --random-weights --quantization " + quantization +
+                           " --device cpu --batch 1,2 --prefill 8 --context 4 --iters 1 --warmup 0 "
+                           "--json");
   EXPECT_EQ(result.exit_code, 0) << result.err;
   if (result.exit_code != 0) return nlohmann::json::object();
   return nlohmann::json::parse(result.out);

@@ -92,8 +92,8 @@ TEST(CudaMoeFp8Decode, MatchesCpuTwin) {
 TEST(CudaMoeFp8Grouped, MatchesCpuTwin) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   Random rng(7402);
-  for (const Case c : {Case{100, 10, 512, 2048, 512, 0.0f}, Case{37, 2, 6, 136, 200, 0.0f},
-                       Case{1, 1, 1, 16, 16, 0.0f}, Case{300, 2, 3, 256, 200, 5.0f}, Case{64, 2, 8, 520, 136, 0.0f}}) {
+  for (const Case c : {Case{100, 10, 512, 2048, 512, 0.0f}, Case{37, 2, 6, 136, 200, 0.0f}, Case{1, 1, 1, 16, 16, 0.0f},
+                       Case{300, 2, 3, 256, 200, 5.0f}, Case{64, 2, 8, 520, 136, 0.0f}}) {
     SCOPED_TRACE(::testing::Message() << "T " << c.tokens << " k " << c.k << " E " << c.experts << " H " << c.hidden
                                       << " I " << c.inter);
     auto host = testing::random_fp8_experts(c.experts, c.hidden, c.inter, rng);

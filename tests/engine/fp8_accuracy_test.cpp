@@ -13,12 +13,12 @@
 #include <map>
 
 #include "common/fixtures.h"
+#include "core/test_support.h"
 #include "engine/golden_cases.h"
 #include "kernels/linear_fp8.h"
 #include "kernels/random_fill.h"
 #include "model/fp8_weights.h"
 #include "model/safetensors.h"
-#include "core/test_support.h"
 
 namespace metrale {
 namespace {
@@ -39,8 +39,8 @@ std::unique_ptr<Engine> fp8_engine(const std::filesystem::path& model_dir, Weigh
   return std::make_unique<Engine>(load_model(model_dir, Device::cpu(), LoadOptions{false, quantization}), config);
 }
 
-Outputs run(const std::filesystem::path& model_dir, WeightQuantization quantization,
-            const std::vector<int32_t>& prompt, const std::vector<int32_t>& greedy_prompt, int32_t greedy_tokens) {
+Outputs run(const std::filesystem::path& model_dir, WeightQuantization quantization, const std::vector<int32_t>& prompt,
+            const std::vector<int32_t>& greedy_prompt, int32_t greedy_tokens) {
   auto engine = fp8_engine(model_dir, quantization);
   Request scored;
   scored.prompt = prompt;
@@ -184,8 +184,8 @@ TEST(Fp8Accuracy, DemoHeldOutPerplexityWithinOnePercentOfBf16) {
   ASSERT_GE(all.size(), 1024u);
   const std::vector<int32_t> ids(all.begin(), all.begin() + 1024);
   const auto score = [&](WeightQuantization quantization) {
-    auto engine = std::make_unique<Engine>(load_model(demo, Device::cpu(), LoadOptions{false, quantization}),
-                                           EngineConfig{});
+    auto engine =
+        std::make_unique<Engine>(load_model(demo, Device::cpu(), LoadOptions{false, quantization}), EngineConfig{});
     Request request;
     request.prompt = ids;
     request.max_tokens = 0;
@@ -222,12 +222,13 @@ void write_fp8_copy(const std::filesystem::path& from, const std::filesystem::pa
     const auto replaced = replace.find(name);
     const Tensor view = replaced != replace.end() ? replaced->second : file.view(name);
     const bool stack = name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj");
-    const bool projection = (name.ends_with("_proj.weight") && view.ndim() == 2 && !name.starts_with("mtp.")) || stack;
+    const bool projection = (name.ends_with("_proj.weight") && view.ndim() == 2) || stack;
     if (!quantise || !projection) {
       tensors.emplace_back(name, view);
       continue;
     }
-    const int64_t experts = stack ? view.size(0) : 1, rows = view.size(view.ndim() - 2), cols = view.size(view.ndim() - 1);
+    const int64_t experts = stack ? view.size(0) : 1, rows = view.size(view.ndim() - 2),
+                  cols = view.size(view.ndim() - 1);
     std::vector<uint8_t> codes;
     std::vector<float> scales;
     for (int64_t e = 0; e < experts; ++e) {

@@ -64,8 +64,8 @@ inline std::unique_ptr<Fp8Experts> random_fp8_experts(int64_t experts, int64_t h
     quantize_blocks_in_place(down + e * hidden * inter, hidden, inter, down_codes + e * hidden * inter,
                              set->down_scale->data_as<float>() + e * hb * ib);
   }
-  set->fp8 = kernels::MoeExpertWeights::from_fused_fp8(*set->gate_up, *set->gate_up_scale, *set->down,
-                                                       *set->down_scale);
+  set->fp8 =
+      kernels::MoeExpertWeights::from_fused_fp8(*set->gate_up, *set->gate_up_scale, *set->down, *set->down_scale);
   set->plain = kernels::MoeExpertWeights::from_fused(*set->gate_up_plain, *set->down_plain);
   return set;
 }

@@ -112,9 +112,9 @@ TEST(MoeFp8, FusedFp8ScalesOfTheWrongShapeAreRejected) {
   const auto experts = testing::random_fp8_experts(2, 64, 32, rng);
   // A [E, ceil(2I/128), ceil(H/128)] scale (one block row shared by gate and up) is not the layout.
   OwnedTensor shared_rows(DType::kF32, {2, 1, 1});
-  EXPECT_THROW(kernels::MoeExpertWeights::from_fused_fp8(*experts->gate_up, *shared_rows, *experts->down,
-                                                         *experts->down_scale),
-               Error);
+  EXPECT_THROW(
+      kernels::MoeExpertWeights::from_fused_fp8(*experts->gate_up, *shared_rows, *experts->down, *experts->down_scale),
+      Error);
 }
 
 }  // namespace

@@ -64,7 +64,7 @@ struct Params {
   // b_up_scale_row0 + i / 128 (the up rows' scale blocks follow the gate rows').
   const uint8_t* b_codes;
   const float* b_scales;
-  int64_t b_scale_expert_stride;   // scale_rows * ceil(K/128)
+  int64_t b_scale_expert_stride;  // scale_rows * ceil(K/128)
   int b_up_scale_row0;
   int n;                           // output columns: I (kSwiGlu) or H (kScatterF32)
   int k;
@@ -192,8 +192,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(const Params 
   const int load_chunk = tid % kChunksPerRow;
   const __nv_bfloat16* a_src[kLoadPasses];
   const __nv_bfloat16* b_src[kLoadPasses];
-  const uint8_t* b_code_src[kLoadPasses];   // kFp8B
-  const float* b_scale_src[kLoadPasses];    // kFp8B: the row's block scales
+  const uint8_t* b_code_src[kLoadPasses];  // kFp8B
+  const float* b_scale_src[kLoadPasses];   // kFp8B: the row's block scales
   bool a_valid[kLoadPasses], b_valid[kLoadPasses];
 #pragma unroll
   for (int i = 0; i < kLoadPasses; ++i) {

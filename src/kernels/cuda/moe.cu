@@ -464,16 +464,19 @@ void check_fused(const MoeExpertWeights& experts, const char* op) {
   expect(gate_up.dtype() == dtype && down.dtype() == dtype && gate_up.is_contiguous() && down.is_contiguous() &&
              gate_up.ndim() == 3 && down.ndim() == 3 && gate_up.size(0) == e && gate_up.size(1) == 2 * i &&
              gate_up.size(2) == h && down.size(0) == e && down.size(1) == h && down.size(2) == i,
-         op, "fused expert weights must be contiguous " + std::string(dtype_name(dtype)) +
-                 " gate_up [E, 2I, H] and down [E, H, I]; got " + shape_of(gate_up) + " and " + shape_of(down));
+         op,
+         "fused expert weights must be contiguous " + std::string(dtype_name(dtype)) +
+             " gate_up [E, 2I, H] and down [E, H, I]; got " + shape_of(gate_up) + " and " + shape_of(down));
   if (fp8) {
     const int64_t hb = fp8_scale_blocks(h), ib = fp8_scale_blocks(i);
     expect(experts.gate_up_scale.dtype() == DType::kF32 && experts.down_scale.dtype() == DType::kF32 &&
                experts.gate_up_scale.is_contiguous() && experts.down_scale.is_contiguous() &&
                experts.gate_up_scale.shape() == (Shape{e, 2 * ib, hb}) &&
                experts.down_scale.shape() == (Shape{e, hb, ib}),
-           op, "FP8 expert scales must be contiguous f32 [E, 2 ceil(I/128), ceil(H/128)] and [E, ceil(H/128), "
-               "ceil(I/128)]; got " + shape_of(experts.gate_up_scale) + " and " + shape_of(experts.down_scale));
+           op,
+           "FP8 expert scales must be contiguous f32 [E, 2 ceil(I/128), ceil(H/128)] and [E, ceil(H/128), "
+           "ceil(I/128)]; got " +
+               shape_of(experts.gate_up_scale) + " and " + shape_of(experts.down_scale));
   }
   const int64_t multiple = fp8 ? 16 : 8;
   if (h % multiple != 0 || i % multiple != 0) {
@@ -508,7 +511,8 @@ void launch_grouped_as(const grouped::Params& params, int64_t slots, int64_t exp
   const int64_t blocks = max_m_tiles * params.n_tiles;
   METRALE_EXPECT(blocks < (int64_t{1} << 31), "grouped GEMM grid too large");
   allow_grouped_smem<kEpilogue, kFp8B>();
-  grouped::grouped_gemm_kernel<kEpilogue, kFp8B><<<static_cast<unsigned>(blocks), grouped::kThreads, grouped::kSmemBytes, stream>>>(params);
+  grouped::grouped_gemm_kernel<kEpilogue, kFp8B>
+      <<<static_cast<unsigned>(blocks), grouped::kThreads, grouped::kSmemBytes, stream>>>(params);
   METRALE_CHECK_LAUNCH("grouped_gemm_kernel");
 }
 

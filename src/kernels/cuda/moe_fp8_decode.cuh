@@ -20,7 +20,9 @@ constexpr int kGateUpRows = 2;  // intermediate rows per warp (2 gate + 2 up wei
 constexpr int kDownRows = 4;    // down rows per warp
 constexpr int kCodes = 16;      // codes per lane per load
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+__device__ __forceinline__ float silu(float g) {
+  return g / (1.0f + expf(-g));
+}
 
 // 16 codes (one uint4) times `scale`.
 __device__ __forceinline__ void dequantise16(const uint4& packed, float scale, float (&w)[kCodes]) {

@@ -89,7 +89,8 @@ class DsaMixer : public Mixer {
   Tensor key_absorb_;                 // [H, r, d_n]: W_uk,h^T (a transposed copy of kv_b_proj's key rows)
   Tensor value_absorb_;               // [H, d_v, r]: W_uv,h (a view of kv_b_proj's value rows)
   kernels::LinearWeight o_proj_;      // [D, H d_v]
-  kernels::LinearWeight index_q_, index_k_, index_gate_, index_weights_;  // [H_I d_I, r_q], [d_I, D], [d_I, D], [H_I, D]
+  // [H_I d_I, r_q], [d_I, D], [d_I, D], [H_I, D]
+  kernels::LinearWeight index_q_, index_k_, index_gate_, index_weights_;
   Tensor index_ln_weight_, index_ln_bias_, index_ape_;     // [d_I], [d_I], [kp, d_I]
   std::vector<OwnedTensor> owned_;
 };

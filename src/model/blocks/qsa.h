@@ -64,8 +64,8 @@ class QsaAttention : public Mixer {
   OwnedTensor qkv_proj_;  // GPU with bf16 weights: [2 nH D + 2 nKV D, H] fused
   // Plain (CPU views) or FP8: [2 nH D, H], [nKV D, H] x 2; [H, nH D].
   kernels::LinearWeight q_proj_, k_proj_, v_proj_, o_proj_;
-  RmsNorm q_norm_, k_norm_;              // [D] zero-centred
-  kernels::LinearWeight index_qk_proj_;  // [(n_idx + 1) d_idx, H]
+  RmsNorm q_norm_, k_norm_;                    // [D] zero-centred
+  kernels::LinearWeight index_qk_proj_;        // [(n_idx + 1) d_idx, H]
   Tensor index_q_norm_, index_k_norm_;         // [d_idx] zero-centred
   std::shared_ptr<const RotaryEmbedding> rope_;
   float scale_;
