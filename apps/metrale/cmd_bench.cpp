@@ -192,7 +192,8 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
   const auto load = [&]() -> std::unique_ptr<Model> {
     if (options.random_weights) {
       const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
-      return make_random_model(config, device, 1, compute_dtype(options.engine));
+      return make_random_model(config, device, 1, compute_dtype(options.engine),
+                               load_options(options.engine).quantization);
     }
     return load_model(resolve_model_dir(options.engine), device, load_options(options.engine));
   };
@@ -292,14 +293,19 @@ int run_bench(const BenchOptions& options) {
   std::string source;
   if (options.random_weights) {
     const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
-    model = make_random_model(config, device, 1, compute_dtype(options.engine));
-    source = options.config + " (random weights)";
+    const LoadOptions load = load_options(options.engine);
+    model = make_random_model(config, device, 1, compute_dtype(options.engine), load.quantization);
+    source = options.config +
+             (load.quantization == WeightQuantization::kFp8 ? " (random FP8 weights)" : " (random weights)");
   } else {
     model = load_model(resolve_model_dir(options.engine), device, load_options(options.engine));
     source = options.engine.model;
   }
   const ModelConfig config = model->config();
-  const CostModel cost(config);
+  // FP8 weights halve the bytes of the mixer and FFN weights in the roofline.
+  const bool fp8_weights =
+      load_options(options.engine).quantization == WeightQuantization::kFp8 || checkpoint_has_fp8_weights(config);
+  const CostModel cost(config, fp8_weights);
 
   EngineConfig engine_config = engine_config_from(options.engine);
   engine_config.max_model_len = std::max<int64_t>(options.context + options.warmup + options.iters + 2, max_prefill);

@@ -32,7 +32,7 @@ bool hybrid_attention_layer(const ModelConfig& config, int64_t i) {
 
 }  // namespace
 
-CostModel::CostModel(const ModelConfig& config) {
+CostModel::CostModel(const ModelConfig& config, bool fp8_weights) : body_byte_width_(fp8_weights ? 1.0 : 2.0) {
   std::string type = config.model_type;
   if (type.size() > 5 && type.ends_with("_text")) type.resize(type.size() - 5);
   if (type == "glm5_next") {
@@ -92,7 +92,7 @@ CostModel::CostModel(const ModelConfig& config) {
       }
     }
   }
-  weight_bytes_ = 2.0 * (mixer_params() + ffn_params(static_cast<double>(num_experts_)) + head_params_);
+  weight_bytes_ = weight_bytes_of(static_cast<double>(num_experts_));
 }
 
 void CostModel::qwen4_exp_terms(const ModelConfig& config) {
@@ -158,7 +158,7 @@ void CostModel::init_glm5_next(const ModelConfig& config) {
   router_params_ = static_cast<double>(num_experts_) * h;
   shared_expert_params_ = 3.0 * h * static_cast<double>(c.moe_intermediate_size * c.num_shared_experts);
   for (const bool moe : c.moe) num_moe_layers_ += moe ? 1 : 0;
-  weight_bytes_ = 2.0 * (mixer_params() + ffn_params(static_cast<double>(num_experts_)) + head_params_);
+  weight_bytes_ = weight_bytes_of(static_cast<double>(num_experts_));
 }
 
 double CostModel::attended(int64_t context) const {
@@ -171,6 +171,10 @@ double CostModel::decode_kv_elements(int64_t context) const {
   // The attended latents, every cached pool key (the indexer scores them all) and the rows written.
   return attended(context) * dsa_latent_ + std::floor(static_cast<double>(context + 1) / dsa_kpool_) * dsa_pool_key_ +
          kv_row_elements_;
+}
+
+double CostModel::weight_bytes_of(double experts_per_layer) const {
+  return body_byte_width_ * (mixer_params() + ffn_params(experts_per_layer)) + 2.0 * head_params_;
 }
 
 double CostModel::mixer_params() const {
@@ -195,14 +199,15 @@ StepCost CostModel::decode(int64_t batch, int64_t context) const {
     const double e = static_cast<double>(num_experts_);
     experts_read = e * (1.0 - std::pow(1.0 - static_cast<double>(top_k_) / e, b));
   }
-  const double weight_elements = mixer_params() + ffn_params(experts_read) + head_params_;
+
   // Sparse attention reads only the selected keys (QSA: the budget's blocks and the tail; DSA: the
   // selected latents and every cached pool key); the QSA indexer scores every complete block key.
   const double visible = static_cast<double>(context + 1);
   const double kv_elements = b * attention_layers * decode_kv_elements(context);
   const double block_keys = budget_ > 0 ? std::floor(visible / compress_ratio_) : 0.0;
   const double index_elements = b * attention_layers * block_keys * index_dim_;
-  cost.bytes = 2.0 * (weight_elements + kv_elements + index_elements + b * (hidden_ + ple_row_elements_)) +
+  cost.bytes = weight_bytes_of(experts_read) +
+               2.0 * (kv_elements + index_elements + b * (hidden_ + ple_row_elements_)) +
                2.0 * b * (gdn_layers * gdn_state_bytes_ + ple_state_bytes_);
   const double active = mixer_params() + ffn_params(static_cast<double>(top_k_)) + head_params_;
   // Recurrent decode per value head: decay, S^T k, the rank-1 update and S^T q, about 6 dk dv FLOPs.

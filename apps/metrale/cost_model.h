@@ -21,7 +21,9 @@ struct StepCost {
 
 class CostModel {
  public:
-  explicit CostModel(const ModelConfig& config);
+  // fp8_weights: the mixer and FFN weights count 1 byte per element (FP8; their block scales and the
+  // few plain norms, routers and convs are left out), the embedding and LM head 2.
+  explicit CostModel(const ModelConfig& config, bool fp8_weights = false);
 
   // `batch` sequences each decoding one token after `context` cached tokens.
   StepCost decode(int64_t batch, int64_t context) const;
@@ -38,7 +40,9 @@ class CostModel {
   double attended(int64_t context) const;
   double decode_kv_elements(int64_t context) const;
 
-  // Parameters per layer kind (elements), bf16 weights (2 bytes each).
+  // Bytes of the weights a step reads with `experts_per_layer` experts of each MoE layer.
+  double weight_bytes_of(double experts_per_layer) const;
+  // Parameters per layer kind (elements).
   double mixer_params() const;                          // every layer's attention or GDN weights
   double ffn_params(double experts_per_moe_layer) const;  // every layer's FFN weights
   void qwen4_exp_terms(const ModelConfig& config);        // the qwen4_exp members below
@@ -65,6 +69,7 @@ class CostModel {
   double head_params_ = 0;       // lm_head
   double hidden_ = 0, kv_row_elements_ = 0, q_dim_ = 0;
   double weight_bytes_ = 0;
+  double body_byte_width_ = 2.0;  // bytes per mixer / FFN weight element
   // DSA layers (glm5_next): latent and pool-key widths, kp, and the most tokens a query attends to
   // (0: dense attention).
   double dsa_latent_ = 0, dsa_pool_key_ = 0, dsa_kpool_ = 1, dsa_attended_max_ = 0;

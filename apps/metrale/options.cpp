@@ -43,10 +43,13 @@ void add_model_option(CLI::App& command, EngineOptions& options) {
 void add_device_options(CLI::App& command, EngineOptions& options) {
   command.add_flag("--allow-unused-weights", options.allow_unused_weights,
                    "load a checkpoint whose tensors the model does not all read (a warning instead of an error)");
-  command.add_option("--quantization", options.quantization,
-                     "fp8: quantise the attention and dense MLP projection weights to FP8 (e4m3, 128x128 block "
-                     "scales) at load; none: as stored (a checkpoint declaring fp8 loads in FP8 either way)")
-      ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
+  command
+      .add_option("--quantization", options.quantization,
+                  "fp8: quantise the projection weights (attention, MLA, GDN, KDA, QSA, dense MLP, MoE experts) "
+                  "to FP8 (e4m3, 128x128 block scales) at load, or generate them in FP8 with --random-weights; "
+                  "none: as stored (a checkpoint declaring fp8 loads in FP8 either way)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "fp8"}));
   command
       .add_option("--dtype", options.dtype,
                   "activation dtype: auto (float32 on the CPU, bfloat16 on the GPU), bfloat16, or float32 (on the "

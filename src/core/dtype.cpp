@@ -152,6 +152,11 @@ void convert_from_f32(DType dtype, const float* src, void* dst, size_t count) {
       for (size_t i = 0; i < count; ++i) out[i] = f32_to_f16_bits(src[i]);
       return;
     }
+    case DType::kF8E4M3: {
+      auto* out = static_cast<uint8_t*>(dst);
+      for (size_t i = 0; i < count; ++i) out[i] = f32_to_f8e4m3_bits(src[i]);
+      return;
+    }
     default: raise(ErrorCode::kUnsupported, "cannot convert f32 to {}", dtype_name(dtype));
   }
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/dispatch.h"
+#include "kernels/linear_weight.h"
 
 namespace metrale::kernels {
 
@@ -45,20 +46,32 @@ struct MoeExpertWeights {
   // min(x . gate^T, L) and clamp(x . up^T, -L, L) before silu. 0: no clamp.
   float swiglu_limit = 0.0f;
 
-  // Per-expert views (the CPU ops read these): gate[e], up[e] [I, H]; down[e] [H, I]; rows contiguous.
-  // They may point anywhere (one tensor per expert in the checkpoint, or into the fused tensors).
-  std::vector<Tensor> gate, up, down;
+  // Per-expert views (the CPU ops read these): gate[e], up[e] [I, H]; down[e] [H, I]; rows contiguous;
+  // plain, or f8e4m3 codes with their 128x128 block scales (kernels::LinearWeight). They may point
+  // anywhere (one tensor per expert in the checkpoint, or into the fused tensors).
+  std::vector<LinearWeight> gate, up, down;
 
   // The fused layout the CUDA ops read: contiguous on the device, bf16 (tensor-core and 16-byte GEMV
-  // kernels) or f32 (f32 runs: CUDA-core kernels, fp32 throughout).
+  // kernels), f8e4m3 (with block scales) or f32 (f32 runs: CUDA-core kernels, fp32 throughout).
   //   gate_up [E, 2I, H]: rows [0, I) are expert e's gate rows, rows [I, 2I) its up rows;
   //   down_fused [E, H, I].
   // Empty on the CPU when the checkpoint stores one tensor per expert.
   Tensor gate_up;
   Tensor down_fused;
+  // With f8e4m3 fused weights, their fp32 block scales (contiguous; empty for bf16):
+  //   gate_up_scale [E, 2 * ceil(I/128), ceil(H/128)]: the gate rows' ceil(I/128) block rows, then
+  //     the up rows' (so gate row i reads block row i / 128 and up row i block row ceil(I/128) + i / 128;
+  //     when I % 128 == 0 this is the checkpoint's own [E, 2I/128, H/128] layout);
+  //   down_scale [E, ceil(H/128), ceil(I/128)].
+  Tensor gate_up_scale;
+  Tensor down_scale;
 
   // Views over the fused tensors (any device): fills the per-expert views from them.
   static MoeExpertWeights from_fused(const Tensor& gate_up, const Tensor& down);
+  // The same over f8e4m3 fused tensors and their scales (layouts above).
+  static MoeExpertWeights from_fused_fp8(const Tensor& gate_up, const Tensor& gate_up_scale, const Tensor& down,
+                                         const Tensor& down_scale);
+  bool is_fp8() const { return !gate.empty() && gate.front().is_fp8(); }
   bool has_fused() const { return !gate_up.empty() && !down_fused.empty(); }
 };
 

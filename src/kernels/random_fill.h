@@ -16,7 +16,7 @@ struct RandomFillParams {
   float stddev = 1.0f;
 };
 
-// out: any shape, contiguous, f32|bf16|f16.
+// out: any shape, contiguous, f32|bf16|f16|f8e4m3 (e4m3: rounded to nearest even, saturated at +-448).
 METRALE_DECLARE_OP_IMPLS(random_fill, (const Tensor& out, const RandomFillParams& params))
 
 inline void random_fill(const Tensor& out, const RandomFillParams& params) {

@@ -83,11 +83,12 @@ void apply_compute_dtype(Weights& weights, std::optional<DType> compute_dtype) {
 }  // namespace
 
 std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed,
-                                         std::optional<DType> compute_dtype) {
+                                         std::optional<DType> compute_dtype, WeightQuantization quantization) {
   const ArchEntry& entry = require_architecture(config);
   if (device.is_cuda()) kernels::linear_prepare(device);
   Weights weights(RandomWeights{seed, 0.02f, config.tie_word_embeddings}, device);
   apply_compute_dtype(weights, compute_dtype);
+  weights.set_fp8(false, quantization);
   return entry.build(config, weights);
 }
 

@@ -53,7 +53,11 @@ const ArchEntry* find_architecture(std::string_view model_type);
 std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device, const LoadOptions& options = {});
 // Builds the architecture of `config` with random weights generated on `device` (benchmarks), computing
 // in `compute_dtype` (as LoadOptions::compute_dtype).
+// WeightQuantization::kFp8: every projection that a checkpoint could hold in FP8 (Weights::get_linear,
+// the MoE experts) is generated directly in FP8 on the device, so that no bf16 copy of the model
+// exists at any point (an 80B-parameter preset fits one 141 GB GPU).
 std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed = 1,
-                                         std::optional<DType> compute_dtype = {});
+                                         std::optional<DType> compute_dtype = {},
+                                         WeightQuantization quantization = WeightQuantization::kNone);
 
 }  // namespace metrale

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -231,8 +233,8 @@ Tensor Weights::get_root(const std::string& requested, const Shape& shape) {
   }
   if (!is_floating(view.dtype()) || view.dtype() == DType::kF8E4M3) {
     raise(ErrorCode::kUnsupported,
-          "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32 (FP8 is read for the dense attention and "
-          "MLP projections only)",
+          "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32 (FP8 is read for projection and expert "
+          "weights only, not for embeddings, LM heads, routers, norms or convolutions)",
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
   if (progress_) progress_->advance(1, view.nbytes());
@@ -298,7 +300,7 @@ kernels::LinearWeight Weights::quantize(const Tensor& host_weight) {
   return placed;
 }
 
-kernels::LinearWeight Weights::read_fp8(const std::string& name, const Shape& shape) {
+std::pair<Tensor, Tensor> Weights::fp8_views(const std::string& name, const Shape& shape) {
   const std::string file = store_->file_of(name).path().string();
   if (!checkpoint_fp8_) {
     raise(ErrorCode::kBadFormat,
@@ -324,17 +326,92 @@ kernels::LinearWeight Weights::read_fp8(const std::string& name, const Shape& sh
           shape.to_string());
   }
   if (progress_) progress_->advance(2, weight.nbytes() + scales.nbytes());
+  return {weight, scales};
+}
+
+kernels::LinearWeight Weights::read_fp8(const std::string& name, const Shape& shape) {
+  const auto [weight, scales] = fp8_views(name, shape);
   return kernels::LinearWeight(place(weight), place(scales));
+}
+
+std::vector<float> Weights::host_values(const std::string& name, const Shape& shape) {
+  const Tensor view = store_->file_of(name).view(name);
+  std::vector<float> values(static_cast<size_t>(shape.numel()));
+  if (view.dtype() == DType::kF8E4M3) {
+    const auto [codes, scales] = fp8_views(name, shape);
+    const int64_t rows = shape[0], cols = shape[1], scale_cols = scales.size(1);
+    const auto* code = static_cast<const uint8_t*>(codes.data());
+    std::vector<float> block_scales(static_cast<size_t>(scales.numel()));
+    convert_to_f32(DType::kF32, scales.data(), block_scales.data(), block_scales.size());  // unaligned-safe copy
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        values[static_cast<size_t>(r * cols + c)] =
+            f8e4m3_bits_to_f32(code[r * cols + c]) *
+            block_scales[static_cast<size_t>((r / kernels::kFp8Block) * scale_cols + c / kernels::kFp8Block)];
+      }
+    }
+    return values;
+  }
+  const Tensor plain = store_->get(name);
+  if (!(plain.shape() == shape)) {
+    raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", store_->file_of(name).path().string(),
+          name, plain.shape().to_string(), shape.to_string());
+  }
+  check_quantizable(name, plain);
+  if (progress_) progress_->advance(1, plain.nbytes());
+  convert_to_f32(plain.dtype(), plain.data(), values.data(), values.size());
+  return values;
+}
+
+kernels::LinearWeight Weights::get_linear_permuted(const std::string& key, const Shape& shape,
+                                                   const std::function<int64_t(int64_t)>& destination_row) {
+  METRALE_CHECK(shape.ndim() == 2 && linear_is_fp8(key), "get_linear_permuted {}: an FP8 projection [N, K], not {}",
+                key, shape.to_string());
+  if (!store_) return get_linear(key, shape);  // random weights have no row order to keep
+  const std::string name = resolve(prefix_ + key);
+  const std::vector<float> values = host_values(name, shape);
+  const int64_t rows = shape[0], cols = shape[1];
+  std::vector<float> permuted(values.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t to = destination_row(r);
+    METRALE_CHECK(to >= 0 && to < rows, "row {} of '{}' maps to {}", r, name, to);
+    std::copy_n(values.begin() + r * cols, cols, permuted.begin() + to * cols);
+  }
+  return quantize(Tensor(permuted.data(), DType::kF32, shape, Device::cpu()));
+}
+
+Tensor Weights::get_dequantized(const std::string& key, const Shape& shape) {
+  if (!store_) return synthesize(prefix_ + key, shape);
+  const std::string name = resolve(prefix_ + key);
+  if (store_->file_of(name).view(name).dtype() != DType::kF8E4M3) return get(key, shape);
+  METRALE_CHECK(shape.ndim() == 2, "get_dequantized {}: an FP8 tensor is [N, K], not {}", key, shape.to_string());
+  const std::vector<float> values = host_values(name, shape);
+  const DType dtype = compute_dtype();
+  Buffer buffer(device_, values.size() * dtype_size(dtype));
+  std::vector<char> converted(values.size() * dtype_size(dtype));
+  convert_from_f32(dtype, values.data(), converted.data(), values.size());
+  copy_bytes(buffer.data(), device_, converted.data(), Device::cpu(), converted.size());
+  Tensor placed(buffer.data(), dtype, shape, device_);
+  buffers_.push_back(std::move(buffer));
+  return placed;
 }
 
 kernels::LinearWeight Weights::get_linear(const std::string& key, const Shape& shape) {
   METRALE_CHECK(shape.ndim() == 2, "get_linear {}: a projection weight is [N, K], not {}", key, shape.to_string());
   if (!store_) {
     if (quantization_ != WeightQuantization::kFp8) return synthesize(prefix_ + key, shape);
-    // Synthesized on the CPU so the quantiser can read it; the codes go to the model's device.
-    Weights host(random_, Device::cpu());
-    host.random_index_ = random_index_++;
-    return quantize(host.synthesize(prefix_ + key, shape));
+    Buffer code_buffer(device_, static_cast<size_t>(shape.numel()));
+    Buffer scale_buffer(
+        device_,
+        static_cast<size_t>(kernels::fp8_scale_blocks(shape[0]) * kernels::fp8_scale_blocks(shape[1])) * sizeof(float));
+    kernels::LinearWeight placed(
+        Tensor(code_buffer.data(), DType::kF8E4M3, shape, device_),
+        Tensor(scale_buffer.data(), DType::kF32,
+               {kernels::fp8_scale_blocks(shape[0]), kernels::fp8_scale_blocks(shape[1])}, device_));
+    fill_random_fp8(placed.weight, placed.scale_inv);
+    buffers_.push_back(std::move(code_buffer));
+    buffers_.push_back(std::move(scale_buffer));
+    return placed;
   }
   const std::string name = resolve(prefix_ + key);
   const DType stored = store_->file_of(name).view(name).dtype();
@@ -345,12 +422,109 @@ kernels::LinearWeight Weights::get_linear(const std::string& key, const Shape& s
     raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", store_->file_of(name).path().string(),
           name, view.shape().to_string(), shape.to_string());
   }
+  check_quantizable(name, view);
+  if (progress_) progress_->advance(1, view.nbytes());
+  return quantize(view);
+}
+
+bool Weights::linear_is_fp8(const std::string& key) const {
+  if (quantization_ == WeightQuantization::kFp8) return true;
+  if (!store_) return false;
+  const std::string name = resolve(prefix_ + key);
+  return store_->has(name) && store_->file_of(name).view(name).dtype() == DType::kF8E4M3;
+}
+
+void Weights::fill_random_fp8(const Tensor& codes, const Tensor& scales) {
+  // Codes of normal(0, kCodeStddev) times a constant scale stddev / kCodeStddev: weights of normal(0,
+  // stddev), as the plain random weights, with codes well inside e4m3's range (|code| <= 448).
+  constexpr float kCodeStddev = 16.0f;
+  kernels::random_fill(codes, {random_.seed * 1000003u + random_index_++, 0.0f, kCodeStddev});
+  kernels::random_fill(scales, {0, random_.stddev / kCodeStddev, 0.0f});
+}
+
+void Weights::check_quantizable(const std::string& name, const Tensor& view) const {
   if (view.dtype() != DType::kF32 && view.dtype() != DType::kBF16 && view.dtype() != DType::kF16) {
     raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32",
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
-  if (progress_) progress_->advance(1, view.nbytes());
-  return quantize(view);
+}
+
+void Weights::load_fp8_into(const std::string& key, const Tensor& codes, const Tensor& scales, int64_t expert,
+                            int64_t row_begin) {
+  METRALE_CHECK(codes.ndim() == 2 && codes.dtype() == DType::kF8E4M3 && codes.is_contiguous() &&
+                    scales.dtype() == DType::kF32 && scales.is_contiguous() &&
+                    scales.shape() ==
+                        (Shape{kernels::fp8_scale_blocks(codes.size(0)), kernels::fp8_scale_blocks(codes.size(1))}) &&
+                    codes.device() == device_ && scales.device() == device_,
+                "load_fp8_into {}: codes {} scales {}", key, codes.describe(), scales.describe());
+  if (!store_) {
+    fill_random_fp8(codes, scales);
+    return;
+  }
+  const std::string name = resolve(prefix_ + key);
+  const std::string file = store_->file_of(name).path().string();
+  Tensor view = store_->get(name);
+  const std::string where = expert >= 0 ? fmt::format("expert {} of '{}'", expert, name) : "'" + name + "'";
+  const int64_t rows = codes.size(0), cols = codes.size(1);
+  const auto rows_of = [&](const Tensor& full) {
+    Tensor matrix = full;
+    if (expert >= 0) {
+      if (full.ndim() != 3 || expert >= full.size(0)) {
+        raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected an expert stack [E, N, K] with E > {}",
+              file, name, full.shape().to_string(), expert);
+      }
+      matrix = full.select(0, expert);
+    }
+    return matrix;
+  };
+  const Tensor matrix = rows_of(view);
+  if (matrix.ndim() != 2 || matrix.size(1) != cols || row_begin < 0 || row_begin + rows > matrix.size(0)) {
+    raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}; rows [{}, {}) of {} columns expected{}", file, name,
+          view.shape().to_string(), row_begin, row_begin + rows, cols,
+          expert >= 0 ? fmt::format(" (expert {})", expert) : std::string());
+  }
+  const Tensor part = matrix.slice(0, row_begin, row_begin + rows);
+  if (view.dtype() != DType::kF8E4M3) {
+    if (quantization_ != WeightQuantization::kFp8) {
+      raise(ErrorCode::kInternal, "load_fp8_into {}: a plain tensor and no --quantization fp8", where);
+    }
+    check_quantizable(name, view);
+    if (progress_ && row_begin == 0 && expert <= 0) progress_->advance(1, view.nbytes());
+    const Fp8Blocks blocks = quantize_fp8_blocks(part);
+    copy_bytes(codes.data(), device_, blocks.codes.data(), Device::cpu(), blocks.codes.size());
+    copy_bytes(scales.data(), device_, blocks.scale_inv.data(), Device::cpu(), blocks.scale_inv.size() * sizeof(float));
+    return;
+  }
+  if (!checkpoint_fp8_) {
+    raise(ErrorCode::kBadFormat,
+          "{}: tensor '{}' is f8e4m3 but config.json declares no quantization_config {{quant_method: \"fp8\"}}", file,
+          name);
+  }
+  if (row_begin % kernels::kFp8Block != 0) {
+    raise(ErrorCode::kUnsupported,
+          "{}: {} splits at row {}, inside a {}-row scale block (an FP8 fused gate_up_proj needs "
+          "moe_intermediate_size % {} == 0)",
+          file, where, row_begin, kernels::kFp8Block, kernels::kFp8Block);
+  }
+  const std::string scale_name = name + "_scale_inv";
+  if (!store_->has(scale_name)) {
+    raise(ErrorCode::kNotFound, "{}: FP8 tensor '{}' has no block scales '{}'", store_->dir().string(), name,
+          scale_name);
+  }
+  const Tensor all_scales = store_->get(scale_name);
+  Shape expected_scales{kernels::fp8_scale_blocks(matrix.size(0)), kernels::fp8_scale_blocks(cols)};
+  if (expert >= 0) expected_scales = Shape{view.size(0), expected_scales[0], expected_scales[1]};
+  if (!(all_scales.shape() == expected_scales) || all_scales.dtype() != DType::kF32 || !all_scales.is_contiguous()) {
+    raise(ErrorCode::kBadFormat, "{}: block scales '{}' are {} {}, expected f32 {} (blocks of {}x{} of {} {})",
+          store_->file_of(scale_name).path().string(), scale_name, dtype_name(all_scales.dtype()),
+          all_scales.shape().to_string(), expected_scales.to_string(), kernels::kFp8Block, kernels::kFp8Block, name,
+          view.shape().to_string());
+  }
+  const int64_t block_row = row_begin / kernels::kFp8Block;
+  const Tensor part_scales = rows_of(all_scales).slice(0, block_row, block_row + scales.size(0));
+  if (progress_ && row_begin == 0 && expert <= 0) progress_->advance(2, view.nbytes() + all_scales.nbytes());
+  copy_bytes(codes.data(), device_, part.data(), Device::cpu(), part.nbytes());
+  copy_bytes(scales.data(), device_, part_scales.data(), Device::cpu(), part_scales.nbytes());
 }
 
 }  // namespace metrale

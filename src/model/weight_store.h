@@ -5,11 +5,13 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "core/startup.h"
@@ -81,6 +83,25 @@ class Weights {
   // Errors name the tensor: an FP8 tensor without an fp8 quantization_config, a missing or
   // mis-shaped scale.
   kernels::LinearWeight get_linear(const std::string& key, const Shape& shape);
+  // get_linear() of an FP8 projection (linear_is_fp8) whose source row r lands at row
+  // destination_row(r): the stored weight (dequantised when f8e4m3) is permuted on the host in fp32
+  // and block-quantised (a permutation need not keep 128-row blocks whole).
+  kernels::LinearWeight get_linear_permuted(const std::string& key, const Shape& shape,
+                                            const std::function<int64_t(int64_t)>& destination_row);
+  // get() for a weight that blocks use as plain matrices (e.g. absorbed into attention): an f8e4m3
+  // one is dequantised with its scales (f32 on the CPU, bf16 on the GPU).
+  Tensor get_dequantized(const std::string& key, const Shape& shape);
+  // Whether get_linear() / load_fp8_into() give `prefix + key` in FP8: stored as f8e4m3, or any
+  // plain weight under WeightQuantization::kFp8.
+  bool linear_is_fp8(const std::string& key) const;
+  // Reads a projection weight `prefix + key` as FP8 into `codes` [n, K] f8e4m3 and `scales`
+  // [ceil(n/128), ceil(K/128)] f32 (contiguous views on the model's device, e.g. one expert's rows of
+  // a fused buffer): its rows [row_begin, row_begin + n), of expert `expert` when the tensor is an
+  // expert stack [E, N, K] (expert >= 0). An f8e4m3 tensor copies its codes and `<name>_scale_inv`
+  // rows (row_begin a multiple of 128); a plain one is quantised here (WeightQuantization::kFp8 only);
+  // random weights fill both directly in FP8. No bf16 copy is made on the device.
+  void load_fp8_into(const std::string& key, const Tensor& codes, const Tensor& scales, int64_t expert = -1,
+                     int64_t row_begin = 0);
   // FP8 weights: read from the checkpoint (its config.json declares them) and/or quantised at load.
   void set_fp8(bool checkpoint_fp8, WeightQuantization quantization);
   // Whether get_linear() may return FP8 weights (blocks then keep their projections unfused).
@@ -117,7 +138,14 @@ class Weights {
  private:
   Tensor synthesize(const std::string& name, const Shape& shape);
   kernels::LinearWeight read_fp8(const std::string& name, const Shape& shape);
+  // The checked host views of an f8e4m3 tensor and its `<name>_scale_inv` (both counted as read).
+  std::pair<Tensor, Tensor> fp8_views(const std::string& name, const Shape& shape);
+  // The stored [N, K] weight `name` in fp32 on the host (f8e4m3 dequantised with its block scales).
+  std::vector<float> host_values(const std::string& name, const Shape& shape);
   kernels::LinearWeight quantize(const Tensor& host_weight);
+  // Random FP8 weights of the same spread as the plain random ones, generated on the device.
+  void fill_random_fp8(const Tensor& codes, const Tensor& scales);
+  void check_quantizable(const std::string& name, const Tensor& view) const;
   // A CPU tensor on the model's device: in place on the CPU when aligned for its dtype, else a copy kept here.
   Tensor place(const Tensor& host);
 

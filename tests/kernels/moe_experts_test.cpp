@@ -222,12 +222,12 @@ TEST(MoeExperts, FusedWeightsGiveTheSameViewsAndResults) {
   const std::vector<double> gate_up_values = testing::to_doubles(*gate_up);
   for (int64_t e = 0; e < e_count; ++e) {
     // Gate rows first, then up rows.
-    const std::vector<double> gate = testing::to_doubles(fused.gate[static_cast<size_t>(e)]);
-    const std::vector<double> up = testing::to_doubles(fused.up[static_cast<size_t>(e)]);
+    const std::vector<double> gate = testing::to_doubles(fused.gate[static_cast<size_t>(e)].weight);
+    const std::vector<double> up = testing::to_doubles(fused.up[static_cast<size_t>(e)].weight);
     const auto expert_begin = gate_up_values.begin() + e * 2 * inter * hidden;
     EXPECT_TRUE(std::equal(gate.begin(), gate.end(), expert_begin));
     EXPECT_TRUE(std::equal(up.begin(), up.end(), expert_begin + inter * hidden));
-    EXPECT_TRUE(fused.down[static_cast<size_t>(e)].shape() == (Shape{hidden, inter}));
+    EXPECT_TRUE(fused.down[static_cast<size_t>(e)].weight.shape() == (Shape{hidden, inter}));
   }
   // Copies of the same weights as separate per-expert tensors give bit-identical outputs.
   Experts separate;
@@ -235,8 +235,8 @@ TEST(MoeExperts, FusedWeightsGiveTheSameViewsAndResults) {
   separate.weights.hidden_size = hidden;
   separate.weights.intermediate_size = inter;
   for (int64_t e = 0; e < e_count; ++e) {
-    for (const Tensor* view : {&fused.gate[static_cast<size_t>(e)], &fused.up[static_cast<size_t>(e)],
-                               &fused.down[static_cast<size_t>(e)]}) {
+    for (const Tensor* view : {&fused.gate[static_cast<size_t>(e)].weight, &fused.up[static_cast<size_t>(e)].weight,
+                               &fused.down[static_cast<size_t>(e)].weight}) {
       separate.owned.emplace_back(DType::kBF16, view->shape());
       std::memcpy(separate.owned.back()->data(), view->data(), view->nbytes());
     }

@@ -216,8 +216,9 @@ TEST(MoeOpsGrouped, PerExpertViewsMatchFusedLayout) {
   views.hidden_size = hidden;
   views.intermediate_size = inter;
   for (int64_t e = 0; e < experts; ++e) {
-    for (const Tensor& src : {fused.weights.gate[static_cast<size_t>(e)], fused.weights.up[static_cast<size_t>(e)],
-                              fused.weights.down[static_cast<size_t>(e)]}) {
+    for (const Tensor& src :
+         {fused.weights.gate[static_cast<size_t>(e)].weight, fused.weights.up[static_cast<size_t>(e)].weight,
+          fused.weights.down[static_cast<size_t>(e)].weight}) {
       separate.emplace_back(src.dtype(), src.shape());
       copy_tensor(*separate.back(), src);
     }

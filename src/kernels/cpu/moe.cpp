@@ -5,7 +5,7 @@
 #include <numeric>
 
 #include "kernels/cpu/common.h"
-#include "kernels/linear.h"
+#include "kernels/linear_weight.h"
 
 namespace metrale::kernels {
 
@@ -25,6 +25,30 @@ MoeExpertWeights MoeExpertWeights::from_fused(const Tensor& gate_up, const Tenso
     weights.gate.push_back(expert.slice(0, 0, inter));
     weights.up.push_back(expert.slice(0, inter, 2 * inter));
     weights.down.push_back(down.select(0, e));
+  }
+  return weights;
+}
+
+MoeExpertWeights MoeExpertWeights::from_fused_fp8(const Tensor& gate_up, const Tensor& gate_up_scale,
+                                                  const Tensor& down, const Tensor& down_scale) {
+  MoeExpertWeights weights = from_fused(gate_up, down);
+  const int64_t e_count = weights.num_experts, h = weights.hidden_size, inter = weights.intermediate_size;
+  const int64_t inter_blocks = fp8_scale_blocks(inter), hidden_blocks = fp8_scale_blocks(h);
+  METRALE_CHECK(gate_up.dtype() == DType::kF8E4M3 && down.dtype() == DType::kF8E4M3 &&
+                    gate_up_scale.dtype() == DType::kF32 && down_scale.dtype() == DType::kF32 &&
+                    gate_up_scale.shape() == (Shape{e_count, 2 * inter_blocks, hidden_blocks}) &&
+                    down_scale.shape() == (Shape{e_count, hidden_blocks, inter_blocks}) &&
+                    gate_up_scale.is_contiguous() && down_scale.is_contiguous(),
+                "MoE fused FP8 expert weights: gate_up {} scales {}, down {} scales {}", gate_up.describe(),
+                gate_up_scale.describe(), down.describe(), down_scale.describe());
+  weights.gate_up_scale = gate_up_scale;
+  weights.down_scale = down_scale;
+  for (int64_t e = 0; e < e_count; ++e) {
+    const auto index = static_cast<size_t>(e);
+    const Tensor scales = gate_up_scale.select(0, e);  // [2 ceil(I/128), ceil(H/128)]
+    weights.gate[index].scale_inv = scales.slice(0, 0, inter_blocks);
+    weights.up[index].scale_inv = scales.slice(0, inter_blocks, 2 * inter_blocks);
+    weights.down[index].scale_inv = down_scale.select(0, e);
   }
   return weights;
 }

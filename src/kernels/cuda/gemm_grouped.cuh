@@ -11,6 +11,11 @@
 // Block tile 128 x 128 x 64, 8 warps as 2 (M) x 4 (N), warp tile 64 x 32, 3 stages (96 KiB of
 // dynamic shared memory), 2 blocks per SM.
 //
+// B may be FP8 (kFp8B): e4m3 codes with fp32 128x128 block scales. Those tiles are loaded through
+// registers instead of cp.async: each thread reads its 8 codes, dequantises them with their block's
+// scale and stores the 8 bf16 values where cp.async would have put them, so the tensor-core loop is
+// unchanged (the prefill path of FP8 experts; an FP8 wgmma GEMM would read half the bytes per MMA).
+//
 // Two epilogues:
 //   kSwiGlu: A rows are x[sorted_slots[p] / top_k]; B is an expert's fused gate_up [2I, K]. The
 //     block's 128 B rows interleave 8 gate rows and the matching 8 up rows, so each thread holds
@@ -21,6 +26,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -53,6 +59,13 @@ struct Params {
   int top_k;                       // kSwiGlu: the token of slot s is s / top_k
   const __nv_bfloat16* b;          // [E, rows_b, K] contiguous: gate_up [E, 2I, K] or down [E, H, K]
   int64_t b_expert_stride;         // rows_b * K
+  // kFp8B: b_codes replaces b (same layout, e4m3); b_scales [E, scale_rows, ceil(K/128)] f32. A B row
+  // r reads scale row r / 128, except kSwiGlu's up rows (fused rows n + i), which read
+  // b_up_scale_row0 + i / 128 (the up rows' scale blocks follow the gate rows').
+  const uint8_t* b_codes;
+  const float* b_scales;
+  int64_t b_scale_expert_stride;  // scale_rows * ceil(K/128)
+  int b_up_scale_row0;
   int n;                           // output columns: I (kSwiGlu) or H (kScatterF32)
   int k;
   void* out;                       // kSwiGlu: h [P, I] bf16 (sorted order); kScatterF32: [P, H] f32 (slot order)
@@ -104,7 +117,29 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-template <Epilogue kEpilogue>
+// 8 e4m3 codes times their block scale, as 8 bf16 values (one 16-byte shared-memory chunk).
+__device__ __forceinline__ uint4 dequantise_chunk(uint2 packed, float scale) {
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(&packed);
+  uint4 out;
+  uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    __nv_fp8_e4m3 lo, hi;
+    lo.__x = codes[2 * j];
+    hi.__x = codes[2 * j + 1];
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(static_cast<float>(lo) * scale, static_cast<float>(hi) * scale);
+    words[j] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  return out;
+}
+
+__device__ __forceinline__ void store_shared_16(uint32_t dst, uint4 value) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(value.x), "r"(value.y), "r"(value.z),
+               "r"(value.w)
+               : "memory");
+}
+
+template <Epilogue kEpilogue, bool kFp8B = false>
 __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   __shared__ int tile_expert, tile_row_begin, tile_rows;
@@ -157,6 +192,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(const Params 
   const int load_chunk = tid % kChunksPerRow;
   const __nv_bfloat16* a_src[kLoadPasses];
   const __nv_bfloat16* b_src[kLoadPasses];
+  const uint8_t* b_code_src[kLoadPasses];  // kFp8B
+  const float* b_scale_src[kLoadPasses];   // kFp8B: the row's block scales
   bool a_valid[kLoadPasses], b_valid[kLoadPasses];
 #pragma unroll
   for (int i = 0; i < kLoadPasses; ++i) {
@@ -171,19 +208,32 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(const Params 
       }
     }
     a_src[i] = p.a + a_row * p.a_stride + load_chunk * 8;
-    int col, b_row;
+    int col, b_row, scale_row;
     if constexpr (kEpilogue == Epilogue::kSwiGlu) {
       // Tile rows 16q .. 16q+7: gate rows of output columns 8q .. 8q+7; 16q+8 .. 16q+15: their up rows.
       const int within = r & 15;
       col = n_tile * (kBlockN / 2) + (r >> 4) * 8 + (within & 7);
       b_row = within < 8 ? col : p.n + col;
+      scale_row = within < 8 ? col / 128 : p.b_up_scale_row0 + col / 128;
     } else {
       col = n_tile * kBlockN + r;
       b_row = col;
+      scale_row = col / 128;
     }
     b_valid[i] = col < p.n;
-    b_src[i] = p.b + static_cast<int64_t>(expert) * p.b_expert_stride +
-               static_cast<int64_t>(b_valid[i] ? b_row : 0) * p.k + load_chunk * 8;
+    const int64_t b_offset = static_cast<int64_t>(expert) * p.b_expert_stride +
+                             static_cast<int64_t>(b_valid[i] ? b_row : 0) * p.k + load_chunk * 8;
+    if constexpr (kFp8B) {
+      b_src[i] = nullptr;
+      b_code_src[i] = p.b_codes + b_offset;
+      b_scale_src[i] = p.b_scales + static_cast<int64_t>(expert) * p.b_scale_expert_stride +
+                       static_cast<int64_t>(b_valid[i] ? scale_row : 0) * ((p.k + 127) / 128);
+    } else {
+      b_src[i] = p.b + b_offset;
+      b_code_src[i] = nullptr;
+      b_scale_src[i] = nullptr;
+      (void)scale_row;
+    }
   }
 
   const uint32_t smem = shared_address(smem_bytes);
@@ -198,7 +248,17 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(const Params 
       const uint32_t b_dst = a_dst + static_cast<uint32_t>(kTileElements) * 2u;
       const bool a_ok = a_valid[i] && k_valid, b_ok = b_valid[i] && k_valid;
       cp_async_16(a_dst, a_ok ? a_src[i] + k_offset : p.a, a_ok);
-      cp_async_16(b_dst, b_ok ? b_src[i] + k_offset : p.b, b_ok);
+      if constexpr (kFp8B) {
+        // A chunk of 8 never crosses a 128-column scale block (chunks start at multiples of 8).
+        uint4 value = make_uint4(0u, 0u, 0u, 0u);
+        if (b_ok) {
+          const uint2 packed = *reinterpret_cast<const uint2*>(b_code_src[i] + k_offset);
+          value = dequantise_chunk(packed, b_scale_src[i][(k_offset + load_chunk * 8) / 128]);
+        }
+        store_shared_16(b_dst, value);
+      } else {
+        cp_async_16(b_dst, b_ok ? b_src[i] + k_offset : p.b, b_ok);
+      }
     }
   };
 

@@ -8,11 +8,14 @@
 //   moe_decode_down      and 2 up rows (or 4 down rows) of the slot's expert with 16-byte loads.
 //   moe_grouped_gate_up  tensor-core grouped GEMMs over the expert-sorted rows (gemm_grouped.cuh).
 //   moe_grouped_down
-//   f32 expert weights (f32 runs): both paths take CUDA-core kernels, one warp per output element,
-//                        fp32 throughout (correct, not fast).
 //   moe_combine          fp32 weighted sum over the k slots in order, plus the gated shared expert.
 //   gather_rows, scatter_add_rows: row copies; the scatter runs one thread per column over the
 //                        rows in order (deterministic, no atomics).
+// FP8 experts (MoeExpertWeights::is_fp8) take the same paths: the decode kernels of
+// moe_fp8_decode.cuh (e4m3 dequantised in registers), and the grouped GEMM with its B tiles
+// dequantised to bf16 on the way into shared memory.
+// f32 expert weights (f32 runs) take CUDA-core kernels on both paths, one warp per output element,
+// fp32 throughout (correct, not fast).
 #include <algorithm>
 #include <mutex>
 #include <string>
@@ -20,6 +23,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemm_gemv.cuh"
 #include "kernels/cuda/gemm_grouped.cuh"
+#include "kernels/cuda/moe_fp8_decode.cuh"
 #include "kernels/moe.h"
 
 namespace metrale::kernels::cuda {
@@ -577,21 +581,36 @@ void check_fused(const MoeExpertWeights& experts, const char* op) {
   const int64_t e = experts.num_experts, h = experts.hidden_size, i = experts.intermediate_size;
   const Tensor& gate_up = experts.gate_up;
   const Tensor& down = experts.down_fused;
-  expect((gate_up.dtype() == DType::kBF16 || gate_up.dtype() == DType::kF32) && down.dtype() == gate_up.dtype() &&
-             gate_up.is_contiguous() && down.is_contiguous() && gate_up.ndim() == 3 && down.ndim() == 3 &&
-             gate_up.size(0) == e && gate_up.size(1) == 2 * i && gate_up.size(2) == h && down.size(0) == e &&
-             down.size(1) == h && down.size(2) == i,
+  const bool fp8 = experts.is_fp8();
+  const DType dtype = fp8 ? DType::kF8E4M3 : gate_up.dtype() == DType::kF32 ? DType::kF32 : DType::kBF16;
+  expect(gate_up.dtype() == dtype && down.dtype() == dtype && gate_up.is_contiguous() && down.is_contiguous() &&
+             gate_up.ndim() == 3 && down.ndim() == 3 && gate_up.size(0) == e && gate_up.size(1) == 2 * i &&
+             gate_up.size(2) == h && down.size(0) == e && down.size(1) == h && down.size(2) == i,
          op,
-         "fused expert weights must be contiguous gate_up [E, 2I, H] and down [E, H, I], both bf16 or both f32; got " +
-             shape_of(gate_up) + " and " + shape_of(down));
-  if (gate_up.dtype() == DType::kF32) {
+         "fused expert weights must be contiguous gate_up [E, 2I, H] and down [E, H, I], both bf16, both f32 or "
+         "both f8e4m3; got " + std::string(dtype_name(gate_up.dtype())) + " " + shape_of(gate_up) + " and " +
+             std::string(dtype_name(down.dtype())) + " " + shape_of(down));
+  if (dtype == DType::kF32) {
     expect(e >= 1 && e * 2 * i * h < (int64_t{1} << 62) && h < (1 << 30) && i < (1 << 30), op, "expert sizes");
     return;  // the f32 kernels read any sizes and alignments
   }
-  if (h % 8 != 0 || i % 8 != 0) {
+  if (fp8) {
+    const int64_t hb = fp8_scale_blocks(h), ib = fp8_scale_blocks(i);
+    expect(experts.gate_up_scale.dtype() == DType::kF32 && experts.down_scale.dtype() == DType::kF32 &&
+               experts.gate_up_scale.is_contiguous() && experts.down_scale.is_contiguous() &&
+               experts.gate_up_scale.shape() == (Shape{e, 2 * ib, hb}) &&
+               experts.down_scale.shape() == (Shape{e, hb, ib}),
+           op,
+           "FP8 expert scales must be contiguous f32 [E, 2 ceil(I/128), ceil(H/128)] and [E, ceil(H/128), "
+           "ceil(I/128)]; got " +
+               shape_of(experts.gate_up_scale) + " and " + shape_of(experts.down_scale));
+  }
+  const int64_t multiple = fp8 ? 16 : 8;
+  if (h % multiple != 0 || i % multiple != 0) {
     raise_message(ErrorCode::kUnsupported, std::string(op) + ": the CUDA MoE kernels need hidden (" +
                                                std::to_string(h) + ") and expert intermediate (" + std::to_string(i) +
-                                               ") sizes that are multiples of 8");
+                                               ") sizes that are multiples of " + std::to_string(multiple) +
+                                               (fp8 ? " with FP8 experts" : ""));
   }
   expect(aligned_16(gate_up.data()) && aligned_16(down.data()), op, "fused expert weights must be 16-byte aligned");
   expect(e >= 1 && e * 2 * i * h < (int64_t{1} << 62) && h < (1 << 30) && i < (1 << 30), op, "expert sizes");
@@ -599,7 +618,7 @@ void check_fused(const MoeExpertWeights& experts, const char* op) {
 
 // Raises the kernel's dynamic shared-memory limit on the current device, once per (kernel, device).
 // cudaFuncSetAttribute is not a stream operation, so this is also safe during graph capture.
-template <grouped::Epilogue kEpilogue>
+template <grouped::Epilogue kEpilogue, bool kFp8B>
 void allow_grouped_smem() {
   static std::mutex mutex;
   static uint64_t done_devices = 0;  // bit d: set on device d
@@ -608,19 +627,30 @@ void allow_grouped_smem() {
   std::lock_guard lock(mutex);
   const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
   if (bit != 0 && (done_devices & bit) != 0) return;
-  METRALE_CUDA_CHECK(cudaFuncSetAttribute(grouped::grouped_gemm_kernel<kEpilogue>,
+  METRALE_CUDA_CHECK(cudaFuncSetAttribute(grouped::grouped_gemm_kernel<kEpilogue, kFp8B>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, grouped::kSmemBytes));
   done_devices |= bit;
 }
 
-template <grouped::Epilogue kEpilogue>
-void launch_grouped(const grouped::Params& params, int64_t slots, int64_t experts, cudaStream_t stream) {
+template <grouped::Epilogue kEpilogue, bool kFp8B>
+void launch_grouped_as(const grouped::Params& params, int64_t slots, int64_t experts, cudaStream_t stream) {
   const int64_t max_m_tiles = slots / grouped::kBlockM + std::min(experts, slots);
   const int64_t blocks = max_m_tiles * params.n_tiles;
   METRALE_EXPECT(blocks < (int64_t{1} << 31), "grouped GEMM grid too large");
-  allow_grouped_smem<kEpilogue>();
-  grouped::grouped_gemm_kernel<kEpilogue><<<static_cast<unsigned>(blocks), grouped::kThreads, grouped::kSmemBytes, stream>>>(params);
+  allow_grouped_smem<kEpilogue, kFp8B>();
+  grouped::grouped_gemm_kernel<kEpilogue, kFp8B>
+      <<<static_cast<unsigned>(blocks), grouped::kThreads, grouped::kSmemBytes, stream>>>(params);
   METRALE_CHECK_LAUNCH("grouped_gemm_kernel");
+}
+
+// B from bf16 weights, or from FP8 codes (params.b_codes set) dequantised on the way into shared memory.
+template <grouped::Epilogue kEpilogue>
+void launch_grouped(const grouped::Params& params, int64_t slots, int64_t experts, cudaStream_t stream) {
+  if (params.b_codes != nullptr) {
+    launch_grouped_as<kEpilogue, true>(params, slots, experts, stream);
+  } else {
+    launch_grouped_as<kEpilogue, false>(params, slots, experts, stream);
+  }
 }
 
 void check_i32_vector(const Tensor& t, int64_t n, const char* op, const char* what) {
@@ -775,9 +805,26 @@ void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpert
   expect((x.dtype() == DType::kBF16 || x.dtype() == DType::kF32) && rows_vectorizable(x), op,
          "x must be bf16 or f32 with 16-byte aligned rows; got " + shape_of(x));
   if (slots == 0) return;
+  const int e = static_cast<int>(experts.num_experts), i = static_cast<int>(inter), hd = static_cast<int>(hidden);
+  if (experts.is_fp8()) {
+    const dim3 fp8_grid(static_cast<unsigned>(ceil_div(inter, moe_fp8::kWarps * moe_fp8::kGateUpRows)),
+                        static_cast<unsigned>(slots));
+    const auto* codes = static_cast<const uint8_t*>(experts.gate_up.data());
+    const float* scales = experts.gate_up_scale.data_as<const float>();
+    if (x.dtype() == DType::kBF16) {
+      moe_fp8::gate_up_kernel<__nv_bfloat16><<<fp8_grid, moe_fp8::kWarps * 32, 0, stream_of(h)>>>(
+          x.data_as<const __nv_bfloat16>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e,
+          codes, scales, i, hd, experts.swiglu_limit, h.data_as<float>());
+    } else {
+      moe_fp8::gate_up_kernel<float><<<fp8_grid, moe_fp8::kWarps * 32, 0, stream_of(h)>>>(
+          x.data_as<const float>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e, codes,
+          scales, i, hd, experts.swiglu_limit, h.data_as<float>());
+    }
+    METRALE_CHECK_LAUNCH("moe_fp8::gate_up_kernel");
+    return;
+  }
   const dim3 grid(static_cast<unsigned>(ceil_div(inter, kDecodeWarps * kDecodeGateUpRows)), static_cast<unsigned>(slots));
   const auto* weights = experts.gate_up.data_as<const __nv_bfloat16>();
-  const int e = static_cast<int>(experts.num_experts), i = static_cast<int>(inter), hd = static_cast<int>(hidden);
   if (x.dtype() == DType::kBF16) {
     moe_decode_gate_up_kernel<__nv_bfloat16><<<grid, kDecodeWarps * 32, 0, stream_of(h)>>>(
         x.data_as<const __nv_bfloat16>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e,
@@ -806,6 +853,16 @@ void moe_decode_down(const Tensor& h, const Tensor& topk_ids, const MoeExpertWei
   if (experts.down_fused.dtype() == DType::kF32) {
     const ExpertRows rows{topk_ids.data_as<const int32_t>(), nullptr, nullptr, static_cast<int>(experts.num_experts)};
     launch_down_simple(h, rows, experts, slot_out, slots, stream_of(slot_out));
+    return;
+  }
+  if (experts.is_fp8()) {
+    const dim3 fp8_grid(static_cast<unsigned>(ceil_div(hidden, moe_fp8::kWarps * moe_fp8::kDownRows)),
+                        static_cast<unsigned>(slots));
+    moe_fp8::down_kernel<<<fp8_grid, moe_fp8::kWarps * 32, 0, stream_of(slot_out)>>>(
+        h.data_as<const float>(), topk_ids.data_as<const int32_t>(), static_cast<int>(experts.num_experts),
+        static_cast<const uint8_t*>(experts.down_fused.data()), experts.down_scale.data_as<const float>(),
+        static_cast<int>(hidden), static_cast<int>(inter), slot_out.data_as<float>(), slot_out.stride(0));
+    METRALE_CHECK_LAUNCH("moe_fp8::down_kernel");
     return;
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kDecodeWarps * kDecodeDownRows)), static_cast<unsigned>(slots));
@@ -848,8 +905,15 @@ void moe_grouped_gate_up(const Tensor& x, const Tensor& sorted_slots, const Tens
   params.expert_offsets = expert_offsets.data_as<const int32_t>();
   params.num_experts = static_cast<int>(experts.num_experts);
   params.top_k = top_k;
-  params.b = experts.gate_up.data_as<const __nv_bfloat16>();
   params.b_expert_stride = 2 * inter * hidden;
+  if (experts.is_fp8()) {
+    params.b_codes = static_cast<const uint8_t*>(experts.gate_up.data());
+    params.b_scales = experts.gate_up_scale.data_as<const float>();
+    params.b_scale_expert_stride = experts.gate_up_scale.size(1) * experts.gate_up_scale.size(2);
+    params.b_up_scale_row0 = static_cast<int>(fp8_scale_blocks(inter));
+  } else {
+    params.b = experts.gate_up.data_as<const __nv_bfloat16>();
+  }
   params.n = static_cast<int>(inter);
   params.k = static_cast<int>(hidden);
   params.out = h.data();
@@ -892,8 +956,14 @@ void moe_grouped_down(const Tensor& h, const Tensor& sorted_slots, const Tensor&
   params.expert_offsets = expert_offsets.data_as<const int32_t>();
   params.num_experts = static_cast<int>(experts.num_experts);
   params.top_k = 1;
-  params.b = experts.down_fused.data_as<const __nv_bfloat16>();
   params.b_expert_stride = hidden * inter;
+  if (experts.is_fp8()) {
+    params.b_codes = static_cast<const uint8_t*>(experts.down_fused.data());
+    params.b_scales = experts.down_scale.data_as<const float>();
+    params.b_scale_expert_stride = experts.down_scale.size(1) * experts.down_scale.size(2);
+  } else {
+    params.b = experts.down_fused.data_as<const __nv_bfloat16>();
+  }
   params.n = static_cast<int>(hidden);
   params.k = static_cast<int>(inter);
   params.out = slot_out.data();

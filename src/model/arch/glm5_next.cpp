@@ -120,7 +120,7 @@ std::unique_ptr<MtpHead> build_mtp_head(Weights& weights, const LayerBuilder& bu
   MtpHeadParts head;
   head.pre_fc_norm_embedding = build.norm(mtp, "enorm.weight");
   head.pre_fc_norm_hidden = build.norm(mtp, "hnorm.weight");
-  head.fc = mtp.get("eh_proj.weight", {h, 2 * h});
+  head.fc = mtp.get_linear("eh_proj.weight", {h, 2 * h});
   DecoderLayer layer;
   layer.mixer = std::make_unique<DsaMixer>(build.dsa(), mtp, "self_attn.", nullptr, nullptr);
   layer.ffn = build.ffn(mtp, "", mtp.is_random() || mtp.has("mlp.gate.weight"));

@@ -182,7 +182,7 @@ std::unique_ptr<Model> build_qwen_hybrid(const ModelConfig& config, Weights& wei
       head.pre_fc_norm_embedding =
           RmsNorm::load(mtp_weights, "pre_fc_norm_embedding.weight", h, config.rms_norm_eps, norm);
       head.pre_fc_norm_hidden = RmsNorm::load(mtp_weights, "pre_fc_norm_hidden.weight", h, config.rms_norm_eps, norm);
-      head.fc = mtp_weights.get("fc.weight", {h, 2 * h});
+      head.fc = mtp_weights.get_linear("fc.weight", {h, 2 * h});
       std::vector<RmsNorm> head_norms;
       for (int64_t i = 0; i < declared_mtp_layers; ++i) {
         const std::string prefix = "layers." + std::to_string(i) + ".";

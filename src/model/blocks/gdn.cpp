@@ -8,7 +8,7 @@
 #include "kernels/causal_conv1d.h"
 #include "kernels/gated_delta_rule.h"
 #include "kernels/gated_rms_norm.h"
-#include "kernels/linear.h"
+#include "kernels/linear_weight.h"
 #include "kernels/moe.h"
 
 namespace metrale {
@@ -72,26 +72,34 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
     // Per key head g: [q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)] -> [Q | K | V | Z]; [b_g (r) | a_g (r)] -> [B |
     // A].
     const int64_t ratio = hv / hk, group = 2 * dk + 2 * ratio * dv;
-    in_proj_qkvz_ = OwnedTensor(owned_dtype(prefix + "in_proj_qkvz.weight"), {conv_dim + value_dim, h}, device);
-    load_rows_permuted(
-        weights, prefix + "in_proj_qkvz.weight",
-        [=](int64_t r) {
-          const int64_t g = r / group, offset = r % group;
-          if (offset < dk) return g * dk + offset;
-          if (offset < 2 * dk) return key_dim + g * dk + (offset - dk);
-          if (offset < 2 * dk + ratio * dv) return 2 * key_dim + g * ratio * dv + (offset - 2 * dk);
-          return conv_dim + g * ratio * dv + (offset - 2 * dk - ratio * dv);
-        },
-        *in_proj_qkvz_);
-    in_proj_ba_ = OwnedTensor(owned_dtype(prefix + "in_proj_ba.weight"), {2 * hv, h}, device);
-    load_rows_permuted(
-        weights, prefix + "in_proj_ba.weight",
-        [=](int64_t r) {
-          const int64_t g = r / (2 * ratio), offset = r % (2 * ratio);
-          return offset < ratio ? g * ratio + offset : hv + g * ratio + (offset - ratio);
-        },
-        *in_proj_ba_);
-  } else if (device.is_cuda()) {
+    const auto qkvz_row = [=](int64_t r) {
+      const int64_t g = r / group, offset = r % group;
+      if (offset < dk) return g * dk + offset;
+      if (offset < 2 * dk) return key_dim + g * dk + (offset - dk);
+      if (offset < 2 * dk + ratio * dv) return 2 * key_dim + g * ratio * dv + (offset - 2 * dk);
+      return conv_dim + g * ratio * dv + (offset - 2 * dk - ratio * dv);
+    };
+    const auto ba_row = [=](int64_t r) {
+      const int64_t g = r / (2 * ratio), offset = r % (2 * ratio);
+      return offset < ratio ? g * ratio + offset : hv + g * ratio + (offset - ratio);
+    };
+    // FP8 (stored, or quantised at load): permuted on the host in fp32, then block-quantised.
+    const std::string qkvz_key = prefix + "in_proj_qkvz.weight", ba_key = prefix + "in_proj_ba.weight";
+    if (weights.linear_is_fp8(qkvz_key)) {
+      qkvz_proj_ = weights.get_linear_permuted(qkvz_key, {conv_dim + value_dim, h}, qkvz_row);
+    } else {
+      in_proj_qkvz_ = OwnedTensor(owned_dtype(qkvz_key), {conv_dim + value_dim, h}, device);
+      load_rows_permuted(weights, qkvz_key, qkvz_row, *in_proj_qkvz_);
+      qkvz_proj_ = *in_proj_qkvz_;
+    }
+    if (weights.linear_is_fp8(ba_key)) {
+      ba_proj_ = weights.get_linear_permuted(ba_key, {2 * hv, h}, ba_row);
+    } else {
+      in_proj_ba_ = OwnedTensor(owned_dtype(ba_key), {2 * hv, h}, device);
+      load_rows_permuted(weights, ba_key, ba_row, *in_proj_ba_);
+      ba_proj_ = *in_proj_ba_;
+    }
+  } else if (device.is_cuda() && !weights.fp8_linears()) {
     // One GEMM per projection group on the GPU: the checkpoint's rows placed side by side.
     in_proj_qkvz_ = OwnedTensor(weights.compute_dtype(), {conv_dim + value_dim, h}, device);
     weights.load_into(prefix + "in_proj_qkv.weight", in_proj_qkvz_->slice(0, 0, conv_dim));
@@ -99,11 +107,13 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
     in_proj_ba_ = OwnedTensor(weights.compute_dtype(), {2 * hv, h}, device);
     weights.load_into(prefix + "in_proj_b.weight", in_proj_ba_->slice(0, 0, hv));
     weights.load_into(prefix + "in_proj_a.weight", in_proj_ba_->slice(0, hv, 2 * hv));
+    qkvz_proj_ = *in_proj_qkvz_;
+    ba_proj_ = *in_proj_ba_;
   } else {
-    in_proj_qkv_ = weights.get(prefix + "in_proj_qkv.weight", {conv_dim, h});
-    in_proj_z_ = weights.get(prefix + "in_proj_z.weight", {value_dim, h});
-    in_proj_b_ = weights.get(prefix + "in_proj_b.weight", {hv, h});
-    in_proj_a_ = weights.get(prefix + "in_proj_a.weight", {hv, h});
+    in_proj_qkv_ = weights.get_linear(prefix + "in_proj_qkv.weight", {conv_dim, h});
+    in_proj_z_ = weights.get_linear(prefix + "in_proj_z.weight", {value_dim, h});
+    in_proj_b_ = weights.get_linear(prefix + "in_proj_b.weight", {hv, h});
+    in_proj_a_ = weights.get_linear(prefix + "in_proj_a.weight", {hv, h});
   }
   // conv1d.weight [conv_dim, 1, K] as the [conv_dim, K] the kernel takes.
   conv_weight_ =
@@ -111,7 +121,7 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
   dt_bias_ = weights.get(prefix + "dt_bias", {hv});
   a_log_ = weights.get(prefix + "A_log", {hv});
   norm_weight_ = weights.get(prefix + "norm.weight", {dv});
-  out_proj_ = weights.get(prefix + "out_proj.weight", {h, value_dim});
+  out_proj_ = weights.get_linear(prefix + "out_proj.weight", {h, value_dim});
 }
 
 CacheSpec GatedDeltaNet::cache_spec() const {
@@ -202,9 +212,9 @@ void GatedDeltaNet::forward(const StepContext& step, const BlockCache& cache, co
   // [T, conv_dim + value_dim]: the conv input [Q | K | V], then z; [T, 2 Hv]: b, then a.
   const Tensor projected = batch.verify ? kept.projected : ws.alloc(act, {tokens, conv_dim + value_dim});
   const Tensor ba = ws.alloc(act, {tokens, 2 * hv});
-  if (!in_proj_qkvz_.tensor.empty()) {
-    kernels::linear(x, *in_proj_qkvz_, projected);
-    kernels::linear(x, *in_proj_ba_, ba);
+  if (!qkvz_proj_.empty()) {
+    kernels::linear(x, qkvz_proj_, projected);
+    kernels::linear(x, ba_proj_, ba);
   } else {
     kernels::linear(x, in_proj_qkv_, projected.slice(1, 0, conv_dim));
     kernels::linear(x, in_proj_z_, projected.slice(1, conv_dim, conv_dim + value_dim));

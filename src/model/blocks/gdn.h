@@ -82,14 +82,17 @@ class GatedDeltaNet : public Mixer {
   static constexpr size_t kConv = 0, kRecurrent = 1;  // BlockCache::tensors
 
   GdnConfig config_;
-  // [conv_dim + value_dim, H] rows [Q | K | V | Z] and [2 Hv, H] rows [B | A], when owned (GPU, or the
-  // permuted Qwen3-Next layout); otherwise the four split checkpoint views below are used.
+  // [conv_dim + value_dim, H] rows [Q | K | V | Z] and [2 Hv, H] rows [B | A], when fused (GPU with
+  // bf16 weights, or the permuted Qwen3-Next layout): views of the owned plain copies below, or FP8
+  // weights; otherwise the four split projections after them are used (plain or FP8).
+  kernels::LinearWeight qkvz_proj_, ba_proj_;
   OwnedTensor in_proj_qkvz_, in_proj_ba_;
-  Tensor in_proj_qkv_, in_proj_z_, in_proj_b_, in_proj_a_;  // [conv_dim, H], [value_dim, H], [Hv, H], [Hv, H]
+  // [conv_dim, H], [value_dim, H], [Hv, H], [Hv, H]
+  kernels::LinearWeight in_proj_qkv_, in_proj_z_, in_proj_b_, in_proj_a_;
   Tensor conv_weight_;                                      // [conv_dim, K] (conv1d.weight [conv_dim, 1, K])
   Tensor dt_bias_, a_log_;                                  // [Hv]
   Tensor norm_weight_;                                      // [dv] (gated RMSNorm, plain weight)
-  Tensor out_proj_;                                         // [H, value_dim]
+  kernels::LinearWeight out_proj_;                          // [H, value_dim]
 };
 
 }  // namespace metrale

@@ -6,7 +6,7 @@
 #include "kernels/causal_conv1d.h"
 #include "kernels/gated_rms_norm.h"
 #include "kernels/kda.h"
-#include "kernels/linear.h"
+#include "kernels/linear_weight.h"
 
 namespace metrale {
 namespace {
@@ -32,7 +32,7 @@ KdaMixer::KdaMixer(const KdaConfig& config, Weights& weights, const std::string&
           weights.source_name(), heads, d, k);
   }
   const int64_t p = config.projection_dim();
-  if (weights.device().is_cuda()) {
+  if (weights.device().is_cuda() && !weights.fp8_linears()) {
     OwnedTensor qkv(weights.compute_dtype(), {3 * p, h}, weights.device());
     weights.load_into(prefix + "q_proj.weight", qkv->slice(0, 0, p));
     weights.load_into(prefix + "k_proj.weight", qkv->slice(0, p, 2 * p));
@@ -40,9 +40,9 @@ KdaMixer::KdaMixer(const KdaConfig& config, Weights& weights, const std::string&
     qkv_proj_ = *qkv;
     owned_.push_back(std::move(qkv));
   } else {
-    q_proj_ = weights.get(prefix + "q_proj.weight", {p, h});
-    k_proj_ = weights.get(prefix + "k_proj.weight", {p, h});
-    v_proj_ = weights.get(prefix + "v_proj.weight", {p, h});
+    q_proj_ = weights.get_linear(prefix + "q_proj.weight", {p, h});
+    k_proj_ = weights.get_linear(prefix + "k_proj.weight", {p, h});
+    v_proj_ = weights.get_linear(prefix + "v_proj.weight", {p, h});
   }
   // conv1d.weight [3P, 1, K] as [3P, K] f32; the hub layout stores q, k and v separately.
   OwnedTensor conv(DType::kF32, {3 * p, k}, weights.device());
@@ -56,15 +56,15 @@ KdaMixer::KdaMixer(const KdaConfig& config, Weights& weights, const std::string&
   }
   conv_weight_ = *conv;
   owned_.push_back(std::move(conv));
-  f_a_ = weights.get(prefix + "forget_gate.f_a_proj.weight", {d, h});
-  f_b_ = weights.get(prefix + "forget_gate.f_b_proj.weight", {p, d});
+  f_a_ = weights.get_linear(prefix + "forget_gate.f_a_proj.weight", {d, h});
+  f_b_ = weights.get_linear(prefix + "forget_gate.f_b_proj.weight", {p, d});
   dt_bias_ = load_f32(weights, prefix + "forget_gate.dt_bias", {p});
   a_log_ = load_f32(weights, prefix + "forget_gate.A_log", {heads});
-  b_proj_ = weights.get(prefix + "b_proj.weight", {heads, h});
-  g_a_ = weights.get(prefix + "g_a_proj.weight", {d, h});
-  g_b_ = weights.get(prefix + "g_b_proj.weight", {p, d});
+  b_proj_ = weights.get_linear(prefix + "b_proj.weight", {heads, h});
+  g_a_ = weights.get_linear(prefix + "g_a_proj.weight", {d, h});
+  g_b_ = weights.get_linear(prefix + "g_b_proj.weight", {p, d});
   o_norm_ = weights.get(prefix + "o_norm.weight", {d});
-  o_proj_ = weights.get(prefix + "o_proj.weight", {h, p});
+  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, p});
 }
 
 CacheSpec KdaMixer::cache_spec() const {

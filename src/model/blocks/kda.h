@@ -70,11 +70,13 @@ class KdaMixer : public Mixer {
   static constexpr size_t kConv = 0, kRecurrent = 1;  // BlockCache::tensors
 
   KdaConfig config_;
-  Tensor q_proj_, k_proj_, v_proj_;  // [P, D] each (CPU: checkpoint views)
-  Tensor qkv_proj_;                  // [3P, D]: the three in one weight (CUDA: one GEMM)
-  Tensor f_a_, f_b_, b_proj_;        // [d, D], [P, d], [H, D]
-  Tensor g_a_, g_b_;                 // [d, D], [P, d]
-  Tensor o_norm_, o_proj_;           // [d], [D, P]
+  // Projections are plain or FP8 (kernels::LinearWeight); with FP8 weights the GPU keeps q/k/v apart.
+  kernels::LinearWeight q_proj_, k_proj_, v_proj_;  // [P, D] each (CPU: checkpoint views)
+  Tensor qkv_proj_;                                 // [3P, D] bf16: the three in one weight (CUDA: one GEMM)
+  kernels::LinearWeight f_a_, f_b_, b_proj_;        // [d, D], [P, d], [H, D]
+  kernels::LinearWeight g_a_, g_b_;                 // [d, D], [P, d]
+  Tensor o_norm_;                                   // [d]
+  kernels::LinearWeight o_proj_;                    // [D, P]
   Tensor conv_weight_;               // [3P, K] f32
   Tensor dt_bias_, a_log_;           // [P], [H] f32
   std::vector<OwnedTensor> owned_;

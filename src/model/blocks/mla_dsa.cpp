@@ -4,7 +4,7 @@
 
 #include "core/error.h"
 #include "kernels/dsa.h"
-#include "kernels/linear.h"
+#include "kernels/linear_weight.h"
 #include "kernels/rms_norm.h"
 
 namespace metrale {
@@ -41,12 +41,13 @@ DsaMixer::DsaMixer(const DsaConfig& config, Weights& weights, const std::string&
           "index_kpool {})",
           weights.source_name(), heads, r, dn, dv, config.index_topk, config.index_kpool);
   }
-  q_a_ = weights.get(prefix + "q_a_proj.weight", {rq, d});
+  q_a_ = weights.get_linear(prefix + "q_a_proj.weight", {rq, d});
   q_a_norm_ = weights.get(prefix + "q_a_layernorm.weight", {rq});
-  q_b_ = weights.get(prefix + "q_b_proj.weight", {heads * dn, rq});
-  kv_a_ = weights.get(prefix + "kv_a_proj_with_mqa.weight", {r, d});
+  q_b_ = weights.get_linear(prefix + "q_b_proj.weight", {heads * dn, rq});
+  kv_a_ = weights.get_linear(prefix + "kv_a_proj_with_mqa.weight", {r, d});
   kv_a_norm_ = weights.get(prefix + "kv_a_layernorm.weight", {r});
-  const Tensor kv_b = weights.get(prefix + "kv_b_proj.weight", {heads * (dn + dv), r});
+  // kv_b is absorbed into the attention (plain per-head matrices): an FP8 one is dequantised here.
+  const Tensor kv_b = weights.get_dequantized(prefix + "kv_b_proj.weight", {heads * (dn + dv), r});
   // Per head: rows [0, d_n) are W_uk,h [d_n, r], rows [d_n, d_n + d_v) W_uv,h [d_v, r].
   value_absorb_ = kv_b.reshape({heads, dn + dv, r}).slice(1, dn, dn + dv);
   {
@@ -67,17 +68,17 @@ DsaMixer::DsaMixer(const DsaConfig& config, Weights& weights, const std::string&
     key_absorb_ = *key;
     owned_.push_back(std::move(key));
   }
-  o_proj_ = weights.get(prefix + "o_proj.weight", {d, heads * dv});
+  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {d, heads * dv});
   if (has_indexer()) {
     const int64_t hi = config.index_n_heads, di = config.index_head_dim;
     const std::string p = prefix + "indexer.";
-    index_q_ = weights.get(p + "wq_b.weight", {hi * di, rq});
-    index_k_ = weights.get(p + "wk.weight", {di, d});
+    index_q_ = weights.get_linear(p + "wq_b.weight", {hi * di, rq});
+    index_k_ = weights.get_linear(p + "wk.weight", {di, d});
     index_ln_weight_ = weights.get(p + "k_norm.weight", {di});
     index_ln_bias_ = weights.get(p + "k_norm.bias", {di});
-    index_weights_ = weights.get(p + "weights_proj.weight", {hi, d});
+    index_weights_ = weights.get_linear(p + "weights_proj.weight", {hi, d});
     index_ape_ = weights.get(p + "index_kpool_compress_ape", {config.index_kpool, di});
-    index_gate_ = weights.get(p + "index_kpool_compress_gate", {di, d});
+    index_gate_ = weights.get_linear(p + "index_kpool_compress_gate", {di, d});
   }
 }
 

@@ -80,12 +80,16 @@ class DsaMixer : public Mixer {
 
   DsaConfig config_;
   std::shared_ptr<DsaSelectionLink> shared_from_, publish_to_;
-  Tensor q_a_, q_a_norm_, q_b_;  // [r_q, D], [r_q], [H d_n, r_q]
-  Tensor kv_a_, kv_a_norm_;      // [r, D], [r]
-  Tensor key_absorb_;            // [H, r, d_n]: W_uk,h^T (a transposed copy of kv_b_proj's key rows)
-  Tensor value_absorb_;          // [H, d_v, r]: W_uv,h (a view of kv_b_proj's value rows)
-  Tensor o_proj_;                // [D, H d_v]
-  Tensor index_q_, index_k_, index_gate_, index_weights_;  // [H_I d_I, r_q], [d_I, D], [d_I, D], [H_I, D]
+  // The projections are plain or FP8 (kernels::LinearWeight); kv_b_proj, absorbed per head, is plain.
+  kernels::LinearWeight q_a_, q_b_;   // [r_q, D], [H d_n, r_q]
+  Tensor q_a_norm_;                   // [r_q]
+  kernels::LinearWeight kv_a_;        // [r, D]
+  Tensor kv_a_norm_;                  // [r]
+  Tensor key_absorb_;                 // [H, r, d_n]: W_uk,h^T (a transposed copy of kv_b_proj's key rows)
+  Tensor value_absorb_;               // [H, d_v, r]: W_uv,h (a view of kv_b_proj's value rows)
+  kernels::LinearWeight o_proj_;      // [D, H d_v]
+  // [H_I d_I, r_q], [d_I, D], [d_I, D], [H_I, D]
+  kernels::LinearWeight index_q_, index_k_, index_gate_, index_weights_;
   Tensor index_ln_weight_, index_ln_bias_, index_ape_;     // [d_I], [d_I], [kp, d_I]
   std::vector<OwnedTensor> owned_;
 };

@@ -8,9 +8,6 @@
 #include "runtime/stream.h"
 
 namespace metrale {
-namespace {
-
-}  // namespace
 
 Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) : config_(config) {
   const int64_t e_count = config.num_experts, h = config.hidden_size;
@@ -19,11 +16,14 @@ Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) :
           weights.source_name(), weights.prefix(), prefix);
   }
   const bool on_cpu = weights.device().is_cpu();
-  if (on_cpu) {
-    router_ = weights.get(prefix + "gate.weight", {e_count, h});
+  router_ = on_cpu ? weights.get(prefix + "gate.weight", {e_count, h})
+                   : load_device(weights, prefix + "gate.weight", {e_count, h});
+  const bool fused = weights.has(prefix + "experts.gate_up_proj");
+  if (weights.linear_is_fp8(prefix + (fused ? "experts.gate_up_proj" : "experts.0.gate_proj.weight"))) {
+    load_experts_fp8(weights, prefix, fused);
+  } else if (on_cpu) {
     load_experts_cpu(weights, prefix);
   } else {
-    router_ = load_device(weights, prefix + "gate.weight", {e_count, h});
     load_experts_device(weights, prefix);
   }
   experts_.swiglu_limit = config.swiglu_limit;
@@ -35,13 +35,18 @@ Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) :
   }
   if (config.shared_expert_intermediate_size > 0) {
     const int64_t s = config.shared_expert_intermediate_size;
-    const auto get = [&](const std::string& key, const Shape& shape) {
-      return on_cpu ? weights.get(prefix + key, shape) : load_device(weights, prefix + key, shape);
+    // Plain on the CPU (views into the mapping), compute-dtype copies on the GPU, or FP8 on either.
+    const auto get = [&](const std::string& key, const Shape& shape) -> kernels::LinearWeight {
+      if (on_cpu || weights.linear_is_fp8(prefix + key)) return weights.get_linear(prefix + key, shape);
+      return load_device(weights, prefix + key, shape);
     };
     const std::string& shared = config.shared_expert_prefix;
     shared_expert_ = SwiGluWeights{get(shared + "gate_proj.weight", {s, h}), get(shared + "up_proj.weight", {s, h}),
                                    get(shared + "down_proj.weight", {h, s}), Tensor(), config.swiglu_limit};
-    if (config.shared_expert_gated) shared_expert_gate_ = get("shared_expert_gate.weight", {1, h});
+    if (config.shared_expert_gated) {
+      shared_expert_gate_ = on_cpu ? weights.get(prefix + "shared_expert_gate.weight", {1, h})
+                                   : load_device(weights, prefix + "shared_expert_gate.weight", {1, h});
+    }
   }
 }
 
@@ -86,6 +91,33 @@ void Moe::load_experts_device(Weights& weights, const std::string& prefix) {
   experts_ = kernels::MoeExpertWeights::from_fused(*gate_up, *down);
   owned_.push_back(std::move(gate_up));
   owned_.push_back(std::move(down));
+}
+
+void Moe::load_experts_fp8(Weights& weights, const std::string& prefix, bool fused) {
+  const int64_t e_count = config_.num_experts, h = config_.hidden_size, i = config_.expert_intermediate_size;
+  const int64_t hb = kernels::fp8_scale_blocks(h), ib = kernels::fp8_scale_blocks(i);
+  const Device device = weights.device();
+  OwnedTensor gate_up(DType::kF8E4M3, {e_count, 2 * i, h}, device);
+  OwnedTensor gate_up_scale(DType::kF32, {e_count, 2 * ib, hb}, device);
+  OwnedTensor down(DType::kF8E4M3, {e_count, h, i}, device);
+  OwnedTensor down_scale(DType::kF32, {e_count, hb, ib}, device);
+  for (int64_t e = 0; e < e_count; ++e) {
+    const Tensor codes = gate_up->select(0, e), scales = gate_up_scale->select(0, e);
+    const Tensor gate = codes.slice(0, 0, i), gate_scale = scales.slice(0, 0, ib);
+    const Tensor up = codes.slice(0, i, 2 * i), up_scale = scales.slice(0, ib, 2 * ib);
+    if (fused) {
+      weights.load_fp8_into(prefix + "experts.gate_up_proj", gate, gate_scale, e, 0);
+      weights.load_fp8_into(prefix + "experts.gate_up_proj", up, up_scale, e, i);
+      weights.load_fp8_into(prefix + "experts.down_proj", down->select(0, e), down_scale->select(0, e), e, 0);
+    } else {
+      const std::string key = prefix + "experts." + std::to_string(e) + ".";
+      weights.load_fp8_into(key + "gate_proj.weight", gate, gate_scale);
+      weights.load_fp8_into(key + "up_proj.weight", up, up_scale);
+      weights.load_fp8_into(key + "down_proj.weight", down->select(0, e), down_scale->select(0, e));
+    }
+  }
+  experts_ = kernels::MoeExpertWeights::from_fused_fp8(*gate_up, *gate_up_scale, *down, *down_scale);
+  for (OwnedTensor* owned : {&gate_up, &gate_up_scale, &down, &down_scale}) owned_.push_back(std::move(*owned));
 }
 
 Tensor Moe::load_device(Weights& weights, const std::string& key, const Shape& shape) {

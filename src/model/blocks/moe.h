@@ -11,6 +11,11 @@
 // the layout the kernels read (kernels::MoeExpertWeights): contiguous gate_up [E, 2I, H] and
 // down [E, H, I] in the compute dtype (bf16, or f32 in an f32 run), converted at load when the
 // checkpoint stores another dtype.
+// FP8 experts (f8e4m3 tensors with *_scale_inv, or Weights under --quantization fp8) take that fused
+// layout on both devices, in f8e4m3 with fp32 128x128 block scales (MoeExpertWeights::gate_up_scale,
+// down_scale), read or quantised one expert at a time: no bf16 copy of the experts is ever made.
+// The shared expert's projections read through Weights::get_linear (plain or FP8); the router
+// (gate.weight) and shared_expert_gate stay plain (in the compute dtype on the GPU).
 //
 // forward runs the same ops on both devices, all from host-known shapes (graph-safe on CUDA):
 //   router logits [T, E] f32 = x . W_gate^T; moe_route -> topk ids [T, k], weights [T, k];
@@ -61,6 +66,9 @@ class Moe : public FeedForward {
  private:
   void load_experts_cpu(Weights& weights, const std::string& prefix);
   void load_experts_device(Weights& weights, const std::string& prefix);
+  // FP8 experts (an f8e4m3 checkpoint, --quantization fp8, or random FP8) on either device: fused
+  // f8e4m3 gate_up [E, 2I, H] and down [E, H, I] with their block scales, from either layout.
+  void load_experts_fp8(Weights& weights, const std::string& prefix, bool fused);
   // The checkpoint tensor `prefix + key` in the compute dtype on the model's (CUDA) device, owned by
   // the block.
   Tensor load_device(Weights& weights, const std::string& key, const Shape& shape);

@@ -2,7 +2,7 @@
 
 #include "core/error.h"
 #include "kernels/embedding.h"
-#include "kernels/linear.h"
+#include "kernels/linear_weight.h"
 
 namespace metrale {
 

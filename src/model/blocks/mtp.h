@@ -26,6 +26,7 @@
 #include <span>
 #include <vector>
 
+#include "kernels/linear_weight.h"
 #include "model/blocks/layer.h"
 #include "model/blocks/layer_stack.h"
 #include "model/blocks/norms.h"
@@ -37,7 +38,7 @@ namespace metrale {
 struct MtpHeadParts {
   RmsNorm pre_fc_norm_embedding;  // [H]
   RmsNorm pre_fc_norm_hidden;     // [H]
-  Tensor fc;                      // [H, 2H]
+  kernels::LinearWeight fc;       // [H, 2H], plain or FP8
   std::vector<DecoderLayer> layers;
   // The layers' sites and the head's final norm `norm` [H] (PreNormResidual for Qwen3.5 / Qwen3-Next).
   std::unique_ptr<ResidualScheme> residual;
@@ -70,7 +71,8 @@ class MtpHead {
                    const Tensor& residual);
 
   RmsNorm pre_fc_norm_embedding_, pre_fc_norm_hidden_;
-  Tensor fc_, embed_tokens_;
+  kernels::LinearWeight fc_;
+  Tensor embed_tokens_;
   LayerStack layers_;
   std::vector<Buffer> device_weights_;
 };

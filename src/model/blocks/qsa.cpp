@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
-#include "kernels/linear.h"
+#include "kernels/linear_weight.h"
 #include "kernels/qk_norm_rope.h"
 #include "kernels/qsa.h"
 #include "kernels/sigmoid_gate.h"
@@ -27,21 +27,21 @@ QsaAttention::QsaAttention(const QsaConfig& config, Weights& weights, const std:
           rope_->rotary_dim(), d_idx);
   }
   const int64_t q_rows = 2 * config.num_heads * d, kv_rows = config.num_kv_heads * d;
-  if (weights.device().is_cuda()) {
+  if (weights.device().is_cuda() && !weights.fp8_linears()) {
     qkv_proj_ = OwnedTensor(weights.compute_dtype(), {q_rows + 2 * kv_rows, h}, weights.device());
     weights.load_into(prefix + "q_proj.weight", qkv_proj_.tensor.slice(0, 0, q_rows));
     weights.load_into(prefix + "k_proj.weight", qkv_proj_.tensor.slice(0, q_rows, q_rows + kv_rows));
     weights.load_into(prefix + "v_proj.weight", qkv_proj_.tensor.slice(0, q_rows + kv_rows, q_rows + 2 * kv_rows));
   } else {
-    q_proj_ = weights.get(prefix + "q_proj.weight", {q_rows, h});
-    k_proj_ = weights.get(prefix + "k_proj.weight", {kv_rows, h});
-    v_proj_ = weights.get(prefix + "v_proj.weight", {kv_rows, h});
+    q_proj_ = weights.get_linear(prefix + "q_proj.weight", {q_rows, h});
+    k_proj_ = weights.get_linear(prefix + "k_proj.weight", {kv_rows, h});
+    v_proj_ = weights.get_linear(prefix + "v_proj.weight", {kv_rows, h});
   }
-  o_proj_ = weights.get(prefix + "o_proj.weight", {h, config.num_heads * d});
+  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, config.num_heads * d});
   const auto zero_centred = kernels::RmsNormKind::kZeroCentered;
   q_norm_ = RmsNorm::load(weights, prefix + "q_norm.weight", d, config.rms_norm_eps, zero_centred);
   k_norm_ = RmsNorm::load(weights, prefix + "k_norm.weight", d, config.rms_norm_eps, zero_centred);
-  index_qk_proj_ = weights.get(prefix + "indexer.index_qk_proj.weight", {(config.index_heads + 1) * d_idx, h});
+  index_qk_proj_ = weights.get_linear(prefix + "indexer.index_qk_proj.weight", {(config.index_heads + 1) * d_idx, h});
   index_q_norm_ = weights.get(prefix + "indexer.q_layernorm.weight", {d_idx});
   index_k_norm_ = weights.get(prefix + "indexer.k_layernorm.weight", {d_idx});
 }

@@ -61,10 +61,11 @@ class QsaAttention : public Mixer {
   static constexpr size_t kKeys = 0, kValues = 1, kIndexKeys = 2, kBlockKeys = 3;  // BlockCache::tensors
 
   QsaConfig config_;
-  OwnedTensor qkv_proj_;                       // GPU: [2 nH D + 2 nKV D, H] fused
-  Tensor q_proj_, k_proj_, v_proj_, o_proj_;   // CPU views: [2 nH D, H], [nKV D, H] x 2; [H, nH D]
+  OwnedTensor qkv_proj_;  // GPU with bf16 weights: [2 nH D + 2 nKV D, H] fused
+  // Plain (CPU views) or FP8: [2 nH D, H], [nKV D, H] x 2; [H, nH D].
+  kernels::LinearWeight q_proj_, k_proj_, v_proj_, o_proj_;
   RmsNorm q_norm_, k_norm_;                    // [D] zero-centred
-  Tensor index_qk_proj_;                       // [(n_idx + 1) d_idx, H]
+  kernels::LinearWeight index_qk_proj_;        // [(n_idx + 1) d_idx, H]
   Tensor index_q_norm_, index_k_norm_;         // [d_idx] zero-centred
   std::shared_ptr<const RotaryEmbedding> rope_;
   float scale_;
