@@ -72,6 +72,11 @@ void add_engine_options(CLI::App& command, EngineOptions& options) {
   command.add_option("--high-speed-swap", options.high_speed_swap,
                      "directory on a local disk for the blocks and state slots the host tier (--swap-space) spills, "
                      "least recently used first (needs --swap-disk-space)");
+  command.add_option("--preemption-mode", options.preemption_mode,
+                     "how a preempted sequence comes back: auto (swap when moving its cache to the host and back is "
+                     "cheaper than recomputing it, by measured costs), swap (whenever the host tier has room), "
+                     "recompute")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "swap", "recompute"}));
   command.add_option("--swap-disk-space", options.swap_disk_space_gib,
                      "GiB of disk the --high-speed-swap directory may hold")
       ->capture_default_str()->check(CLI::Range(0.0, 1e7));
@@ -184,6 +189,9 @@ EngineConfig engine_config_from(const EngineOptions& options) {
   config.swap_disk_dir = options.high_speed_swap;
   config.swap_disk_bytes = static_cast<uint64_t>(options.swap_disk_space_gib * 1024.0 * 1024.0 * 1024.0);
   config.scheduler.max_num_seqs = options.max_num_seqs;
+  config.scheduler.preemption_mode = options.preemption_mode == "swap"        ? PreemptionMode::kSwap
+                                     : options.preemption_mode == "recompute" ? PreemptionMode::kRecompute
+                                                                              : PreemptionMode::kAuto;
   config.scheduler.max_num_batched_tokens = options.max_num_batched_tokens;
   config.gpu_memory_utilization = options.gpu_memory_utilization;
   config.cuda_graphs = !options.no_cuda_graphs;

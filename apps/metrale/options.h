@@ -31,6 +31,7 @@ struct EngineOptions {
   double swap_space_gib = 0.0;            // host tier for preempted sequences' KV blocks and state slots; 0: none
   std::string high_speed_swap;            // disk tier directory; empty: none
   double swap_disk_space_gib = 0.0;       // disk tier bound
+  std::string preemption_mode = "auto";   // auto | swap | recompute
   bool no_cuda_graphs = false;
   bool enable_prefix_caching = true;
   // Hybrid models: tokens between prefill state checkpoints, a multiple of block_size; 0: 512

@@ -169,6 +169,8 @@ class CacheManager {
   const PrefixCache& host_prefix_cache() const { return host_prefix_; }
   const SwapCounters& swap_counters() const { return swap_counters_; }
   const DiskTier* disk_tier() const { return disk_.get(); }
+  // State checkpoints the host tier holds (in host slots no swapped sequence holds).
+  int32_t num_host_checkpoints() const { return static_cast<int32_t>(host_checkpoints_.size()); }
   // Whether the host tier can take the sequence's blocks and its slot: now, or (with a disk tier)
   // once older swapped sequences have moved to disk, which swap_out then tries.
   bool can_swap_out(int64_t seq_id) const;

@@ -119,7 +119,7 @@ void DiskTier::worker_loop() {
   idle_.notify_all();
 }
 
-void DiskTier::drain() {
+void DiskTier::drain() const {
   std::unique_lock<std::mutex> lock(mutex_);
   idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
 }

@@ -74,7 +74,7 @@ class DiskTier {
   std::future<DiskRead> read_block(int32_t block);
   std::future<DiskRead> read_slot(int32_t slot);
   // Waits until every queued job has run (tests; shutdown).
-  void drain();
+  void drain() const;
   // Bytes written and read since start-up, and the seconds the worker spent on them.
   uint64_t bytes_written() const;
   uint64_t bytes_read() const;
@@ -100,7 +100,7 @@ class DiskTier {
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;
-  std::condition_variable idle_;
+  mutable std::condition_variable idle_;
   std::deque<Job> queue_;
   bool busy_ = false;
   bool stopping_ = false;

@@ -161,7 +161,7 @@ EngineStats Engine::stats() const {
   stats.host_blocks_total = host.num_blocks();
   stats.host_blocks_used = host.num_used_blocks();
   stats.host_slots_total = host.num_slots();
-  stats.host_slots_used = host.num_used_slots();
+  stats.host_slots_used = host.num_used_slots() - cache_->num_host_checkpoints();
   return stats;
 }
 
@@ -496,7 +496,8 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
   cache_->seal_host_tier();
   // Disk reads for the next swapped sequences to come back, overlapping the next steps.
   size_t prefetched = 0;
-  for (auto it = waiting_.begin(); it != waiting_.end() && prefetched < 2; ++it) {
+  for (auto it = waiting_.begin(); it != waiting_.end() && prefetched < static_cast<size_t>(std::max(config_.swap_prefetch, 0));
+       ++it) {
     if (!cache_->is_swapped_to_disk((*it)->id)) continue;
     cache_->prefetch((*it)->id);
     ++prefetched;

@@ -49,6 +49,9 @@ struct EngineConfig {
   // and state slots the host tier spills (LRU), bounded by swap_disk_bytes; empty: none.
   std::filesystem::path swap_disk_dir{};
   uint64_t swap_disk_bytes = 0;
+  // Swapped-to-disk sequences at the head of the waiting queue whose disk reads are queued after
+  // each step, ahead of their swap-in (their bytes then wait in host memory); 0: read at swap-in.
+  int32_t swap_prefetch = 2;
   // Speculative decoding (engine/speculator.h): method none|ngram|mtp, num_drafts, ngram_min/max.
   SpeculativeConfig speculative;
   // A step that carries decode rows takes at most this many times a decode-only step of its batch
@@ -140,7 +143,7 @@ struct EngineStats {
   int32_t host_blocks_total = 0;
   int32_t host_blocks_used = 0;
   int32_t host_slots_total = 0;
-  int32_t host_slots_used = 0;
+  int32_t host_slots_used = 0;          // held by swapped-out sequences (the rest: free or checkpoints)
   // Disk tier: swapped sequences moved there from the host tier, prefix blocks spilled there and
   // brought back; state checkpoints kept below the device and restored; tier entries lost to an
   // integrity failure (recomputed).

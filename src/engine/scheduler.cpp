@@ -27,9 +27,10 @@ void Scheduler::preempt(Sequence* sequence, CacheManager& cache) const {
   sequence->clear_drafts();
   sequence->status = SequenceStatus::kWaiting;
   ++sequence->num_preemptions;
-  if (cache.can_swap_out(sequence->id)) {
+  if (config_.preemption_mode != PreemptionMode::kRecompute && cache.can_swap_out(sequence->id)) {
     const uint64_t bytes = cache.swap_bytes(sequence->id);
-    const bool swap = costs_.prefers_swap(bytes, sequence->num_computed);
+    const bool swap =
+        config_.preemption_mode == PreemptionMode::kSwap || costs_.prefers_swap(bytes, sequence->num_computed);
     METRALE_LOG_DEBUG("preempting sequence {}: swap {} bytes out and in at {:.2f} GB/s ({:.3f} ms) or recompute {} "
                       "tokens at {:.3f} ms/token ({:.3f} ms): {}",
                       sequence->id, bytes, costs_.copy_bytes_per_second / 1e9,

@@ -30,10 +30,15 @@
 
 namespace metrale {
 
+// How a preempted sequence gets back: by the cheaper way (kAuto: swap or recompute, PreemptionCosts),
+// by a swap whenever the tier has room (kSwap), or always by recompute (kRecompute).
+enum class PreemptionMode { kAuto, kSwap, kRecompute };
+
 struct SchedulerConfig {
   int32_t max_num_seqs = 64;              // running sequences at most
   int32_t max_num_batched_tokens = 2048;  // tokens per step at most
   int32_t max_prefill_chunk = 0;          // tokens per sequence per step at most (0: no limit)
+  PreemptionMode preemption_mode = PreemptionMode::kAuto;
 };
 
 struct ScheduledChunk {
