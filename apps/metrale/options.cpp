@@ -24,7 +24,7 @@ std::filesystem::path default_model_dir() {
 }
 
 LoadOptions load_options(const EngineOptions& options) {
-  return LoadOptions{options.allow_unused_weights, parse_weight_quantization(options.quantization)};
+  return LoadOptions{options.allow_unused_weights, parse_weight_quantization(options.quantization), options.load_threads};
 }
 
 void add_model_option(CLI::App& command, EngineOptions& options) {
@@ -33,6 +33,10 @@ void add_model_option(CLI::App& command, EngineOptions& options) {
 }
 
 void add_device_options(CLI::App& command, EngineOptions& options) {
+  command.add_option("--load-threads", options.load_threads,
+                     "threads that read the checkpoint into memory while the model is built (0: one per hardware "
+                     "thread, at most 32)")
+      ->capture_default_str()->check(CLI::Range(0, 1024));
   command.add_flag("--allow-unused-weights", options.allow_unused_weights,
                    "load a checkpoint whose tensors the model does not all read (a warning instead of an error)");
   command.add_option("--quantization", options.quantization,

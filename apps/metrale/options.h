@@ -32,6 +32,7 @@ struct EngineOptions {
   std::string high_speed_swap;            // disk tier directory; empty: none
   double swap_disk_space_gib = 0.0;       // disk tier bound
   std::string preemption_mode = "auto";   // auto | swap | recompute
+  int32_t load_threads = 0;               // checkpoint reader threads; 0: hardware concurrency
   bool no_cuda_graphs = false;
   bool enable_prefix_caching = true;
   // Hybrid models: tokens between prefill state checkpoints, a multiple of block_size; 0: 512

@@ -77,8 +77,8 @@ void CacheManager::offload_evicted_block(int32_t block) {
   const BlockHash& hash = prefix_.hash_of(block);
   // Its checkpoint first: the slot is freed right after this returns.
   if (const int32_t slot = prefix_.checkpoint(block); slot >= 0) offload_checkpoint(hash, slot);
-  if (host_prefix_.find(hash) >= 0) return;      // the host already holds this prefix block
-  if (host_.num_free_blocks() == 0) return;      // every host block holds a swapped sequence
+  if (host_prefix_.find(hash) >= 0) return;  // the host already holds this prefix block
+  if (host_.num_free_blocks() == 0) return;  // every host block holds a swapped sequence
   std::vector<int32_t> taken;
   if (!take_host_blocks(1, taken, std::nullopt)) return;
   const int32_t host_block = taken.front();
@@ -97,7 +97,7 @@ void CacheManager::offload_checkpoint(const BlockHash& hash, int32_t device_slot
     return;
   }
   const int32_t host_slot = take_host_slot(std::nullopt);
-  if (host_slot < 0) return;  // every host slot holds a swapped sequence's state
+  if (host_slot < 0) return;                                // every host slot holds a swapped sequence's state
   host_.store_slot(slot_storage_, device_slot, host_slot);  // queued before the slot's next writer
   host_checkpoints_.insert(hash, host_slot);
   ++swap_counters_.checkpoints_out;
@@ -119,8 +119,9 @@ void CacheManager::spill_host_block(int32_t host_block) {
   if (!take_disk_blocks(1, taken)) return;  // every disk block holds a swapped sequence
   const int32_t disk_block = taken.front();
   disk_->write_block(disk_block, host_.pack_block(host_block));
-  METRALE_CHECK(disk_prefix_.insert(disk_block, hash, host_prefix_.parent_of(host_block), host_prefix_.tokens_of(host_block)),
-                "disk prefix index refused block {}", disk_block);
+  METRALE_CHECK(
+      disk_prefix_.insert(disk_block, hash, host_prefix_.parent_of(host_block), host_prefix_.tokens_of(host_block)),
+      "disk prefix index refused block {}", disk_block);
   disk_->block_pool().mark_cached(disk_block);
   disk_->block_pool().release(disk_block);
   ++swap_counters_.prefix_blocks_to_disk;
@@ -262,7 +263,8 @@ bool CacheManager::restore_tier_hits(SequenceEntry& entry, std::span<const int32
     if (entry.blocks[i] >= 0) pool_.release(entry.blocks[i]);
   entry.blocks.resize(cut);
   entry.hashes.resize(cut);
-  const auto kept = static_cast<size_t>(std::count_if(hits.begin(), hits.end(), [&](const TierHit& hit) { return hit.index < cut; }));
+  const auto kept =
+      static_cast<size_t>(std::count_if(hits.begin(), hits.end(), [&](const TierHit& hit) { return hit.index < cut; }));
 
   bool restored = false;
   bool packed_copies = false;
@@ -280,7 +282,9 @@ bool CacheManager::restore_tier_hits(SequenceEntry& entry, std::span<const int32
     restored = true;
   }
   // The hits' tier blocks are pinned so that what the allocation evicts cannot take them.
-  const auto pool_of = [&](Tier tier) -> BlockPool& { return tier == Tier::kHost ? host_.block_pool() : disk_->block_pool(); };
+  const auto pool_of = [&](Tier tier) -> BlockPool& {
+    return tier == Tier::kHost ? host_.block_pool() : disk_->block_pool();
+  };
   for (size_t h = 0; h < kept; ++h) pool_of(hits[h].tier).retain(hits[h].block);
   std::vector<int32_t> fresh;
   allocate_blocks(static_cast<int32_t>(kept), fresh);

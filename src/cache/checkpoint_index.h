@@ -16,7 +16,8 @@ namespace metrale {
 class CheckpointIndex {
  public:
   explicit CheckpointIndex(int32_t num_slots = 0)
-      : hashes_(static_cast<size_t>(num_slots)), used_at_(static_cast<size_t>(num_slots), 0),
+      : hashes_(static_cast<size_t>(num_slots)),
+        used_at_(static_cast<size_t>(num_slots), 0),
         valid_(static_cast<size_t>(num_slots), 0) {}
 
   size_t size() const { return by_hash_.size(); }

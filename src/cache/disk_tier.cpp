@@ -15,7 +15,9 @@
 
 namespace metrale {
 
-uint64_t entry_checksum(const void* bytes, size_t size) { return XXH3_64bits(bytes, size); }
+uint64_t entry_checksum(const void* bytes, size_t size) {
+  return XXH3_64bits(bytes, size);
+}
 
 namespace {
 
@@ -66,7 +68,8 @@ DiskTier::DiskTier(const std::filesystem::path& parent, size_t block_bytes, size
     FileDescriptor fd(::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600));
     const char byte = 0;
     if (fd.get() < 0 || ::write(fd.get(), &byte, 1) != 1)
-      raise(ErrorCode::kInvalidArgument, "--high-speed-swap: cannot write in {} ({})", dir_.string(), std::strerror(errno));
+      raise(ErrorCode::kInvalidArgument, "--high-speed-swap: cannot write in {} ({})", dir_.string(),
+            std::strerror(errno));
   }
   std::filesystem::remove(probe, error);
   worker_ = std::thread([this] { worker_loop(); });
@@ -88,8 +91,12 @@ uint64_t DiskTier::capacity_bytes() const {
   return block_bytes_ * static_cast<uint64_t>(num_blocks()) + slot_bytes_ * static_cast<uint64_t>(num_slots());
 }
 
-std::filesystem::path DiskTier::block_path(int32_t block) const { return dir_ / fmt::format("block-{}.kv", block); }
-std::filesystem::path DiskTier::slot_path(int32_t slot) const { return dir_ / fmt::format("slot-{}.state", slot); }
+std::filesystem::path DiskTier::block_path(int32_t block) const {
+  return dir_ / fmt::format("block-{}.kv", block);
+}
+std::filesystem::path DiskTier::slot_path(int32_t slot) const {
+  return dir_ / fmt::format("slot-{}.state", slot);
+}
 
 void DiskTier::enqueue(std::function<void()> run) {
   {

@@ -36,6 +36,9 @@ struct LoadOptions {
   // attention and MLP) are quantised to FP8 blocks at load. A checkpoint whose config.json declares
   // fp8 quantization is read in FP8 either way.
   WeightQuantization quantization = WeightQuantization::kNone;
+  // Threads that bring the checkpoint's pages into memory while the model is built from them
+  // (model/weight_prefetch.h); 0: the hardware's concurrency; 1 and up: that many.
+  int32_t load_threads = 0;
 };
 
 std::span<const ArchEntry> registered_architectures();

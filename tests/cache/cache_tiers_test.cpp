@@ -120,7 +120,8 @@ CacheConfig tiered(int32_t device_blocks, int32_t host_blocks, int32_t disk_bloc
 
 float value_at(const std::vector<int32_t>& tokens, int64_t length, int64_t i) {
   uint64_t h = 1469598103934665603ull;
-  for (int64_t p = 0; p < length; ++p) h = (h ^ static_cast<uint64_t>(tokens[static_cast<size_t>(p)])) * 1099511628211ull;
+  for (int64_t p = 0; p < length; ++p)
+    h = (h ^ static_cast<uint64_t>(tokens[static_cast<size_t>(p)])) * 1099511628211ull;
   return static_cast<float>((h >> 11) % 100003) + 0.25f * static_cast<float>(i);
 }
 

@@ -3,8 +3,8 @@
 // disk files deleted mid-run make the engine recompute, with a warning, never a wrong token.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <deque>
+#include <filesystem>
 #include <map>
 #include <tuple>
 
@@ -76,7 +76,7 @@ TEST(TieredEngine, SwapsThroughDiskGiveTheTokensOfNoSwapEvenWhenFilesVanish) {
       // Deleted files must be read after they vanish: no reads queued ahead of the swap-in.
       if (delete_files) config.swap_prefetch = 0;
       Engine engine(load_model(model_dir, Device::cpu()), config);
-      
+
       ASSERT_EQ(engine.plan().num_disk_blocks, 64);
       ASSERT_NE(engine.cache().disk_tier(), nullptr);
       const auto tier_dir = engine.cache().disk_tier()->directory();
@@ -168,7 +168,7 @@ TEST(TieredEngine, HybridGoldenPrefixHitAfterEvictionToDiskEqualsAColdRun) {
 
     EngineConfig config;
     config.max_model_len = 512;
-    config.num_kv_blocks = 10;          // one sequence of up to 160 tokens
+    config.num_kv_blocks = 10;  // one sequence of up to 160 tokens
     config.state_checkpoint_interval = 32;
     config.state_checkpoint_slots = 1;  // the second prompt's checkpoints push the first's off the device
     config.scheduler.max_num_seqs = 2;
