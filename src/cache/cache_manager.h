@@ -259,7 +259,7 @@ class CacheManager {
     std::vector<int32_t> blocks;  // the block table's contents, in order: host blocks, or disk blocks
     int32_t slot = -1;            // the state slot's contents (host or disk slot); -1: it held no slot
     bool on_disk = false;
-    uint64_t swapped_at = 0;      // for moving the oldest to disk first
+    uint64_t swapped_at = 0;                   // for moving the oldest to disk first
     std::vector<std::future<DiskRead>> reads;  // prefetch(): the blocks', then the slot's
   };
   HostTier host_;

@@ -43,7 +43,8 @@ bool CacheManager::swap_out(int64_t seq_id) {
       return false;
     }
   }
-  for (size_t i = 0; i < entry.blocks.size(); ++i) host_.store_block(paged_storage_, entry.blocks[i], swapped.blocks[i]);
+  for (size_t i = 0; i < entry.blocks.size(); ++i)
+    host_.store_block(paged_storage_, entry.blocks[i], swapped.blocks[i]);
   if (swapped.slot >= 0) host_.store_slot(slot_storage_, entry.state_slot, swapped.slot);
   // The copies are queued ahead of any later write to the released blocks and slot.
   ++swap_counters_.sequences_out;
@@ -243,12 +244,14 @@ void CacheManager::check_disk_tier_integrity() const {
                   block, disk_pool.is_cached(block), disk_prefix_.holds(block));
   }
   METRALE_CHECK(static_cast<int32_t>(disk_prefix_.size()) == disk_pool.num_cached(),
-                "disk prefix index has {} hashes for {} cached disk blocks", disk_prefix_.size(), disk_pool.num_cached());
+                "disk prefix index has {} hashes for {} cached disk blocks", disk_prefix_.size(),
+                disk_pool.num_cached());
   int32_t checkpoints = 0;
   for (int32_t slot = 0; slot < disk_->num_slots(); ++slot) {
     if (!disk_checkpoints_.holds(slot)) continue;
-    METRALE_CHECK(disk_->slot_pool().is_allocated(slot) && disk_checkpoints_.find(disk_checkpoints_.hash_of(slot)) == slot,
-                  "disk checkpoint slot {} is not allocated to it", slot);
+    METRALE_CHECK(
+        disk_->slot_pool().is_allocated(slot) && disk_checkpoints_.find(disk_checkpoints_.hash_of(slot)) == slot,
+        "disk checkpoint slot {} is not allocated to it", slot);
     ++checkpoints;
   }
   METRALE_CHECK(static_cast<size_t>(checkpoints) == disk_checkpoints_.size() &&

@@ -165,7 +165,8 @@ std::vector<std::byte> HostTier::pack(Seals& seals, const std::vector<Area>& are
   size_t offset = 0;
   for (const Area& area : areas) {
     if (area.unit_bytes == 0) continue;
-    std::memcpy(packed.data() + offset, area.data() + static_cast<size_t>(host_index) * area.unit_bytes, area.unit_bytes);
+    std::memcpy(packed.data() + offset, area.data() + static_cast<size_t>(host_index) * area.unit_bytes,
+                area.unit_bytes);
     offset += area.unit_bytes;
   }
   return packed;

@@ -1,5 +1,7 @@
 #include "engine/engine.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -11,8 +13,6 @@
 #include "core/strings.h"
 #include "runtime/buffer.h"
 #include "runtime/stream.h"
-
-#include <fmt/ranges.h>
 
 namespace metrale {
 
@@ -47,8 +47,8 @@ std::string EnginePlan::describe() const {
     text += ")";
   }
   if (disk_tier_bytes > 0) {
-    text += fmt::format("; disk tier {} in {} ({} blocks, {} state slots)", format_bytes(disk_tier_bytes), disk_tier_dir,
-                        num_disk_blocks, num_disk_slots);
+    text += fmt::format("; disk tier {} in {} ({} blocks, {} state slots)", format_bytes(disk_tier_bytes),
+                        disk_tier_dir, num_disk_blocks, num_disk_slots);
   }
   if (!graph_batch_sizes.empty()) text += fmt::format("; decode graphs for batch {}", fmt::join(graph_batch_sizes, ","));
   return text;
@@ -496,8 +496,8 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
   cache_->seal_host_tier();
   // Disk reads for the next swapped sequences to come back, overlapping the next steps.
   size_t prefetched = 0;
-  for (auto it = waiting_.begin(); it != waiting_.end() && prefetched < static_cast<size_t>(std::max(config_.swap_prefetch, 0));
-       ++it) {
+  for (auto it = waiting_.begin();
+       it != waiting_.end() && prefetched < static_cast<size_t>(std::max(config_.swap_prefetch, 0)); ++it) {
     if (!cache_->is_swapped_to_disk((*it)->id)) continue;
     cache_->prefetch((*it)->id);
     ++prefetched;

@@ -143,7 +143,7 @@ struct EngineStats {
   int32_t host_blocks_total = 0;
   int32_t host_blocks_used = 0;
   int32_t host_slots_total = 0;
-  int32_t host_slots_used = 0;          // held by swapped-out sequences (the rest: free or checkpoints)
+  int32_t host_slots_used = 0;  // held by swapped-out sequences (the rest: free or checkpoints)
   // Disk tier: swapped sequences moved there from the host tier, prefix blocks spilled there and
   // brought back; state checkpoints kept below the device and restored; tier entries lost to an
   // integrity failure (recomputed).

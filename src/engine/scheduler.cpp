@@ -31,13 +31,14 @@ void Scheduler::preempt(Sequence* sequence, CacheManager& cache) const {
     const uint64_t bytes = cache.swap_bytes(sequence->id);
     const bool swap =
         config_.preemption_mode == PreemptionMode::kSwap || costs_.prefers_swap(bytes, sequence->num_computed);
-    METRALE_LOG_DEBUG("preempting sequence {}: swap {} bytes out and in at {:.2f} GB/s ({:.3f} ms) or recompute {} "
-                      "tokens at {:.3f} ms/token ({:.3f} ms): {}",
-                      sequence->id, bytes, costs_.copy_bytes_per_second / 1e9,
-                      costs_.copy_bytes_per_second > 0 ? 2e3 * static_cast<double>(bytes) / costs_.copy_bytes_per_second : 0.0,
-                      sequence->num_computed, costs_.prefill_seconds_per_token * 1e3,
-                      static_cast<double>(sequence->num_computed) * costs_.prefill_seconds_per_token * 1e3,
-                      swap ? "swap" : "recompute");
+    METRALE_LOG_DEBUG(
+        "preempting sequence {}: swap {} bytes out and in at {:.2f} GB/s ({:.3f} ms) or recompute {} "
+        "tokens at {:.3f} ms/token ({:.3f} ms): {}",
+        sequence->id, bytes, costs_.copy_bytes_per_second / 1e9,
+        costs_.copy_bytes_per_second > 0 ? 2e3 * static_cast<double>(bytes) / costs_.copy_bytes_per_second : 0.0,
+        sequence->num_computed, costs_.prefill_seconds_per_token * 1e3,
+        static_cast<double>(sequence->num_computed) * costs_.prefill_seconds_per_token * 1e3,
+        swap ? "swap" : "recompute");
     if (swap && cache.swap_out(sequence->id)) return;
   }
   cache.free_sequence(sequence->id);
@@ -123,11 +124,11 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
         METRALE_CHECK(cache.reserve(sequence->id, sequence->num_computed + count),
                       "swapped sequence {} did not fit as can_swap_in said", sequence->id);
         ++plan.swapped_in;
-      waiting.pop_front();
-      if (sequence->num_tokens() - sequence->num_computed > 1) prefill_left -= count;
-      sequence->status = SequenceStatus::kRunning;
-      running.push_back(sequence);
-      plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens(), 0});
+        waiting.pop_front();
+        if (sequence->num_tokens() - sequence->num_computed > 1) prefill_left -= count;
+        sequence->status = SequenceStatus::kRunning;
+        running.push_back(sequence);
+        plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens(), 0});
         plan.num_tokens += count;
         budget -= count;
         continue;

@@ -1,9 +1,9 @@
 #include "model/registry.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
-
-#include <fmt/format.h>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -130,7 +130,8 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   WeightPrefetcher prefetcher(store->mapped_ranges(), options.load_threads);
   // Counted as they are read; the count may end below the total (tensors an architecture skips).
   auto progress = std::make_shared<StageProgress>(
-      "weights", fmt::format("loading weights of {} from {} on {}", entry->model_type, dir.string(), device.to_string()),
+      "weights",
+      fmt::format("loading weights of {} from {} on {}", entry->model_type, dir.string(), device.to_string()),
       fmt::format("loaded weights ({} reader threads)", prefetcher.num_threads()), "tensors",
       static_cast<int64_t>(store->names().size()), store->total_bytes());
   weights.set_progress(progress);
@@ -140,7 +141,8 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   METRALE_LOG_INFO("loaded {} tensors, {:.2f} GB in {:.2f} s ({:.2f} GB/s; {} reader threads)", progress->items(),
                    static_cast<double>(progress->bytes()) / 1e9, seconds,
-                   seconds > 0 ? static_cast<double>(progress->bytes()) / 1e9 / seconds : 0.0, prefetcher.num_threads());
+                   seconds > 0 ? static_cast<double>(progress->bytes()) / 1e9 / seconds : 0.0,
+                   prefetcher.num_threads());
   progress->finish();
   check_unused_tensors(*entry, config, *store, options);
   return model;
