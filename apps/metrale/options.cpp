@@ -32,7 +32,7 @@ std::optional<DType> compute_dtype(const EngineOptions& options) {
 
 LoadOptions load_options(const EngineOptions& options) {
   return LoadOptions{options.allow_unused_weights, parse_weight_quantization(options.quantization),
-                     compute_dtype(options)};
+                     compute_dtype(options), options.load_threads};
 }
 
 void add_model_option(CLI::App& command, EngineOptions& options) {
@@ -41,6 +41,12 @@ void add_model_option(CLI::App& command, EngineOptions& options) {
 }
 
 void add_device_options(CLI::App& command, EngineOptions& options) {
+  command
+      .add_option("--load-threads", options.load_threads,
+                  "threads that read the checkpoint into memory while the model is built (0: one per hardware "
+                  "thread, at most 32)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
   command.add_flag("--allow-unused-weights", options.allow_unused_weights,
                    "load a checkpoint whose tensors the model does not all read (a warning instead of an error)");
   command
@@ -82,10 +88,28 @@ void add_engine_options(CLI::App& command, EngineOptions& options) {
   command.add_option("--gpu-memory-utilization", options.gpu_memory_utilization,
                      "GPU: share of device memory for weights, workspace, graphs and KV cache")
       ->capture_default_str()->check(CLI::Range(0.05, 1.0));
-  command.add_option("--swap-space", options.swap_space_gib,
-                     "GiB of host memory (pinned on a GPU) that preempted sequences' KV blocks and recurrent state "
-                     "are swapped to instead of being recomputed (default 0: recompute)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1e6));
+  command
+      .add_option("--swap-space", options.swap_space_gib,
+                  "GiB of host memory (pinned on a GPU) that preempted sequences' KV blocks and recurrent state "
+                  "are swapped to instead of being recomputed, and that evicted prefix-cache blocks and state "
+                  "checkpoints are kept in (default 0: recompute)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
+  command.add_option("--high-speed-swap", options.high_speed_swap,
+                     "directory on a local disk for the blocks and state slots the host tier (--swap-space) spills, "
+                     "least recently used first (needs --swap-disk-space)");
+  command
+      .add_option("--preemption-mode", options.preemption_mode,
+                  "how a preempted sequence comes back: auto (swap when moving its cache to the host and back is "
+                  "cheaper than recomputing it, by measured costs), swap (whenever the host tier has room), "
+                  "recompute")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "swap", "recompute"}));
+  command
+      .add_option("--swap-disk-space", options.swap_disk_space_gib,
+                  "GiB of disk the --high-speed-swap directory may hold")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e7));
   command.add_flag("--no-cuda-graphs", options.no_cuda_graphs, "GPU: run decode steps without CUDA graphs");
   command.add_flag("--enable-prefix-caching,!--no-prefix-caching", options.enable_prefix_caching,
                    "reuse the cached KV blocks (and recurrent state) of shared prompt prefixes (default: on)");
@@ -192,7 +216,12 @@ EngineConfig engine_config_from(const EngineOptions& options) {
   config.max_model_len = options.max_model_len;
   config.kv_cache_bytes = parse_byte_size(options.kv_cache_memory, "--kv-cache-memory");
   config.swap_space_bytes = static_cast<uint64_t>(options.swap_space_gib * 1024.0 * 1024.0 * 1024.0);
+  config.swap_disk_dir = options.high_speed_swap;
+  config.swap_disk_bytes = static_cast<uint64_t>(options.swap_disk_space_gib * 1024.0 * 1024.0 * 1024.0);
   config.scheduler.max_num_seqs = options.max_num_seqs;
+  config.scheduler.preemption_mode = options.preemption_mode == "swap"        ? PreemptionMode::kSwap
+                                     : options.preemption_mode == "recompute" ? PreemptionMode::kRecompute
+                                                                              : PreemptionMode::kAuto;
   config.scheduler.max_num_batched_tokens = options.max_num_batched_tokens;
   config.gpu_memory_utilization = options.gpu_memory_utilization;
   config.cuda_graphs = !options.no_cuda_graphs;

@@ -31,6 +31,10 @@ struct EngineOptions {
   std::string kv_cache_memory = "2GiB";   // CPU KV-cache budget
   double gpu_memory_utilization = 0.90;   // GPU: share of device memory for weights, workspace, graphs, cache
   double swap_space_gib = 0.0;            // host tier for preempted sequences' KV blocks and state slots; 0: none
+  std::string high_speed_swap;            // disk tier directory; empty: none
+  double swap_disk_space_gib = 0.0;       // disk tier bound
+  std::string preemption_mode = "auto";   // auto | swap | recompute
+  int32_t load_threads = 0;               // checkpoint reader threads; 0: hardware concurrency
   bool no_cuda_graphs = false;
   bool enable_prefix_caching = true;
   // Hybrid models: tokens between prefill state checkpoints, a multiple of block_size; 0: 512

@@ -94,6 +94,15 @@ void BlockPool::mark_cached(int32_t block) {
   cached_[static_cast<size_t>(block)] = 1;
 }
 
+void BlockPool::discard(int32_t block) {
+  if (!is_cached(block)) return;
+  if (ref_count(block) == 0) {
+    lru_unlink(block);
+    empty_.push_back(block);
+  }
+  cached_[static_cast<size_t>(block)] = 0;
+}
+
 std::vector<int32_t> BlockPool::lru_order() const {
   std::vector<int32_t> order;
   order.reserve(static_cast<size_t>(num_lru_));

@@ -42,6 +42,9 @@ class BlockPool {
   void release(int32_t block);
   // Marks a used block as holding a reusable prefix: when its last reference goes, it stays cached.
   void mark_cached(int32_t block);
+  // The block no longer holds a reusable prefix (its contents were found lost): a cached free
+  // block goes back on the empty stack, a used one is freed empty when its last reference goes.
+  void discard(int32_t block);
 
   // Cached free blocks from least to most recently released (for tests and integrity checks).
   std::vector<int32_t> lru_order() const;

@@ -58,6 +58,17 @@ CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& 
     host_ = HostTier(device, std::move(block_bytes), std::move(slot_bytes), config.num_host_blocks,
                      has_slots_ ? config.num_host_slots : 0);
     host_prefix_ = PrefixCache(host_.num_blocks(), config.block_size);
+    host_checkpoints_ = CheckpointIndex(host_.num_slots());
+  }
+  if (!config.disk_dir.empty()) {
+    if (host_.num_blocks() == 0)
+      raise(ErrorCode::kInvalidArgument, "a disk tier ({}) needs a host tier (--swap-space) to spill from",
+            config.disk_dir.string());
+    const int32_t disk_slots = has_slots_ ? std::max(config.num_disk_slots, 0) : 0;
+    disk_ = std::make_unique<DiskTier>(config.disk_dir, host_.packed_block_bytes(), host_.packed_slot_bytes(),
+                                       config.num_disk_blocks, disk_slots);
+    disk_prefix_ = PrefixCache(disk_->num_blocks(), config.block_size);
+    disk_checkpoints_ = CheckpointIndex(disk_->num_slots());
   }
 }
 
@@ -101,40 +112,47 @@ std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t se
     const auto max_blocks = static_cast<size_t>((static_cast<int64_t>(tokens.size()) - 1) / block_size);
     BlockHash parent;
     size_t usable = 0;
-    int32_t checkpoint = -1;
-    std::vector<HostHit> host_hits;
+    CheckpointSource checkpoint;
+    std::vector<TierHit> hits;
     for (size_t i = 0; i < max_blocks; ++i) {
       const auto block_tokens = tokens.subspan(i * static_cast<size_t>(block_size), static_cast<size_t>(block_size));
       const BlockHash hash = hash_block(parent, block_tokens);
-      int32_t block = prefix_.find(hash, parent, block_tokens);
+      const int32_t block = prefix_.find(hash, parent, block_tokens);
       if (block < 0) {
-        // The host tier may hold it (evicted from the device); it is copied back below.
+        // Another tier may hold it (evicted from the device); it is copied back below.
         const int32_t host_block = host_.num_cached_blocks() > 0 ? host_prefix_.find(hash, parent, block_tokens) : -1;
-        if (host_block < 0) break;
-        host_hits.push_back({entry.blocks.size(), host_block});
+        const int32_t disk_block = host_block < 0 && disk_ && disk_->block_pool().num_cached() > 0
+                                       ? disk_prefix_.find(hash, parent, block_tokens)
+                                       : -1;
+        if (host_block < 0 && disk_block < 0) break;
+        hits.push_back({entry.blocks.size(), host_block >= 0 ? Tier::kHost : Tier::kDisk,
+                        host_block >= 0 ? host_block : disk_block});
       }
       entry.blocks.push_back(block);
       entry.hashes.push_back(hash);
       parent = hash;
       if (!has_slots_) {
         usable = entry.blocks.size();
-      } else if (prefix_.checkpoint(block) >= 0) {
+      } else if (const CheckpointSource source = find_checkpoint(block, hash); source.slot >= 0) {
         usable = entry.blocks.size();
-        checkpoint = prefix_.checkpoint(block);
+        checkpoint = source;
       }
     }
     entry.blocks.resize(usable);
     entry.hashes.resize(usable);
     for (const int32_t block : entry.blocks)
       if (block >= 0) pool_.retain(block);
-    std::erase_if(host_hits, [&](const HostHit& hit) { return hit.index >= usable; });
-    if (!host_hits.empty()) restore_host_hits(entry, tokens, host_hits);
-    match.cached_tokens = static_cast<int64_t>(entry.blocks.size()) * block_size;
-    if (checkpoint >= 0) {
-      copy_state_slot(entry.state_slot, checkpoint);
-      touch_checkpoint(checkpoint);
-      match.restored_state = true;
+    std::erase_if(hits, [&](const TierHit& hit) { return hit.index >= usable; });
+    bool restored = false;
+    if (!hits.empty() || (checkpoint.slot >= 0 && checkpoint.tier != Tier::kDevice))
+      restored = restore_tier_hits(entry, tokens, hits, checkpoint);
+    if (checkpoint.slot >= 0 && checkpoint.tier == Tier::kDevice && entry.blocks.size() == usable) {
+      copy_state_slot(entry.state_slot, checkpoint.slot);
+      touch_checkpoint(checkpoint.slot);
+      restored = true;
     }
+    match.cached_tokens = static_cast<int64_t>(entry.blocks.size()) * block_size;
+    match.restored_state = restored && has_slots_;
   }
   sequences_.emplace(seq_id, std::move(entry));
   return match;
@@ -165,8 +183,15 @@ bool CacheManager::reserve(int64_t seq_id, int64_t total_tokens) {
 
 void CacheManager::free_sequence(int64_t seq_id) {
   if (const auto swapped = swapped_.find(seq_id); swapped != swapped_.end()) {
-    for (const int32_t block : swapped->second.host_blocks) host_.block_pool().release(block);
-    if (swapped->second.host_slot >= 0) host_.free_slot(swapped->second.host_slot);
+    const SwappedEntry& held = swapped->second;
+    for (const int32_t block : held.blocks) (held.on_disk ? disk_->block_pool() : host_.block_pool()).release(block);
+    if (held.slot >= 0) {
+      if (held.on_disk) {
+        disk_->slot_pool().free(held.slot);
+      } else {
+        host_.free_slot(held.slot);
+      }
+    }
     swapped_.erase(swapped);
     return;
   }
@@ -279,6 +304,7 @@ void CacheManager::checkpoint_state(int64_t seq_id, int64_t position) {
     const int32_t victim = checkpoint_slots_.first_slot() + static_cast<int32_t>(oldest);
     const int32_t taken = prefix_.take_checkpoint(checkpoint_block_[oldest]);
     METRALE_CHECK(taken == victim, "checkpoint slot {} is not owned by block {}", victim, checkpoint_block_[oldest]);
+    offload_checkpoint(prefix_.hash_of(checkpoint_block_[oldest]), victim);
     drop_checkpoint(victim);
     slot = checkpoint_slots_.allocate();
   }

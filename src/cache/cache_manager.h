@@ -13,22 +13,38 @@
 //   blocks' contents (every paged tensor) and its slot's (every per-slot tensor) copied to host
 //   blocks and a host slot and its device blocks and slot given back, then swapped in again with
 //   exactly those contents in fresh device blocks and a fresh slot. A swapped sequence is in the
-//   manager (free_sequence drops it) but holds no device block and no slot. With prefix caching
-//   (specs without per-slot tensors), a cached block evicted from the device is copied to a host
-//   block first and indexed there (a second PrefixCache), and a lookup that misses on the device
-//   but hits on the host copies it back into a fresh device block.
+//   manager (free_sequence drops it) but holds no device block and no slot. With prefix caching, a
+//   cached block evicted from the device is copied to a host block first and indexed there (a
+//   second PrefixCache), and a state checkpoint dropped from the device (its block evicted, or the
+//   checkpoint itself the least recently used) is copied to a host slot, indexed by its block's
+//   prefix hash (CheckpointIndex); a lookup that misses on the device but hits on the host copies
+//   them back into fresh device blocks and the sequence's slot.
+// - Disk tier (DiskTier, with a host tier, num_disk_blocks / num_disk_slots > 0): what the host
+//   tier would drop goes to disk instead, least recently used first: cached prefix blocks and
+//   checkpoints it evicts, and whole swapped-out sequences, oldest first, when a swap-out needs
+//   their room. A lookup or a swap-in finds them there as well and reads them back (the worker
+//   thread reads; the caller waits for the read before it copies the data to the device).
+// - Integrity: host and disk entries carry checksums verified when they come back. An entry that
+//   fails (corrupted memory, a disk file deleted, truncated or rewritten) is dropped with a
+//   warning: a prefix hit is cut before it (hybrid specs: the whole hit, whose state needs it) and
+//   a swapped sequence is lost (swap_in reports kLost and the caller recomputes it).
 //
 // Slot layout: [0, num_state_slots) sequences, then num_checkpoint_slots checkpoints, then the
 // padding slot.
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
+#include <future>
+#include <memory>
 #include <optional>
 #include <span>
 #include <unordered_map>
 #include <vector>
 
 #include "cache/block_pool.h"
+#include "cache/checkpoint_index.h"
+#include "cache/disk_tier.h"
 #include "cache/host_tier.h"
 #include "cache/prefix_cache.h"
 #include "cache/state_pool.h"
@@ -52,6 +68,11 @@ struct CacheConfig {
   // Host tier: host copies of whole KV blocks and of state slots for swapped-out sequences (0: none).
   int32_t num_host_blocks = 0;
   int32_t num_host_slots = 0;
+  // Disk tier: a directory for files of blocks and slots spilled from the host tier (empty: none;
+  // it needs a host tier), and how many of each it may hold.
+  std::filesystem::path disk_dir{};
+  int32_t num_disk_blocks = 0;
+  int32_t num_disk_slots = 0;
 };
 
 // Swaps since start-up: sequences, and the device blocks and state slots they moved.
@@ -65,7 +86,22 @@ struct SwapCounters {
   // Prefix blocks evicted from the device into the host tier, and host hits copied back.
   int64_t prefix_blocks_out = 0;
   int64_t prefix_blocks_in = 0;
+  // Disk tier: swapped sequences moved from the host tier to disk, host prefix blocks spilled to
+  // disk and disk hits brought back.
+  int64_t sequences_to_disk = 0;
+  int64_t prefix_blocks_to_disk = 0;
+  int64_t prefix_blocks_from_disk = 0;
+  // State checkpoints dropped from the device and kept in the host tier, and those restored from
+  // the host or disk tier on a prefix hit.
+  int64_t checkpoints_out = 0;
+  int64_t checkpoints_in = 0;
+  // Host or disk entries that failed their integrity check (dropped and recomputed).
+  int64_t lost_entries = 0;
 };
+
+// What swap_in did: brought the sequence back, found no room (nothing changed), or found its
+// swapped contents lost (an integrity failure: the manager has dropped it, the caller recomputes).
+enum class SwapIn { kDone, kNoRoom, kLost };
 
 class CacheManager {
  public:
@@ -132,23 +168,38 @@ class CacheManager {
   const HostTier& host_tier() const { return host_; }
   const PrefixCache& host_prefix_cache() const { return host_prefix_; }
   const SwapCounters& swap_counters() const { return swap_counters_; }
-  // Whether the host tier can take the sequence's blocks and its slot now.
+  const DiskTier* disk_tier() const { return disk_.get(); }
+  // State checkpoints the host tier holds (in host slots no swapped sequence holds).
+  int32_t num_host_checkpoints() const { return static_cast<int32_t>(host_checkpoints_.size()); }
+  // Whether the host tier can take the sequence's blocks and its slot: now, or (with a disk tier)
+  // once older swapped sequences have moved to disk, which swap_out then tries.
   bool can_swap_out(int64_t seq_id) const;
+  // Bytes a swap of the sequence moves each way (its blocks of every paged tensor and its slot).
+  uint64_t swap_bytes(int64_t seq_id) const;
   // Copies every block of the sequence's table (all paged tensors) and its state slot (all per-slot
   // tensors) to the host tier, then releases its device blocks (cached ones stay cached) and frees
-  // its slot. All or nothing: returns false and changes nothing unless can_swap_out.
+  // its slot. All or nothing for the sequence: returns false and leaves it resident when the host
+  // tier cannot take it (older swapped sequences may have moved to disk meanwhile).
   bool swap_out(int64_t seq_id);
   bool is_swapped(int64_t seq_id) const { return swapped_.count(seq_id) != 0; }
   size_t num_swapped() const { return swapped_.size(); }
   // Host blocks the swapped sequence holds (its block table's length when it was swapped out).
   int32_t swapped_blocks(int64_t seq_id) const;
+  bool is_swapped_to_disk(int64_t seq_id) const;
   // Whether swap_in followed by reserve(seq_id, total_tokens) would both succeed now.
   bool can_swap_in(int64_t seq_id, int64_t total_tokens) const;
   // Brings a swapped sequence back: fresh device blocks (evicting cached ones if need be) and a
-  // fresh slot receive exactly the contents swapped out, and the host blocks and slot are freed.
-  // Its blocks are private again (cache_full_blocks re-indexes them). Returns false and changes
-  // nothing when too few device blocks or no slot are free.
-  bool swap_in(int64_t seq_id);
+  // fresh slot receive exactly the contents swapped out (read back from disk if it went there), and
+  // the tier's blocks and slot are freed. Its blocks are private again (cache_full_blocks
+  // re-indexes them). kNoRoom (nothing changed) when too few device blocks or no slot are free;
+  // kLost when its contents fail the integrity check: it is then no longer in the manager.
+  SwapIn swap_in(int64_t seq_id);
+  // Queues the disk reads a later swap_in of this sequence needs (a no-op unless it is on disk),
+  // so that they overlap the steps before it.
+  void prefetch(int64_t seq_id);
+  // Checksums host-tier entries whose copies were in flight; the engine calls it after a step,
+  // when the device's stream has drained (it synchronizes first).
+  void seal_host_tier() { host_.seal_pending(); }
 
   // ---- Prefix cache
   bool prefix_caching() const { return config_.enable_prefix_caching; }
@@ -205,27 +256,73 @@ class CacheManager {
   std::vector<BlockCache> caches_;          // one per spec, views of the storage
   std::unordered_map<int64_t, SequenceEntry> sequences_;
   struct SwappedEntry {
-    std::vector<int32_t> host_blocks;  // the block table's contents, in order
-    int32_t host_slot = -1;            // the state slot's contents; -1 when it held no slot
+    std::vector<int32_t> blocks;  // the block table's contents, in order: host blocks, or disk blocks
+    int32_t slot = -1;            // the state slot's contents (host or disk slot); -1: it held no slot
+    bool on_disk = false;
+    uint64_t swapped_at = 0;                   // for moving the oldest to disk first
+    std::vector<std::future<DiskRead>> reads;  // prefetch(): the blocks', then the slot's
   };
   HostTier host_;
   PrefixCache host_prefix_{0, 1};  // hashes of the host tier's cached blocks
+  CheckpointIndex host_checkpoints_;
+  std::unique_ptr<DiskTier> disk_;
+  PrefixCache disk_prefix_{0, 1};  // hashes of the disk tier's cached blocks
+  CheckpointIndex disk_checkpoints_;
   std::unordered_map<int64_t, SwappedEntry> swapped_;
-  // Takes `count` host blocks (ref count 1 each), evicting cached host blocks from host_prefix_.
-  bool take_host_blocks(int32_t count, std::vector<int32_t>& out);
-  // Before a cached device block is evicted: keeps a copy in the host tier, indexed by its hash.
+  uint64_t swap_clock_ = 0;
+
+  // ---- Tier bookkeeping (cache_tiers.cpp)
+  enum class Tier : uint8_t { kDevice, kHost, kDisk };
+  // Takes `count` host blocks (ref count 1 each); cached host blocks evicted go to disk. For the
+  // swap-out of sequence `swapping`, older swapped sequences move to disk first when too few are free.
+  bool take_host_blocks(int32_t count, std::vector<int32_t>& out, std::optional<int64_t> swapping);
+  // A host slot, evicting the least recently used host checkpoint when none is free, and for the
+  // swap-out of `swapping` then moving an older swapped sequence to disk; -1 when none can be had.
+  int32_t take_host_slot(std::optional<int64_t> swapping);
+  // Disk ids, evicting cached disk blocks / disk checkpoints; false / -1 when the disk is full of
+  // swapped sequences.
+  bool take_disk_blocks(int32_t count, std::vector<int32_t>& out);
+  int32_t take_disk_slot();
+  // Moves what the host tier is about to drop to disk (when there is a disk tier and room).
+  void spill_host_block(int32_t host_block);
+  void spill_host_checkpoint(int32_t host_slot);
+  bool spill_swapped(int64_t seq_id);
+  // The oldest swapped sequence still in the host tier, other than `keep` (and with a slot when
+  // `with_slot`), or -1.
+  int64_t oldest_host_swapped(int64_t keep, bool with_slot) const;
+  // Before a cached device block is evicted: keeps a copy in the host tier, indexed by its hash,
+  // and its state checkpoint if it has one.
   void offload_evicted_block(int32_t block);
-  // A prefix match's blocks the host tier holds: entry index and host block.
-  struct HostHit {
+  // Before a device checkpoint slot is dropped: keeps a copy in the host tier.
+  void offload_checkpoint(const BlockHash& hash, int32_t device_slot);
+  // Drops a lost entry (it failed its integrity check) from its tier, with a warning.
+  void drop_lost_block(Tier tier, int32_t block, const std::string& why);
+  void drop_lost_checkpoint(Tier tier, int32_t slot, const std::string& why);
+  // A prefix match's blocks that another tier holds: entry index, tier and the tier's block.
+  struct TierHit {
     size_t index = 0;
-    int32_t host_block = -1;
+    Tier tier = Tier::kHost;
+    int32_t block = -1;
   };
-  // Copies host hits into fresh device blocks of `entry` (which holds the match's device blocks,
-  // retained, and placeholders at the hits), indexing them on the device; the match is cut before
-  // the first hit no device block is free for.
-  void restore_host_hits(SequenceEntry& entry, std::span<const int32_t> tokens, const std::vector<HostHit>& hits);
+  struct CheckpointSource {
+    Tier tier = Tier::kDevice;
+    int32_t slot = -1;
+  };
+  // The checkpoint after the prefix `hash` (held by device `block` if >= 0) in any tier.
+  CheckpointSource find_checkpoint(int32_t block, const BlockHash& hash) const;
+  // Brings a match's tier hits and (from the host or disk) its checkpoint into `entry` (which holds
+  // the match's device blocks, retained, and placeholders at the hits): hits are verified and
+  // copied into fresh device blocks indexed on the device, the checkpoint into the entry's slot.
+  // The match is cut before the first hit lost or without a free device block; with per-slot
+  // tensors, where a shorter match has no state, such a cut empties it. Returns whether the state
+  // was restored.
+  bool restore_tier_hits(SequenceEntry& entry, std::span<const int32_t> tokens, const std::vector<TierHit>& hits,
+                         const CheckpointSource& checkpoint);
+  // Reads a swapped sequence's contents back into fresh device blocks and a slot (swap_in's work).
+  SwapIn load_swapped(int64_t seq_id, SwappedEntry& swapped, SequenceEntry& entry);
   SwapCounters swap_counters_;
   void check_host_tier_integrity() const;
+  void check_disk_tier_integrity() const;
   // Per checkpoint slot (index slot - first checkpoint slot): the block it belongs to and when it
   // was last made or used, for LRU eviction among checkpoints.
   std::vector<int32_t> checkpoint_block_;

@@ -1,9 +1,13 @@
 #include "cache/host_tier.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
+#include <cstring>
 
 #include "core/checked_math.h"
 #include "core/error.h"
+#include "runtime/stream.h"
 
 namespace metrale {
 
@@ -33,6 +37,10 @@ HostTier::HostTier(Device device, std::vector<size_t> block_bytes, std::vector<s
   };
   allocate(block_bytes, num_blocks, block_areas_);
   allocate(slot_bytes, num_slots, slot_areas_);
+  block_seals_.checksum.assign(static_cast<size_t>(std::max(num_blocks, 0)), 0);
+  block_seals_.sealed.assign(static_cast<size_t>(std::max(num_blocks, 0)), 0);
+  slot_seals_.checksum.assign(static_cast<size_t>(std::max(num_slots, 0)), 0);
+  slot_seals_.sealed.assign(static_cast<size_t>(std::max(num_slots, 0)), 0);
 }
 
 uint64_t HostTier::memory_bytes() const {
@@ -67,6 +75,7 @@ void HostTier::store_block(std::span<const OwnedTensor> paged, int32_t block, in
   METRALE_CHECK(host_block >= 0 && host_block < num_blocks() && blocks_.ref_count(host_block) > 0,
                 "host block {} is not allocated", host_block);
   copy_unit(paged, block_areas_, block, host_block, true);
+  mark_stored(block_seals_, block_areas_, host_block);
 }
 
 void HostTier::load_block(std::span<const OwnedTensor> paged, int32_t host_block, int32_t block) {
@@ -77,11 +86,127 @@ void HostTier::load_block(std::span<const OwnedTensor> paged, int32_t host_block
 void HostTier::store_slot(std::span<const OwnedTensor> slots, int32_t slot, int32_t host_slot) {
   METRALE_CHECK(is_slot_allocated(host_slot), "host slot {} is not allocated", host_slot);
   copy_unit(slots, slot_areas_, slot, host_slot, true);
+  mark_stored(slot_seals_, slot_areas_, host_slot);
 }
 
 void HostTier::load_slot(std::span<const OwnedTensor> slots, int32_t host_slot, int32_t slot) {
   METRALE_CHECK(is_slot_allocated(host_slot), "host slot {} is not allocated", host_slot);
   copy_unit(slots, slot_areas_, slot, host_slot, false);
+}
+
+size_t HostTier::packed_block_bytes() const {
+  size_t bytes = 0;
+  for (const Area& area : block_areas_) bytes += area.unit_bytes;
+  return bytes;
+}
+
+size_t HostTier::packed_slot_bytes() const {
+  size_t bytes = 0;
+  for (const Area& area : slot_areas_) bytes += area.unit_bytes;
+  return bytes;
+}
+
+uint64_t HostTier::checksum_of(const std::vector<Area>& areas, int32_t host_index) const {
+  XXH3_state_t* state = XXH3_createState();
+  METRALE_CHECK(state != nullptr, "XXH3 state allocation failed");
+  XXH3_64bits_reset(state);
+  for (const Area& area : areas) {
+    if (area.unit_bytes == 0) continue;
+    XXH3_64bits_update(state, area.data() + static_cast<size_t>(host_index) * area.unit_bytes, area.unit_bytes);
+  }
+  const uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return digest;
+}
+
+void HostTier::mark_stored(Seals& seals, const std::vector<Area>& areas, int32_t host_index) {
+  const auto index = static_cast<size_t>(host_index);
+  if (device_.is_cpu()) {  // the copy has landed already
+    seals.checksum[index] = checksum_of(areas, host_index);
+    seals.sealed[index] = 1;
+    return;
+  }
+  seals.sealed[index] = 0;
+  seals.pending.push_back(host_index);
+}
+
+void HostTier::seal_pending() {
+  if (block_seals_.pending.empty() && slot_seals_.pending.empty()) return;
+  synchronize(device_);
+  for (auto [seals, areas] : {std::pair{&block_seals_, &block_areas_}, std::pair{&slot_seals_, &slot_areas_}}) {
+    for (const int32_t index : seals->pending) {
+      seals->checksum[static_cast<size_t>(index)] = checksum_of(*areas, index);
+      seals->sealed[static_cast<size_t>(index)] = 1;
+    }
+    seals->pending.clear();
+  }
+}
+
+bool HostTier::verify(const Seals& seals, const std::vector<Area>& areas, int32_t host_index) const {
+  const auto index = static_cast<size_t>(host_index);
+  return seals.sealed[index] == 0 || seals.checksum[index] == checksum_of(areas, host_index);
+}
+
+bool HostTier::verify_block(int32_t host_block) const {
+  METRALE_CHECK(holds_block(host_block), "host block {} holds nothing", host_block);
+  return verify(block_seals_, block_areas_, host_block);
+}
+
+bool HostTier::verify_slot(int32_t host_slot) const {
+  METRALE_CHECK(is_slot_allocated(host_slot), "host slot {} is not allocated", host_slot);
+  return verify(slot_seals_, slot_areas_, host_slot);
+}
+
+std::vector<std::byte> HostTier::pack(Seals& seals, const std::vector<Area>& areas, int32_t host_index) {
+  if (seals.sealed[static_cast<size_t>(host_index)] == 0) seal_pending();
+  size_t total = 0;
+  for (const Area& area : areas) total += area.unit_bytes;
+  std::vector<std::byte> packed(total);
+  size_t offset = 0;
+  for (const Area& area : areas) {
+    if (area.unit_bytes == 0) continue;
+    std::memcpy(packed.data() + offset, area.data() + static_cast<size_t>(host_index) * area.unit_bytes,
+                area.unit_bytes);
+    offset += area.unit_bytes;
+  }
+  return packed;
+}
+
+std::vector<std::byte> HostTier::pack_block(int32_t host_block) {
+  METRALE_CHECK(holds_block(host_block), "host block {} holds nothing", host_block);
+  return pack(block_seals_, block_areas_, host_block);
+}
+
+std::vector<std::byte> HostTier::pack_slot(int32_t host_slot) {
+  METRALE_CHECK(is_slot_allocated(host_slot), "host slot {} is not allocated", host_slot);
+  return pack(slot_seals_, slot_areas_, host_slot);
+}
+
+void HostTier::copy_packed(std::span<const OwnedTensor> device_tensors, const std::vector<Area>& areas,
+                           std::span<const std::byte> packed, int32_t device_index) const {
+  METRALE_CHECK(device_tensors.size() == areas.size(), "{} device tensors for {} host areas", device_tensors.size(),
+                areas.size());
+  size_t offset = 0;
+  for (size_t i = 0; i < areas.size(); ++i) {
+    const Tensor& tensor = device_tensors[i].tensor;
+    const size_t unit = areas[i].unit_bytes;
+    METRALE_CHECK(device_index >= 0 && device_index < tensor.size(0) && offset + unit <= packed.size(),
+                  "packed entry of {} bytes for device index {} of {}", packed.size(), device_index, tensor.describe());
+    auto* device_unit = static_cast<std::byte*>(tensor.data()) + static_cast<size_t>(device_index) * unit;
+    copy_bytes_async(device_unit, device_, packed.data() + offset, Device::cpu(), unit);
+    offset += unit;
+  }
+  METRALE_CHECK(offset == packed.size(), "packed entry of {} bytes, the areas hold {}", packed.size(), offset);
+}
+
+void HostTier::load_packed_block(std::span<const OwnedTensor> paged, std::span<const std::byte> packed,
+                                 int32_t block) const {
+  copy_packed(paged, block_areas_, packed, block);
+}
+
+void HostTier::load_packed_slot(std::span<const OwnedTensor> slots, std::span<const std::byte> packed,
+                                int32_t slot) const {
+  copy_packed(slots, slot_areas_, packed, slot);
 }
 
 }  // namespace metrale

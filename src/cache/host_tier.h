@@ -13,8 +13,14 @@
 //
 // Copies are queued on the device's current stream, the stream the forward runs on, so a copy out
 // runs after the step that wrote the block and a copy back in runs before the step that reads it,
-// without waiting on the host. The host never reads the copies itself, so nothing needs to
-// synchronise. (They do not overlap the forward: that needs a stream of their own and events.)
+// without waiting on the host. (They do not overlap the forward: that needs a stream of their own
+// and events.)
+//
+// Integrity: every entry stored is sealed with the XXH3-64 checksum of its bytes once its copy has
+// landed (at once on the CPU device; on a GPU by seal_pending, which the engine calls after each
+// step, when the stream is idle, and which the disk spill calls first). A load verifies a sealed
+// entry first; an entry still unsealed is in flight on the stream and is loaded unverified. The
+// host reads an entry's bytes itself only to pack it for the disk tier, after sealing it.
 #pragma once
 
 #include <cstddef>
@@ -65,6 +71,23 @@ class HostTier {
   void store_slot(std::span<const OwnedTensor> slots, int32_t slot, int32_t host_slot);
   void load_slot(std::span<const OwnedTensor> slots, int32_t host_slot, int32_t slot);
 
+  // Bytes of one block of every paged tensor / one slot of every per-slot tensor, packed in order:
+  // the size of a disk tier entry.
+  size_t packed_block_bytes() const;
+  size_t packed_slot_bytes() const;
+  // Checksums every stored entry whose copy was still in flight (synchronizing the device first).
+  void seal_pending();
+  // Whether the entry holds the bytes it was sealed with (an unsealed entry is taken as it is).
+  bool verify_block(int32_t host_block) const;
+  bool verify_slot(int32_t host_slot) const;
+  // The entry's bytes, packed (sealed first: they are read on the host).
+  std::vector<std::byte> pack_block(int32_t host_block);
+  std::vector<std::byte> pack_slot(int32_t host_slot);
+  // Queues copies of packed bytes (a disk tier entry) into device block `block` / slot `slot`. The
+  // bytes are plain host memory the caller keeps until it has synchronized the device.
+  void load_packed_block(std::span<const OwnedTensor> paged, std::span<const std::byte> packed, int32_t block) const;
+  void load_packed_slot(std::span<const OwnedTensor> slots, std::span<const std::byte> packed, int32_t slot) const;
+
  private:
   // Host memory of one area: pinned for a GPU device, plain for the CPU device.
   struct Area {
@@ -75,10 +98,24 @@ class HostTier {
   };
   void copy_unit(std::span<const OwnedTensor> device_tensors, std::vector<Area>& areas, int32_t device_index,
                  int32_t host_index, bool to_host);
+  void copy_packed(std::span<const OwnedTensor> device_tensors, const std::vector<Area>& areas,
+                   std::span<const std::byte> packed, int32_t device_index) const;
+  // Per entry: XXH3-64 of its bytes across every area, and whether that is taken (sealed).
+  struct Seals {
+    std::vector<uint64_t> checksum;
+    std::vector<uint8_t> sealed;
+    std::vector<int32_t> pending;  // stored, not sealed yet
+  };
+  uint64_t checksum_of(const std::vector<Area>& areas, int32_t host_index) const;
+  void mark_stored(Seals& seals, const std::vector<Area>& areas, int32_t host_index);
+  bool verify(const Seals& seals, const std::vector<Area>& areas, int32_t host_index) const;
+  std::vector<std::byte> pack(Seals& seals, const std::vector<Area>& areas, int32_t host_index);
 
   Device device_;
   std::vector<Area> block_areas_;  // per paged tensor
   std::vector<Area> slot_areas_;   // per per-slot tensor
+  Seals block_seals_;
+  Seals slot_seals_;
   BlockPool blocks_{0};            // host block ids [0, num_blocks)
   StatePool slots_;                // host slot ids [0, num_slots)
 };

@@ -1,7 +1,10 @@
 #include "engine/engine.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <limits>
 
 #include "core/checked_math.h"
@@ -10,8 +13,6 @@
 #include "core/strings.h"
 #include "runtime/buffer.h"
 #include "runtime/stream.h"
-
-#include <fmt/ranges.h>
 
 namespace metrale {
 
@@ -40,8 +41,14 @@ std::string EnginePlan::describe() const {
                         format_bytes(used_before_cache), format_bytes(device_total_bytes));
   }
   if (host_tier_bytes > 0) {
-    text += fmt::format("; host tier {} ({} blocks, {} state slots)", format_bytes(host_tier_bytes), num_host_blocks,
+    text += fmt::format("; host tier {} ({} blocks, {} state slots", format_bytes(host_tier_bytes), num_host_blocks,
                         num_host_slots);
+    if (copy_bytes_per_second > 0) text += fmt::format(", copies at {:.1f} GB/s", copy_bytes_per_second / 1e9);
+    text += ")";
+  }
+  if (disk_tier_bytes > 0) {
+    text += fmt::format("; disk tier {} in {} ({} blocks, {} state slots)", format_bytes(disk_tier_bytes),
+                        disk_tier_dir, num_disk_blocks, num_disk_slots);
   }
   if (!graph_batch_sizes.empty()) text += fmt::format("; decode graphs for batch {}", fmt::join(graph_batch_sizes, ","));
   return text;
@@ -108,6 +115,23 @@ HostSplit split_swap_space(uint64_t bytes, uint64_t per_block, uint64_t per_slot
   return split;
 }
 
+// Host <-> device copy bandwidth (bytes/s): one 64 MiB copy each way, after a warm-up copy, between
+// pinned host memory (plain on the CPU device) and the device, as the host tier copies.
+double measure_copy_bandwidth(Device device) {
+  constexpr size_t kBytes = 64ull << 20;
+  PinnedBuffer host(kBytes);
+  Buffer target(device, kBytes);
+  std::memset(host.data(), 1, kBytes);
+  copy_bytes_async(target.data(), device, host.data(), Device::cpu(), 1 << 20);
+  synchronize(device);
+  const auto start = std::chrono::steady_clock::now();
+  copy_bytes_async(target.data(), device, host.data(), Device::cpu(), kBytes);
+  copy_bytes_async(host.data(), Device::cpu(), target.data(), device, kBytes);
+  synchronize(device);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return seconds > 0 ? 2.0 * static_cast<double>(kBytes) / seconds : 0.0;
+}
+
 }  // namespace
 
 EngineStats Engine::stats() const {
@@ -127,11 +151,17 @@ EngineStats Engine::stats() const {
   stats.swapped_in_slots = swaps.slots_in;
   stats.prefix_blocks_to_host = swaps.prefix_blocks_out;
   stats.prefix_blocks_from_host = swaps.prefix_blocks_in;
+  stats.swapped_to_disk_sequences = swaps.sequences_to_disk;
+  stats.prefix_blocks_to_disk = swaps.prefix_blocks_to_disk;
+  stats.prefix_blocks_from_disk = swaps.prefix_blocks_from_disk;
+  stats.checkpoints_to_host = swaps.checkpoints_out;
+  stats.checkpoints_restored_from_tiers = swaps.checkpoints_in;
+  stats.tier_entries_lost = swaps.lost_entries;
   const HostTier& host = cache_->host_tier();
   stats.host_blocks_total = host.num_blocks();
   stats.host_blocks_used = host.num_used_blocks();
   stats.host_slots_total = host.num_slots();
-  stats.host_slots_used = host.num_used_slots();
+  stats.host_slots_used = host.num_used_slots() - cache_->num_host_checkpoints();
   return stats;
 }
 
@@ -292,13 +322,35 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
   cache_config.num_checkpoint_slots = static_cast<int32_t>(checkpoint_slots);
   cache_config.enable_prefix_caching = config_.enable_prefix_caching;
   cache_config.state_checkpoint_interval = config_.state_checkpoint_interval;
-  const HostSplit host = split_swap_space(config_.swap_space_bytes, per_block, per_slot, max_seqs);
+  // Tier slots hold swapped sequences' state and prefix-cache checkpoints.
+  const int64_t tier_slots = max_seqs + checkpoint_slots;
+  const HostSplit host = split_swap_space(config_.swap_space_bytes, per_block, per_slot, tier_slots);
   cache_config.num_host_blocks = host.num_blocks;
   cache_config.num_host_slots = host.num_slots;
+  if (!config_.swap_disk_dir.empty()) {
+    if (config_.swap_space_bytes == 0 || config_.swap_disk_bytes == 0)
+      raise(ErrorCode::kInvalidArgument, "--high-speed-swap needs --swap-space and --swap-disk-space above 0");
+    const HostSplit disk = split_swap_space(config_.swap_disk_bytes, per_block, per_slot, 4 * tier_slots);
+    cache_config.disk_dir = config_.swap_disk_dir;
+    cache_config.num_disk_blocks = disk.num_blocks;
+    cache_config.num_disk_slots = disk.num_slots;
+  }
   cache_ = std::make_unique<CacheManager>(specs, cache_config, device);
   plan_.num_host_blocks = cache_->host_tier().num_blocks();
   plan_.num_host_slots = cache_->host_tier().num_slots();
   plan_.host_tier_bytes = cache_->host_tier().memory_bytes();
+  if (const DiskTier* disk = cache_->disk_tier()) {
+    plan_.num_disk_blocks = disk->num_blocks();
+    plan_.num_disk_slots = disk->num_slots();
+    plan_.disk_tier_bytes = disk->capacity_bytes();
+    plan_.disk_tier_dir = disk->directory().string();
+  }
+  if (plan_.host_tier_bytes > 0) {
+    plan_.copy_bytes_per_second = measure_copy_bandwidth(device);
+    PreemptionCosts costs = scheduler_.preemption_costs();
+    costs.copy_bytes_per_second = plan_.copy_bytes_per_second;
+    scheduler_.set_preemption_costs(costs);
+  }
   plan_.kv_cache_bytes = cache_->kv_memory_bytes();
   plan_.num_state_slots = cache_config.num_state_slots;
   plan_.num_checkpoint_slots = per_slot > 0 ? cache_config.num_checkpoint_slots : 0;
@@ -440,6 +492,17 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
                  running_.end());
   step_sequences_.clear();
   if (prefill_budget_) record_step_cost(plan, step_start);
+  record_prefill_cost(plan, step_start);
+  // The step's results are on the host, so its copies into the host tier have landed: seal them.
+  cache_->seal_host_tier();
+  // Disk reads for the next swapped sequences to come back, overlapping the next steps.
+  size_t prefetched = 0;
+  for (auto it = waiting_.begin();
+       it != waiting_.end() && prefetched < static_cast<size_t>(std::max(config_.swap_prefetch, 0)); ++it) {
+    if (!cache_->is_swapped_to_disk((*it)->id)) continue;
+    cache_->prefetch((*it)->id);
+    ++prefetched;
+  }
 #ifndef NDEBUG
   if (!has_unfinished()) cache_->check_integrity();  // debug builds: the cache's books balance when idle
 #endif
@@ -454,6 +517,22 @@ void Engine::record_step_cost(const SchedulePlan& plan, std::chrono::steady_cloc
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
   prefill_budget_->record(decoding, plan.num_tokens - decode_rows, seconds);
+}
+
+void Engine::record_prefill_cost(const SchedulePlan& plan, std::chrono::steady_clock::time_point step_start) {
+  // Only steps made mostly of prefill chunks tell the cost of recomputing a token.
+  int64_t prefill = 0;
+  for (const ScheduledChunk& chunk : plan.chunks)
+    if (!chunk.decodes()) prefill += chunk.num_new;
+  constexpr int64_t kMinPrefillTokens = 32;
+  if (prefill < kMinPrefillTokens || 2 * prefill < plan.num_tokens) return;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+  PreemptionCosts costs = scheduler_.preemption_costs();
+  const double per_token = seconds / static_cast<double>(plan.num_tokens);
+  // An exponential average: steps vary with their batch.
+  costs.prefill_seconds_per_token =
+      costs.prefill_seconds_per_token > 0 ? 0.8 * costs.prefill_seconds_per_token + 0.2 * per_token : per_token;
+  scheduler_.set_preemption_costs(costs);
 }
 
 SchedulePlan Engine::schedule_step() {

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <random>
@@ -44,6 +45,13 @@ struct EngineConfig {
   // Host tier (--swap-space): host memory (pinned on a GPU) for the KV blocks and state slots of
   // preempted sequences, which are swapped out and back in instead of recomputed; 0: none.
   uint64_t swap_space_bytes = 0;
+  // Disk tier (--high-speed-swap DIR, --swap-disk-space): files under this directory for the blocks
+  // and state slots the host tier spills (LRU), bounded by swap_disk_bytes; empty: none.
+  std::filesystem::path swap_disk_dir{};
+  uint64_t swap_disk_bytes = 0;
+  // Swapped-to-disk sequences at the head of the waiting queue whose disk reads are queued after
+  // each step, ahead of their swap-in (their bytes then wait in host memory); 0: read at swap-in.
+  int32_t swap_prefetch = 2;
   // Speculative decoding (engine/speculator.h): method none|ngram|mtp, num_drafts, ngram_min/max.
   SpeculativeConfig speculative;
   // A step that carries decode rows takes at most this many times a decode-only step of its batch
@@ -89,6 +97,13 @@ struct EnginePlan {
   int32_t num_host_blocks = 0;
   int32_t num_host_slots = 0;
   uint64_t host_tier_bytes = 0;
+  // Disk tier: blocks and state slots it holds, its bytes, and its directory.
+  int32_t num_disk_blocks = 0;
+  int32_t num_disk_slots = 0;
+  uint64_t disk_tier_bytes = 0;
+  std::string disk_tier_dir;
+  // Host <-> device copy bandwidth measured at start-up (bytes/s; 0 without a host tier).
+  double copy_bytes_per_second = 0.0;
   uint64_t workspace_bytes = 0;      // GPU step workspace
   uint64_t device_total_bytes = 0;   // GPU memory
   uint64_t used_before_cache = 0;    // weights + workspace + runtime, measured before the KV cache
@@ -128,7 +143,16 @@ struct EngineStats {
   int32_t host_blocks_total = 0;
   int32_t host_blocks_used = 0;
   int32_t host_slots_total = 0;
-  int32_t host_slots_used = 0;
+  int32_t host_slots_used = 0;  // held by swapped-out sequences (the rest: free or checkpoints)
+  // Disk tier: swapped sequences moved there from the host tier, prefix blocks spilled there and
+  // brought back; state checkpoints kept below the device and restored; tier entries lost to an
+  // integrity failure (recomputed).
+  int64_t swapped_to_disk_sequences = 0;
+  int64_t prefix_blocks_to_disk = 0;
+  int64_t prefix_blocks_from_disk = 0;
+  int64_t checkpoints_to_host = 0;
+  int64_t checkpoints_restored_from_tiers = 0;
+  int64_t tier_entries_lost = 0;
   // Speculative decoding: draft tokens verified, those accepted, and verify steps (steps with at
   // least one draft row). accepted / drafted is the acceptance rate; a verify emits accepted + 1.
   int64_t drafted_tokens = 0;
@@ -185,6 +209,8 @@ class Engine {
   SchedulePlan schedule_step();
   // The step's decode and prefill shares and its wall time, for the prefill budget.
   void record_step_cost(const SchedulePlan& plan, std::chrono::steady_clock::time_point step_start);
+  // Prefill steps' seconds per token, for the scheduler's swap-or-recompute choice.
+  void record_prefill_cost(const SchedulePlan& plan, std::chrono::steady_clock::time_point step_start);
   StepResult forward(const SchedulePlan& plan);
   // The bookkeeping of one chunk: its kept rows become computed tokens (full blocks cached, state
   // checkpoints kept), then its emitted tokens become events until a stop condition.

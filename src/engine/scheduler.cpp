@@ -4,24 +4,46 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/log.h"
 
 namespace metrale {
 namespace {
 
-// Swaps the sequence out to the host tier when it has room (the sequence keeps what it computed),
-// and otherwise frees its cache to recompute it later.
-void preempt(Sequence* sequence, CacheManager& cache) {
-  sequence->clear_drafts();
-  sequence->status = SequenceStatus::kWaiting;
-  ++sequence->num_preemptions;
-  if (cache.swap_out(sequence->id)) return;
-  cache.free_sequence(sequence->id);
+void reset_to_recompute(Sequence* sequence) {
   sequence->num_computed = 0;
   sequence->mtp_computed = 0;
   sequence->mtp_missed = 0;
 }
 
 }  // namespace
+
+bool PreemptionCosts::prefers_swap(uint64_t swap_bytes, int64_t tokens) const {
+  if (copy_bytes_per_second <= 0.0 || prefill_seconds_per_token <= 0.0) return true;
+  const double swap_seconds = 2.0 * static_cast<double>(swap_bytes) / copy_bytes_per_second;
+  return swap_seconds <= static_cast<double>(tokens) * prefill_seconds_per_token;
+}
+
+void Scheduler::preempt(Sequence* sequence, CacheManager& cache) const {
+  sequence->clear_drafts();
+  sequence->status = SequenceStatus::kWaiting;
+  ++sequence->num_preemptions;
+  if (config_.preemption_mode != PreemptionMode::kRecompute && cache.can_swap_out(sequence->id)) {
+    const uint64_t bytes = cache.swap_bytes(sequence->id);
+    const bool swap =
+        config_.preemption_mode == PreemptionMode::kSwap || costs_.prefers_swap(bytes, sequence->num_computed);
+    METRALE_LOG_DEBUG(
+        "preempting sequence {}: swap {} bytes out and in at {:.2f} GB/s ({:.3f} ms) or recompute {} "
+        "tokens at {:.3f} ms/token ({:.3f} ms): {}",
+        sequence->id, bytes, costs_.copy_bytes_per_second / 1e9,
+        costs_.copy_bytes_per_second > 0 ? 2e3 * static_cast<double>(bytes) / costs_.copy_bytes_per_second : 0.0,
+        sequence->num_computed, costs_.prefill_seconds_per_token * 1e3,
+        static_cast<double>(sequence->num_computed) * costs_.prefill_seconds_per_token * 1e3,
+        swap ? "swap" : "recompute");
+    if (swap && cache.swap_out(sequence->id)) return;
+  }
+  cache.free_sequence(sequence->id);
+  reset_to_recompute(sequence);
+}
 
 SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Sequence*>& waiting, CacheManager& cache) {
   SchedulePlan plan;
@@ -98,17 +120,21 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
       // Swapped out by a preemption: it comes back whole (its blocks and its slot) and goes on.
       const int64_t count = chunk_for(*sequence);
       if (count <= 0 || !cache.can_swap_in(sequence->id, sequence->num_computed + count)) break;
-      METRALE_CHECK(cache.swap_in(sequence->id) && cache.reserve(sequence->id, sequence->num_computed + count),
-                    "swapped sequence {} did not fit as can_swap_in said", sequence->id);
-      ++plan.swapped_in;
-      waiting.pop_front();
-      if (sequence->num_tokens() - sequence->num_computed > 1) prefill_left -= count;
-      sequence->status = SequenceStatus::kRunning;
-      running.push_back(sequence);
-      plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens(), 0});
-      plan.num_tokens += count;
-      budget -= count;
-      continue;
+      if (cache.swap_in(sequence->id) == SwapIn::kDone) {
+        METRALE_CHECK(cache.reserve(sequence->id, sequence->num_computed + count),
+                      "swapped sequence {} did not fit as can_swap_in said", sequence->id);
+        ++plan.swapped_in;
+        waiting.pop_front();
+        if (sequence->num_tokens() - sequence->num_computed > 1) prefill_left -= count;
+        sequence->status = SequenceStatus::kRunning;
+        running.push_back(sequence);
+        plan.chunks.push_back({sequence, count, sequence->num_computed + count == sequence->num_tokens(), 0});
+        plan.num_tokens += count;
+        budget -= count;
+        continue;
+      }
+      // Its swapped contents were lost in the tier (the cache has dropped them): admitted afresh.
+      reset_to_recompute(sequence);
     }
     METRALE_CHECK(sequence->num_computed == 0 && !cache.has_sequence(sequence->id),
                   "waiting sequence {} holds cache entries", sequence->id);

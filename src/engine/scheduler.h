@@ -4,9 +4,13 @@
 // and prefill chunks (vLLM v1's rule). Running sequences come first, oldest first; waiting ones are
 // admitted FCFS while the budget, --max-num-seqs and free KV blocks allow. When a running sequence
 // cannot get a block, the newest running sequence is preempted: swapped out to the cache's host
-// tier when it has room for the sequence's blocks and state slot (swapped back in, whole, when the
-// sequence is admitted again, and it goes on where it stopped), otherwise its blocks freed and its
-// tokens kept, recomputed later; nothing it generated is lost or repeated.
+// tier when it has room for the sequence's blocks and state slot and swapping is the cheaper way
+// back (swapped back in, whole, when the sequence is admitted again, and it goes on where it
+// stopped), otherwise its blocks freed and its tokens kept, recomputed later; nothing it generated
+// is lost or repeated. The cost compares moving its cache bytes out and back at the measured
+// host<->device bandwidth with prefilling its computed tokens again at the measured cost per token
+// (PreemptionCosts; unmeasured: swap whenever the tier has room). A swapped sequence whose
+// contents were lost in the tier (an integrity failure) is recomputed instead.
 //
 // Prefix cache: a sequence is admitted from the longest cached prefix of its tokens (shared blocks,
 // and on hybrid models a restored state checkpoint) and computes only the rest; scoring requests
@@ -26,10 +30,15 @@
 
 namespace metrale {
 
+// How a preempted sequence gets back: by the cheaper way (kAuto: swap or recompute, PreemptionCosts),
+// by a swap whenever the tier has room (kSwap), or always by recompute (kRecompute).
+enum class PreemptionMode { kAuto, kSwap, kRecompute };
+
 struct SchedulerConfig {
   int32_t max_num_seqs = 64;              // running sequences at most
   int32_t max_num_batched_tokens = 2048;  // tokens per step at most
   int32_t max_prefill_chunk = 0;          // tokens per sequence per step at most (0: no limit)
+  PreemptionMode preemption_mode = PreemptionMode::kAuto;
 };
 
 struct ScheduledChunk {
@@ -61,6 +70,14 @@ struct SchedulePlan {
   bool empty() const { return chunks.empty(); }
 };
 
+// What a preemption weighs (Engine measures both; 0: not measured yet).
+struct PreemptionCosts {
+  double copy_bytes_per_second = 0.0;      // host <-> device copies
+  double prefill_seconds_per_token = 0.0;  // recomputing a token in a prefill chunk
+  // Swap (out and back in) when it is cheaper than recomputing `tokens`; true while unmeasured.
+  bool prefers_swap(uint64_t swap_bytes, int64_t tokens) const;
+};
+
 class Scheduler {
  public:
   explicit Scheduler(const SchedulerConfig& config) : config_(config) {}
@@ -75,10 +92,17 @@ class Scheduler {
   // some running sequence decodes in it; 0: no limit beyond the token budget. The engine sets it
   // before each step (engine/prefill_budget.h). Steps without decode rows are not limited.
   void set_prefill_limit(int64_t tokens) { prefill_limit_ = tokens; }
+  void set_preemption_costs(const PreemptionCosts& costs) { costs_ = costs; }
+  const PreemptionCosts& preemption_costs() const { return costs_; }
 
  private:
+  // Swaps the victim out when the tier has room and that is the cheaper way back, else frees its
+  // cache to recompute it later.
+  void preempt(Sequence* sequence, CacheManager& cache) const;
+
   SchedulerConfig config_;
   int64_t prefill_limit_ = 0;
+  PreemptionCosts costs_;
 };
 
 }  // namespace metrale

@@ -1,13 +1,15 @@
 #include "model/registry.h"
 
-#include <algorithm>
-
 #include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
 
 #include "core/error.h"
 #include "core/log.h"
 #include "kernels/linear.h"
 #include "model/arch/architectures.h"
+#include "model/weight_prefetch.h"
 #include "model/weight_store.h"
 
 namespace metrale {
@@ -141,12 +143,23 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
                    weights.prefix(), device.to_string(), dtype_name(weights.compute_dtype()),
                    checkpoint_fp8                                         ? " with the checkpoint's FP8 weights"
                    : options.quantization == WeightQuantization::kFp8 ? ", quantising projections to FP8" : "");
+  // The pages come in on a pool of threads while the model is built from them.
+  WeightPrefetcher prefetcher(store->mapped_ranges(), options.load_threads);
   // Counted as they are read; the count may end below the total (tensors an architecture skips).
   auto progress = std::make_shared<StageProgress>(
-      "weights", fmt::format("loading weights of {} from {} on {}", entry->model_type, dir.string(), device.to_string()),
-      "loaded weights", "tensors", static_cast<int64_t>(store->names().size()), store->total_bytes());
+      "weights",
+      fmt::format("loading weights of {} from {} on {}", entry->model_type, dir.string(), device.to_string()),
+      fmt::format("loaded weights ({} reader threads)", prefetcher.num_threads()), "tensors",
+      static_cast<int64_t>(store->names().size()), store->total_bytes());
   weights.set_progress(progress);
+  const auto start = std::chrono::steady_clock::now();
   std::unique_ptr<Model> model = entry->build(config, weights);
+  prefetcher.stop();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  METRALE_LOG_INFO("loaded {} tensors, {:.2f} GB in {:.2f} s ({:.2f} GB/s; {} reader threads)", progress->items(),
+                   static_cast<double>(progress->bytes()) / 1e9, seconds,
+                   seconds > 0 ? static_cast<double>(progress->bytes()) / 1e9 / seconds : 0.0,
+                   prefetcher.num_threads());
   progress->finish();
   check_unused_tensors(*entry, config, *store, options);
   return model;

@@ -42,6 +42,9 @@ struct LoadOptions {
   // bf16 by definition, excepted) and runs the whole forward in f32 (the tight comparison against an
   // fp32 reference; slower, twice the memory). The CPU computes in f32 only: kBF16 there is an error.
   std::optional<DType> compute_dtype = std::nullopt;
+  // Threads that bring the checkpoint's pages into memory while the model is built from them
+  // (model/weight_prefetch.h); 0: the hardware's concurrency; 1 and up: that many.
+  int32_t load_threads = 0;
 };
 
 std::span<const ArchEntry> registered_architectures();

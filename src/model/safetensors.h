@@ -50,6 +50,8 @@ class SafetensorsFile {
   bool contains(const std::string& name) const { return entries_.count(name) != 0; }
   // A CPU view of the tensor's bytes in the mapping. Throws kUnsupported for an unsupported dtype.
   Tensor view(const std::string& name) const;
+  // The mapped bytes after the header: every tensor's data.
+  std::span<const std::byte> data_bytes() const { return file_.bytes().subspan(data_start_); }
 
  private:
   MappedFile file_;

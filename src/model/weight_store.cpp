@@ -84,6 +84,12 @@ const SafetensorsFile& WeightStore::file_of(const std::string& name) const {
   return *it->second;
 }
 
+std::vector<std::span<const std::byte>> WeightStore::mapped_ranges() const {
+  std::vector<std::span<const std::byte>> ranges;
+  for (const auto& file : files_) ranges.push_back(file->data_bytes());
+  return ranges;
+}
+
 uint64_t WeightStore::total_bytes() const {
   uint64_t bytes = 0;
   // Through the files, not get(): sizing the checkpoint reads no tensor.

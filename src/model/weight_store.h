@@ -35,6 +35,8 @@ class WeightStore {
   std::vector<std::string> unused_names() const;
   // The bytes of all its tensors (what loading reads at most).
   uint64_t total_bytes() const;
+  // Each file's mapped tensor data, in the order of the files (for WeightPrefetcher).
+  std::vector<std::span<const std::byte>> mapped_ranges() const;
 
  private:
   std::filesystem::path dir_;

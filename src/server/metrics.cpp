@@ -104,6 +104,24 @@ std::string ServerMetrics::render(const AsyncEngineStats& stats) const {
           engine.swapped_out_slots);
   counter(out, "metrale_swapped_in_slots_total", "Recurrent-state slots copied back from the host tier.",
           engine.swapped_in_slots);
+  counter(out, "metrale_swapped_to_disk_sequences_total", "Swapped-out requests moved from the host tier to disk.",
+          engine.swapped_to_disk_sequences);
+  counter(out, "metrale_prefix_blocks_to_disk_total", "Prefix-cache blocks spilled from the host tier to disk.",
+          engine.prefix_blocks_to_disk);
+  counter(out, "metrale_prefix_blocks_from_disk_total", "Prefix-cache blocks brought back from disk on a hit.",
+          engine.prefix_blocks_from_disk);
+  counter(out, "metrale_state_checkpoints_to_host_total",
+          "Recurrent-state checkpoints kept in the host tier after "
+          "leaving the device.",
+          engine.checkpoints_to_host);
+  counter(out, "metrale_state_checkpoints_restored_total",
+          "Recurrent-state checkpoints restored from the host or "
+          "disk tier on a prefix hit.",
+          engine.checkpoints_restored_from_tiers);
+  counter(out, "metrale_tier_entries_lost_total",
+          "Host or disk tier entries that failed their integrity check "
+          "(recomputed).",
+          engine.tier_entries_lost);
   counter(out, "metrale_prefix_cache_blocks_to_host_total",
           "Prefix-cache blocks evicted from device memory into the host tier.", engine.prefix_blocks_to_host);
   counter(out, "metrale_prefix_cache_blocks_from_host_total",

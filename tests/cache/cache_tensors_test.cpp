@@ -487,12 +487,12 @@ TEST(CacheTensors, SwapOutAndInKeepsEveryTensorsContents) {
     EXPECT_NE(std::find(cache.block_table(3).begin(), cache.block_table(3).end(), block), cache.block_table(3).end());
   // No room to come back while it holds them.
   EXPECT_FALSE(cache.can_swap_in(1, 22));
-  EXPECT_FALSE(cache.swap_in(1));
+  EXPECT_EQ(cache.swap_in(1), SwapIn::kNoRoom);
   EXPECT_TRUE(cache.is_swapped(1));
   cache.free_sequence(3);
 
   ASSERT_TRUE(cache.can_swap_in(1, 22));
-  ASSERT_TRUE(cache.swap_in(1));
+  ASSERT_EQ(cache.swap_in(1), SwapIn::kDone);
   EXPECT_TRUE(cache.has_sequence(1));
   EXPECT_FALSE(cache.is_swapped(1));
   EXPECT_EQ(cache.host_tier().num_used_blocks(), 0);
@@ -549,10 +549,10 @@ TEST(CacheTensors, SwapNeedsTheTierAndAFreeSlot) {
   ASSERT_TRUE(cache.reserve(2, 1));
   ASSERT_TRUE(cache.reserve(3, 1));
   EXPECT_FALSE(cache.can_swap_in(1, 8));
-  EXPECT_FALSE(cache.swap_in(1));
+  EXPECT_EQ(cache.swap_in(1), SwapIn::kNoRoom);
   EXPECT_THROW(cache.reserve(1, 8), Error);  // a swapped sequence cannot grow in place
   cache.free_sequence(3);
-  ASSERT_TRUE(cache.swap_in(1));
+  ASSERT_EQ(cache.swap_in(1), SwapIn::kDone);
   EXPECT_EQ(rows.read_slot(cache.state_slot(1)), slot_state(tokens, 8));
   for (int64_t p = 0; p < 8; ++p) EXPECT_EQ(rows.read_token(1, p), token_row(tokens, p));
   cache.check_integrity();
@@ -602,7 +602,7 @@ TEST(CacheTensors, EvictedPrefixBlocksComeBackFromTheHostTier) {
   EXPECT_EQ(cache.host_tier().num_cached_blocks(), 0);
   EXPECT_EQ(cache.host_prefix_cache().size(), 0u);
   cache.check_integrity();
-  ASSERT_TRUE(cache.swap_in(4));
+  ASSERT_EQ(cache.swap_in(4), SwapIn::kDone);
   for (int64_t p = 0; p < 17; ++p) EXPECT_EQ(rows.read_token(4, p), token_row(prompt, p));
   cache.free_sequence(4);
   cache.check_integrity();

@@ -154,6 +154,7 @@ TEST(Engine, SwapPreemptionGivesTheTokensOfRecomputeAndDrains) {
     for (const int32_t host_blocks : {64, 1}) {
       EngineConfig config;
       config.num_kv_blocks = 4;
+      config.scheduler.preemption_mode = PreemptionMode::kSwap;  // the swaps this test counts, whatever they cost
       auto probe = make_engine(dir, config);
       config.swap_space_bytes = static_cast<uint64_t>(host_blocks) * paged_bytes_per_block(
           probe->cache().specs(), probe->plan().block_size, DType::kF32);

@@ -139,6 +139,7 @@ TEST(Qwen3_5Engine, SwapPreemptionKeepsBlocksAndStateSlot) {
     config.num_kv_blocks = 4;
     config.scheduler.max_num_batched_tokens = 8;
     config.swap_space_bytes = 64ull << 20;
+    config.scheduler.preemption_mode = PreemptionMode::kSwap;  // every preemption swaps, whatever it costs
     Engine engine(tiny_qwen3_5(), config);
     ASSERT_GT(engine.plan().num_host_slots, 0);
     std::vector<int64_t> ids;

@@ -123,6 +123,7 @@ std::map<int64_t, Generated> generate(const ModelFactory& factory, const EngineS
   config.enable_prefix_caching = setup.prefix_caching;
   config.num_kv_blocks = setup.num_kv_blocks;
   config.swap_space_bytes = setup.swap_space_bytes;
+  config.scheduler.preemption_mode = PreemptionMode::kSwap;
   config.block_size = 4;
   config.scheduler.max_prefill_chunk = setup.max_prefill_chunk;
   config.scheduler.max_num_batched_tokens = setup.max_num_batched_tokens;

@@ -1,0 +1,314 @@
+// CacheManager's tiers below the device: what moves to the host tier when the device drops it,
+// what moves on to disk when the host tier does, and how a prefix hit in either comes back.
+#include <algorithm>
+
+#include "cache/cache_manager.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "runtime/stream.h"
+
+namespace metrale {
+
+// ---- Room in the tiers
+
+int64_t CacheManager::oldest_host_swapped(int64_t keep, bool with_slot) const {
+  int64_t oldest = -1;
+  uint64_t oldest_at = 0;
+  for (const auto& [seq_id, swapped] : swapped_) {
+    if (swapped.on_disk || seq_id == keep || (with_slot && swapped.slot < 0)) continue;
+    if (oldest < 0 || swapped.swapped_at < oldest_at) {
+      oldest = seq_id;
+      oldest_at = swapped.swapped_at;
+    }
+  }
+  return oldest;
+}
+
+bool CacheManager::take_host_blocks(int32_t count, std::vector<int32_t>& out, std::optional<int64_t> swapping) {
+  if (swapping) {
+    while (host_.num_free_blocks() < count) {
+      const int64_t oldest = oldest_host_swapped(*swapping, false);
+      if (oldest < 0 || !spill_swapped(oldest)) break;
+    }
+  }
+  std::vector<int32_t> evicted;
+  if (!host_.block_pool().allocate(count, out, &evicted)) return false;
+  for (const int32_t block : evicted) {
+    spill_host_block(block);  // its bytes are still there: nothing was copied into it yet
+    host_prefix_.erase(block);
+  }
+  return true;
+}
+
+int32_t CacheManager::take_host_slot(std::optional<int64_t> swapping) {
+  if (const int32_t slot = host_.allocate_slot(); slot >= 0) return slot;
+  if (const int32_t victim = host_checkpoints_.least_recent(); victim >= 0) {
+    spill_host_checkpoint(victim);
+    host_checkpoints_.erase(victim);
+    host_.free_slot(victim);
+    return host_.allocate_slot();
+  }
+  if (!swapping) return -1;
+  const int64_t oldest = oldest_host_swapped(*swapping, true);
+  if (oldest < 0 || !spill_swapped(oldest)) return -1;
+  return host_.allocate_slot();
+}
+
+bool CacheManager::take_disk_blocks(int32_t count, std::vector<int32_t>& out) {
+  std::vector<int32_t> evicted;
+  if (!disk_->block_pool().allocate(count, out, &evicted)) return false;
+  for (const int32_t block : evicted) disk_prefix_.erase(block);
+  return true;
+}
+
+int32_t CacheManager::take_disk_slot() {
+  if (const int32_t slot = disk_->slot_pool().allocate(); slot >= 0) return slot;
+  const int32_t victim = disk_checkpoints_.least_recent();
+  if (victim < 0) return -1;  // every disk slot holds a swapped sequence's state
+  disk_checkpoints_.erase(victim);
+  disk_->slot_pool().free(victim);
+  return disk_->slot_pool().allocate();
+}
+
+// ---- Device -> host
+
+void CacheManager::offload_evicted_block(int32_t block) {
+  if (host_.num_blocks() == 0 || !prefix_.holds(block)) return;
+  const BlockHash& hash = prefix_.hash_of(block);
+  // Its checkpoint first: the slot is freed right after this returns.
+  if (const int32_t slot = prefix_.checkpoint(block); slot >= 0) offload_checkpoint(hash, slot);
+  if (host_prefix_.find(hash) >= 0) return;  // the host already holds this prefix block
+  if (host_.num_free_blocks() == 0) return;  // every host block holds a swapped sequence
+  std::vector<int32_t> taken;
+  if (!take_host_blocks(1, taken, std::nullopt)) return;
+  const int32_t host_block = taken.front();
+  host_.store_block(paged_storage_, block, host_block);  // queued before the block's next writer
+  METRALE_CHECK(host_prefix_.insert(host_block, hash, prefix_.parent_of(block), prefix_.tokens_of(block)),
+                "host prefix index refused block {}", host_block);
+  host_.block_pool().mark_cached(host_block);
+  host_.block_pool().release(host_block);  // the most recent entry of the host LRU list
+  ++swap_counters_.prefix_blocks_out;
+}
+
+void CacheManager::offload_checkpoint(const BlockHash& hash, int32_t device_slot) {
+  if (host_.num_slots() == 0) return;
+  if (const int32_t held = host_checkpoints_.find(hash); held >= 0) {
+    host_checkpoints_.touch(held);
+    return;
+  }
+  const int32_t host_slot = take_host_slot(std::nullopt);
+  if (host_slot < 0) return;                                // every host slot holds a swapped sequence's state
+  host_.store_slot(slot_storage_, device_slot, host_slot);  // queued before the slot's next writer
+  host_checkpoints_.insert(hash, host_slot);
+  ++swap_counters_.checkpoints_out;
+}
+
+// ---- Host -> disk
+
+void CacheManager::spill_host_block(int32_t host_block) {
+  if (!disk_ || disk_->num_blocks() == 0 || !host_prefix_.holds(host_block)) return;
+  const BlockHash& hash = host_prefix_.hash_of(host_block);
+  if (disk_prefix_.find(hash) >= 0) return;  // the disk already holds this prefix block
+  // A corrupted host copy is not carried on: its disk checksum would vouch for the wrong bytes.
+  if (!host_.verify_block(host_block)) {
+    METRALE_LOG_WARN("host tier: prefix block {} failed its checksum; dropped", host_block);
+    ++swap_counters_.lost_entries;
+    return;
+  }
+  std::vector<int32_t> taken;
+  if (!take_disk_blocks(1, taken)) return;  // every disk block holds a swapped sequence
+  const int32_t disk_block = taken.front();
+  disk_->write_block(disk_block, host_.pack_block(host_block));
+  METRALE_CHECK(
+      disk_prefix_.insert(disk_block, hash, host_prefix_.parent_of(host_block), host_prefix_.tokens_of(host_block)),
+      "disk prefix index refused block {}", disk_block);
+  disk_->block_pool().mark_cached(disk_block);
+  disk_->block_pool().release(disk_block);
+  ++swap_counters_.prefix_blocks_to_disk;
+}
+
+void CacheManager::spill_host_checkpoint(int32_t host_slot) {
+  if (!disk_ || disk_->num_slots() == 0) return;
+  const BlockHash hash = host_checkpoints_.hash_of(host_slot);
+  if (const int32_t held = disk_checkpoints_.find(hash); held >= 0) {
+    disk_checkpoints_.touch(held);
+    return;
+  }
+  if (!host_.verify_slot(host_slot)) {
+    METRALE_LOG_WARN("host tier: state checkpoint in slot {} failed its checksum; dropped", host_slot);
+    ++swap_counters_.lost_entries;
+    return;
+  }
+  const int32_t disk_slot = take_disk_slot();
+  if (disk_slot < 0) return;
+  disk_->write_slot(disk_slot, host_.pack_slot(host_slot));
+  disk_checkpoints_.insert(hash, disk_slot);
+}
+
+bool CacheManager::spill_swapped(int64_t seq_id) {
+  SwappedEntry& swapped = swapped_.at(seq_id);
+  if (!disk_ || swapped.on_disk) return false;
+  const auto count = static_cast<int32_t>(swapped.blocks.size());
+  if (count > disk_->block_pool().num_free()) return false;
+  if (swapped.slot >= 0 && disk_->slot_pool().num_free() == 0 && disk_checkpoints_.size() == 0) return false;
+  std::vector<int32_t> disk_blocks;
+  disk_blocks.reserve(swapped.blocks.size());
+  METRALE_CHECK(take_disk_blocks(count, disk_blocks), "disk tier: {} blocks not free", count);
+  int32_t disk_slot = -1;
+  if (swapped.slot >= 0) {
+    disk_slot = take_disk_slot();
+    METRALE_CHECK(disk_slot >= 0, "disk tier: no slot for swapped sequence {}", seq_id);
+  }
+  // Host copies are moved as they are: one that fails its checksum is caught when it comes back.
+  for (size_t i = 0; i < swapped.blocks.size(); ++i) {
+    disk_->write_block(disk_blocks[i], host_.pack_block(swapped.blocks[i]));
+    host_.block_pool().release(swapped.blocks[i]);
+  }
+  if (swapped.slot >= 0) {
+    disk_->write_slot(disk_slot, host_.pack_slot(swapped.slot));
+    host_.free_slot(swapped.slot);
+  }
+  swapped.blocks = std::move(disk_blocks);
+  swapped.slot = disk_slot;
+  swapped.on_disk = true;
+  ++swap_counters_.sequences_to_disk;
+  return true;
+}
+
+// ---- Lost entries
+
+void CacheManager::drop_lost_block(Tier tier, int32_t block, const std::string& why) {
+  METRALE_LOG_WARN("prefix cache: {} block {} lost ({}); its tokens will be recomputed",
+                   tier == Tier::kHost ? "host" : "disk", block, why);
+  ++swap_counters_.lost_entries;
+  if (tier == Tier::kHost) {
+    host_prefix_.erase(block);
+    host_.block_pool().discard(block);
+  } else {
+    disk_prefix_.erase(block);
+    disk_->block_pool().discard(block);
+  }
+}
+
+void CacheManager::drop_lost_checkpoint(Tier tier, int32_t slot, const std::string& why) {
+  METRALE_LOG_WARN("prefix cache: {} state checkpoint {} lost ({}); its prefix will be recomputed",
+                   tier == Tier::kHost ? "host" : "disk", slot, why);
+  ++swap_counters_.lost_entries;
+  if (tier == Tier::kHost) {
+    host_checkpoints_.erase(slot);
+    host_.free_slot(slot);
+  } else {
+    disk_checkpoints_.erase(slot);
+    disk_->slot_pool().free(slot);
+  }
+}
+
+// ---- Prefix hits in the tiers
+
+CacheManager::CheckpointSource CacheManager::find_checkpoint(int32_t block, const BlockHash& hash) const {
+  if (block >= 0) {
+    if (const int32_t slot = prefix_.checkpoint(block); slot >= 0) return {Tier::kDevice, slot};
+  }
+  if (const int32_t slot = host_checkpoints_.find(hash); slot >= 0) return {Tier::kHost, slot};
+  if (disk_) {
+    if (const int32_t slot = disk_checkpoints_.find(hash); slot >= 0) return {Tier::kDisk, slot};
+  }
+  return {};
+}
+
+bool CacheManager::restore_tier_hits(SequenceEntry& entry, std::span<const int32_t> tokens,
+                                     const std::vector<TierHit>& hits, const CheckpointSource& checkpoint) {
+  const size_t full = entry.blocks.size();
+  // The worker reads the disk hits while the host hits are verified here.
+  std::vector<std::future<DiskRead>> reads(hits.size());
+  for (size_t h = 0; h < hits.size(); ++h)
+    if (hits[h].tier == Tier::kDisk) reads[h] = disk_->read_block(hits[h].block);
+  const bool tier_state = checkpoint.slot >= 0 && checkpoint.tier != Tier::kDevice;
+  std::future<DiskRead> state_read;
+  if (tier_state && checkpoint.tier == Tier::kDisk) state_read = disk_->read_slot(checkpoint.slot);
+
+  std::vector<DiskRead> data(hits.size());
+  size_t good = hits.size();  // hits before the first lost one
+  for (size_t h = 0; h < hits.size(); ++h) {
+    if (hits[h].tier == Tier::kDisk) {
+      data[h] = reads[h].get();
+      if (!data[h].ok) {
+        drop_lost_block(Tier::kDisk, hits[h].block, data[h].error);
+        good = std::min(good, h);
+      }
+    } else if (h < good && !host_.verify_block(hits[h].block)) {
+      drop_lost_block(Tier::kHost, hits[h].block, "checksum mismatch");
+      good = h;
+    }
+  }
+  bool state_ok = tier_state;
+  DiskRead state_data;
+  if (tier_state && checkpoint.tier == Tier::kDisk) {
+    state_data = state_read.get();
+    if (!state_data.ok) {
+      drop_lost_checkpoint(Tier::kDisk, checkpoint.slot, state_data.error);
+      state_ok = false;
+    }
+  } else if (tier_state && !host_.verify_slot(checkpoint.slot)) {
+    drop_lost_checkpoint(Tier::kHost, checkpoint.slot, "checksum mismatch");
+    state_ok = false;
+  }
+
+  // Cut before the first hit lost or without a free device block (the match's device blocks are
+  // retained, so the allocation below cannot evict them). A state needs its whole prefix.
+  const size_t restorable = std::min(good, static_cast<size_t>(pool_.num_free()));
+  size_t cut = restorable < hits.size() ? hits[restorable].index : full;
+  if (has_slots_ && (cut < full || (tier_state && !state_ok))) cut = 0;
+  for (size_t i = entry.blocks.size(); i-- > cut;)
+    if (entry.blocks[i] >= 0) pool_.release(entry.blocks[i]);
+  entry.blocks.resize(cut);
+  entry.hashes.resize(cut);
+  const auto kept =
+      static_cast<size_t>(std::count_if(hits.begin(), hits.end(), [&](const TierHit& hit) { return hit.index < cut; }));
+
+  bool restored = false;
+  bool packed_copies = false;
+  if (tier_state && state_ok && cut == full) {
+    // Into the sequence's own slot, queued before anything below can reuse the tier's slot.
+    if (checkpoint.tier == Tier::kHost) {
+      host_.load_slot(slot_storage_, checkpoint.slot, entry.state_slot);
+      host_checkpoints_.touch(checkpoint.slot);
+    } else {
+      host_.load_packed_slot(slot_storage_, state_data.bytes, entry.state_slot);
+      disk_checkpoints_.touch(checkpoint.slot);
+      packed_copies = true;
+    }
+    ++swap_counters_.checkpoints_in;
+    restored = true;
+  }
+  // The hits' tier blocks are pinned so that what the allocation evicts cannot take them.
+  const auto pool_of = [&](Tier tier) -> BlockPool& {
+    return tier == Tier::kHost ? host_.block_pool() : disk_->block_pool();
+  };
+  for (size_t h = 0; h < kept; ++h) pool_of(hits[h].tier).retain(hits[h].block);
+  std::vector<int32_t> fresh;
+  allocate_blocks(static_cast<int32_t>(kept), fresh);
+  const auto block_size = static_cast<size_t>(config_.block_size);
+  for (size_t h = 0; h < kept; ++h) {
+    const size_t i = hits[h].index;
+    const int32_t block = fresh[h];
+    if (hits[h].tier == Tier::kHost) {
+      host_.load_block(paged_storage_, hits[h].block, block);
+      ++swap_counters_.prefix_blocks_in;
+    } else {
+      host_.load_packed_block(paged_storage_, data[h].bytes, block);
+      packed_copies = true;
+      ++swap_counters_.prefix_blocks_from_disk;
+    }
+    entry.blocks[i] = block;
+    const BlockHash parent = i == 0 ? BlockHash{} : entry.hashes[i - 1];
+    METRALE_CHECK(prefix_.insert(block, entry.hashes[i], parent, tokens.subspan(i * block_size, block_size)),
+                  "block {} restored from another tier is already indexed", block);
+    pool_.mark_cached(block);
+    pool_of(hits[h].tier).release(hits[h].block);  // stays cached in its tier, most recently used
+  }
+  if (packed_copies) synchronize(device_);  // the copies read `data`, freed on return
+  return restored;
+}
+
+}  // namespace metrale

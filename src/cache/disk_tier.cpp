@@ -1,0 +1,240 @@
+#include "cache/disk_tier.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace metrale {
+
+uint64_t entry_checksum(const void* bytes, size_t size) {
+  return XXH3_64bits(bytes, size);
+}
+
+namespace {
+
+// A file descriptor that closes itself.
+class FileDescriptor {
+ public:
+  explicit FileDescriptor(int fd) : fd_(fd) {}
+  ~FileDescriptor() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+std::filesystem::path unique_directory(const std::filesystem::path& parent) {
+  static std::atomic<uint64_t> counter{0};
+  return parent / fmt::format("metrale-swap-{}-{}", static_cast<long>(::getpid()), counter.fetch_add(1));
+}
+
+}  // namespace
+
+DiskTier::DiskTier(const std::filesystem::path& parent, size_t block_bytes, size_t slot_bytes, int32_t num_blocks,
+                   int32_t num_slots)
+    : block_bytes_(block_bytes),
+      slot_bytes_(slot_bytes),
+      blocks_(std::max(num_blocks, 0)),
+      slots_(0, std::max(num_slots, 0)),
+      block_checksums_(static_cast<size_t>(std::max(num_blocks, 0)), 0),
+      slot_checksums_(static_cast<size_t>(std::max(num_slots, 0)), 0) {
+  if (num_blocks < 0 || num_slots < 0)
+    raise(ErrorCode::kInvalidArgument, "negative disk tier size ({} blocks, {} slots)", num_blocks, num_slots);
+  std::error_code error;
+  std::filesystem::create_directories(parent, error);
+  if (error || !std::filesystem::is_directory(parent))
+    raise(ErrorCode::kInvalidArgument, "--high-speed-swap {}: not a directory that can be made ({})", parent.string(),
+          error ? error.message() : "exists as a file");
+  dir_ = unique_directory(parent);
+  if (!std::filesystem::create_directory(dir_, error) || error)
+    raise(ErrorCode::kInvalidArgument, "--high-speed-swap: cannot create {} ({})", dir_.string(),
+          error ? error.message() : "exists");
+  // A probe write: a read-only or full disk fails here, at start-up, not in the middle of serving.
+  const std::filesystem::path probe = dir_ / "probe";
+  {
+    FileDescriptor fd(::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600));
+    const char byte = 0;
+    if (fd.get() < 0 || ::write(fd.get(), &byte, 1) != 1)
+      raise(ErrorCode::kInvalidArgument, "--high-speed-swap: cannot write in {} ({})", dir_.string(),
+            std::strerror(errno));
+  }
+  std::filesystem::remove(probe, error);
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+DiskTier::~DiskTier() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  std::error_code error;
+  std::filesystem::remove_all(dir_, error);
+  if (error) METRALE_LOG_WARN("disk tier: could not remove {}: {}", dir_.string(), error.message());
+}
+
+uint64_t DiskTier::capacity_bytes() const {
+  return block_bytes_ * static_cast<uint64_t>(num_blocks()) + slot_bytes_ * static_cast<uint64_t>(num_slots());
+}
+
+std::filesystem::path DiskTier::block_path(int32_t block) const {
+  return dir_ / fmt::format("block-{}.kv", block);
+}
+std::filesystem::path DiskTier::slot_path(int32_t slot) const {
+  return dir_ / fmt::format("slot-{}.state", slot);
+}
+
+void DiskTier::enqueue(std::function<void()> run) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back({std::move(run)});
+  }
+  wake_.notify_one();
+}
+
+void DiskTier::worker_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) break;  // stopping, and every queued job has run
+    Job job = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    const auto start = std::chrono::steady_clock::now();
+    job.run();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    lock.lock();
+    io_seconds_ += seconds;
+    busy_ = false;
+    if (queue_.empty()) idle_.notify_all();
+  }
+  idle_.notify_all();
+}
+
+void DiskTier::drain() const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
+}
+
+uint64_t DiskTier::bytes_written() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_written_;
+}
+
+uint64_t DiskTier::bytes_read() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_read_;
+}
+
+double DiskTier::io_seconds() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return io_seconds_;
+}
+
+void DiskTier::write_file(const std::filesystem::path& path, const std::vector<std::byte>& bytes) {
+  FileDescriptor fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600));
+  size_t done = 0;
+  while (fd.get() >= 0 && done < bytes.size()) {
+    const ssize_t written = ::pwrite(fd.get(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+    if (written < 0 && errno == EINTR) continue;
+    if (written <= 0) break;
+    done += static_cast<size_t>(written);
+  }
+  // A failed write leaves a short or missing file, which the read reports lost.
+  if (done < bytes.size()) {
+    METRALE_LOG_WARN("disk tier: writing {} failed after {} of {} bytes ({}); the entry will be recomputed",
+                     path.string(), done, bytes.size(), std::strerror(errno));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  bytes_written_ += done;
+}
+
+DiskRead DiskTier::read_file(const std::filesystem::path& path, size_t size, uint64_t checksum) {
+  DiskRead result;
+  const std::string name = path.filename().string();
+  FileDescriptor fd(::open(path.c_str(), O_RDONLY));
+  if (fd.get() < 0) {
+    result.error = fmt::format("{}: {}", name, std::strerror(errno));
+    return result;
+  }
+  struct stat info {};
+  if (::fstat(fd.get(), &info) != 0 || static_cast<size_t>(info.st_size) != size) {
+    result.error = fmt::format("{}: {} bytes, expected {}", name, static_cast<long long>(info.st_size), size);
+    return result;
+  }
+  result.bytes.resize(size);
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t got = ::pread(fd.get(), result.bytes.data() + done, size - done, static_cast<off_t>(done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) break;
+    done += static_cast<size_t>(got);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    bytes_read_ += done;
+  }
+  if (done < size) {
+    result.error = fmt::format("{}: read {} of {} bytes", name, done, size);
+    result.bytes.clear();
+    return result;
+  }
+  if (entry_checksum(result.bytes.data(), size) != checksum) {
+    result.error = fmt::format("{}: checksum mismatch", name);
+    result.bytes.clear();
+    return result;
+  }
+  result.ok = true;
+  return result;
+}
+
+void DiskTier::write_block(int32_t block, std::vector<std::byte> bytes) {
+  METRALE_CHECK(block >= 0 && block < num_blocks() && bytes.size() == block_bytes_, "disk block {} write of {} bytes",
+                block, bytes.size());
+  block_checksums_[static_cast<size_t>(block)] = entry_checksum(bytes.data(), bytes.size());
+  enqueue([this, path = block_path(block), data = std::move(bytes)] { write_file(path, data); });
+}
+
+void DiskTier::write_slot(int32_t slot, std::vector<std::byte> bytes) {
+  METRALE_CHECK(slots_.contains(slot) && bytes.size() == slot_bytes_, "disk slot {} write of {} bytes", slot,
+                bytes.size());
+  slot_checksums_[static_cast<size_t>(slot)] = entry_checksum(bytes.data(), bytes.size());
+  enqueue([this, path = slot_path(slot), data = std::move(bytes)] { write_file(path, data); });
+}
+
+std::future<DiskRead> DiskTier::read_block(int32_t block) {
+  METRALE_CHECK(block >= 0 && block < num_blocks(), "disk block {} out of range", block);
+  auto promise = std::make_shared<std::promise<DiskRead>>();
+  std::future<DiskRead> future = promise->get_future();
+  enqueue([this, promise, path = block_path(block), checksum = block_checksums_[static_cast<size_t>(block)]] {
+    promise->set_value(read_file(path, block_bytes_, checksum));
+  });
+  return future;
+}
+
+std::future<DiskRead> DiskTier::read_slot(int32_t slot) {
+  METRALE_CHECK(slots_.contains(slot), "disk slot {} out of range", slot);
+  auto promise = std::make_shared<std::promise<DiskRead>>();
+  std::future<DiskRead> future = promise->get_future();
+  enqueue([this, promise, path = slot_path(slot), checksum = slot_checksums_[static_cast<size_t>(slot)]] {
+    promise->set_value(read_file(path, slot_bytes_, checksum));
+  });
+  return future;
+}
+
+}  // namespace metrale
