@@ -224,7 +224,7 @@ bool StepSampler::sample_on_device(const StepResult& result, std::vector<Sampled
     if (!use.chunk.samples || use.num_rows != 1 || use.first_row != i || sequence.request.max_tokens == 0 ||
         sequence.request.return_prompt_logits || params.top_logprobs > 0 || params.repetition_penalty != 1.0f ||
         params.presence_penalty != 0.0f || params.frequency_penalty != 0.0f ||
-        ConstrainedRows::needs_processing(sequence)) {
+        ConstrainedRows::needs_host_processing(sequence)) {
       return false;
     }
   }
@@ -272,9 +272,13 @@ bool StepSampler::sample_on_device(const StepResult& result, std::vector<Sampled
   upload(state.min_p, min_p, 4);
   upload(state.seed, seed, 8);
   upload(state.step, step, 8);
-  kernels::SamplingRowParams row_params{state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
-                                        state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
-                                        state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
+  // Constrained rows: their masks (computed during the forward) go up in one copy and are applied
+  // in place; a step without them uploads and launches nothing.
+  constrained_->apply_to_logits(result.logits.slice(0, 0, rows), result.uses);
+  kernels::SamplingRowParams row_params{
+      state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
+      state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
+      state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
   kernels::sample_tokens(result.logits.slice(0, 0, rows), row_params, state.tokens.tensor.slice(0, 0, rows),
                          state.logprobs.tensor.slice(0, 0, rows));
   // Results come back into the (now consumed) staging area: tokens i32 then logprobs f32.
