@@ -38,10 +38,20 @@ StepTokens StepSampler::sample(const SchedulePlan& plan, StepResult& result, Run
   tokens.all_greedy = all_greedy(result);
   // Verify steps of greedy requests accept from the argmax rows: a fixed-layout step computed them
   // with the forward, a ragged one (prefill rows too) computes them now; either way a few bytes per
-  // row reach the host instead of the logits rows.
-  if (plan.num_draft_rows > 0 && tokens.all_greedy) {
-    if (result.greedy_tokens.empty()) runner.greedy_rows(result);
+  // row reach the host instead of the logits rows. When constraints are the only processing, their
+  // masks are applied on the device first and the argmax rows are taken again from the masked rows
+  // (the step is then not all_greedy: the MTP head does not chain from the forward's argmax).
+  const bool masked_greedy = plan.num_draft_rows > 0 && !tokens.all_greedy && !result.logits.device().is_cpu() &&
+                             greedy_but_for_constraints(result);
+  if (plan.num_draft_rows > 0 && (tokens.all_greedy || masked_greedy)) {
+    if (masked_greedy) {
+      constrained_->apply_to_logits(result.logits, result.uses);
+      runner.greedy_rows(result);
+    } else if (result.greedy_tokens.empty()) {
+      runner.greedy_rows(result);
+    }
     accept_greedy_rows(result, runner, tokens);
+    for (size_t u = 0; u < num_uses; ++u) ConstrainedRows::accept(*result.uses[u].chunk.sequence, tokens.emitted[u]);
   }
   std::vector<SampledToken> device_sampled;
   const bool sampled_on_device =
@@ -95,6 +105,12 @@ void StepSampler::copy_prompt_logits(const LogitRowUse& use, const Tensor& logit
 }
 
 bool StepSampler::all_greedy(const StepResult& result) const {
+  return greedy_but_for_constraints(result) &&
+         std::none_of(result.uses.begin(), result.uses.end(),
+                      [](const LogitRowUse& use) { return use.chunk.sequence->request.constraint != nullptr; });
+}
+
+bool StepSampler::greedy_but_for_constraints(const StepResult& result) const {
   for (const LogitRowUse& use : result.uses) {
     const SamplingParams& params = use.chunk.sequence->request.sampling;
     // Benchmark replay accepts by a seeded draw, whatever the parameters; the emitted token is
@@ -103,7 +119,7 @@ bool StepSampler::all_greedy(const StepResult& result) const {
     if (!replay && !params.is_greedy()) return false;
     if (params.top_logprobs > 0 || params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f ||
         params.frequency_penalty != 0.0f || use.chunk.sequence->request.return_prompt_logits ||
-        ConstrainedRows::needs_processing(*use.chunk.sequence))
+        ConstrainedRows::needs_host_processing(*use.chunk.sequence))
       return false;
   }
   return true;

@@ -1,6 +1,7 @@
 // StepSampler: turns a step's logits into the tokens each of its chunks emits. Plain decode rows
 // are sampled on the device when every row can be (no penalties, logit bias, top logprobs or prompt
-// logits; constrained rows get their token masks applied on the device first);
+// logits; constrained rows get their token masks applied on the device first, in greedy verify
+// steps too);
 // verify steps of greedy requests accept from their argmax rows (Runner::fetch_greedy_rows: a few
 // bytes per row reach the host, not the logits); everything else samples on the host with the
 // Sampler, and a verify chunk accepts its drafts in order (greedy: while each equals the Sampler's
@@ -48,6 +49,8 @@ class StepSampler {
   // logprobs or prompt logits: its next token is the argmax, its MTP drafts the head's argmax, and a
   // verify step accepts from the argmax rows alone.
   bool all_greedy(const StepResult& result) const;
+  // The same, except that rows may have a constraint (whose masks the device can apply).
+  bool greedy_but_for_constraints(const StepResult& result) const;
 
  private:
   // Samples rows [0, uses.size()) of a device logits tensor on the device when every row can be

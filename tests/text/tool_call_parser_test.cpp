@@ -334,8 +334,9 @@ TEST(ToolCallParser, MaxCallsKeepsTheFirstCalls) {
                "<｜DSML｜invoke name=\"search\">\n{\"query\": \"r\"}\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
                "", {{"search", R"({"query":"q"})"}}, 1);
   ToolCallParser parser(ToolCallFormat::kHermes, tools, ToolCallParserOptions{.max_calls = 1});
-  parser.feed("<tool_call>{\"name\": \"search\", \"arguments\": {}}</tool_call>"
-              "<tool_call>{\"name\": \"search\", \"arguments\": {}}</tool_call>");
+  parser.feed(
+      "<tool_call>{\"name\": \"search\", \"arguments\": {}}</tool_call>"
+      "<tool_call>{\"name\": \"search\", \"arguments\": {}}</tool_call>");
   parser.finish();
   EXPECT_EQ(parser.num_calls(), 1);
 }
