@@ -6,21 +6,38 @@
 //                 of the row after the forward;
 //   RowClosing/...the mask when the budget forces the end (every single-byte token tried on the
 //                 matcher), the slowest kind of step.
+//   RowApplyDevice/<workload>/<rows> (CUDA builds, with a GPU): what the engine adds to a step
+//                 whose <rows> decode rows are all constrained: one asynchronous upload of their
+//                 masks from pinned memory and kernels::apply_token_bitmask on [rows, 151936]
+//                 logits, timed with CUDA events (manual time, per step).
 // Each is averaged over the steps of a valid output tokenized by the real tokenizer.
 //
 //   metrale_constrained_row_bench [--benchmark_filter=...]   (from the repository root, or set
 //                                                              METRALE_SOURCE_DIR)
 #include <benchmark/benchmark.h>
 
+#if METRALE_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "runtime/cuda/cuda_graph.h"
+#endif
+
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "engine/token_constraint.h"
+#include "kernels/token_bitmask.h"
+#include "runtime/buffer.h"
+#include "runtime/device.h"
+#include "runtime/stream.h"
+#include "runtime/tensor.h"
 #include "server/grammar_constraint.h"
 #include "text/grammar/json_schema.h"
 #include "text/grammar/tool_call_grammar.h"
@@ -166,6 +183,64 @@ void row_apply(benchmark::State& state, const Workload& w) {
   }
 }
 
+#if METRALE_WITH_CUDA
+void row_apply_device(benchmark::State& state, const Workload& w) {
+  const Setup* s = setup();
+  if (s == nullptr) {
+    state.SkipWithError("models/default/tokenizer.json missing");
+    return;
+  }
+  if (!metrale::cuda_available()) {
+    state.SkipWithError("no GPU");
+    return;
+  }
+  using metrale::Device;
+  using metrale::DType;
+  const int64_t rows = state.range(0);
+  const int64_t words = (kLogits + 31) / 32;
+  // One mask per row, from successive steps of the workload's output, in pinned memory as the
+  // engine keeps them (ConstrainedRows).
+  std::vector<GrammarConstraint> states = steps(*s, w, 0);
+  metrale::PinnedBuffer host_masks(static_cast<size_t>(rows * words) * 4);
+  metrale::PinnedBuffer host_rows(static_cast<size_t>(rows) * 4);
+  auto* masks = static_cast<uint32_t*>(host_masks.data());
+  auto* row_ids = static_cast<int32_t*>(host_rows.data());
+  std::fill(masks, masks + rows * words, 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    states[static_cast<size_t>(r) % states.size()].fill_next_mask(
+        std::span<uint32_t>(masks + r * words, static_cast<size_t>(words)));
+    row_ids[r] = static_cast<int32_t>(r);
+  }
+  const Device gpu = Device::cuda();
+  metrale::OwnedTensor logits(DType::kF32, {rows, kLogits}, gpu);
+  metrale::OwnedTensor device_masks(DType::kI32, {rows, words}, gpu);
+  metrale::OwnedTensor device_rows(DType::kI32, {rows}, gpu);
+  std::vector<float> source(static_cast<size_t>(rows * kLogits));
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  for (float& x : source) x = normal(rng);
+  metrale::copy_bytes(logits.tensor.data(), gpu, source.data(), Device::cpu(), source.size() * sizeof(float));
+  const auto stream = static_cast<cudaStream_t>(metrale::current_stream(gpu));
+  metrale::CudaEvent start, stop;
+  const auto step = [&] {
+    metrale::copy_bytes_async(device_masks.tensor.data(), gpu, masks, Device::cpu(),
+                              static_cast<size_t>(rows * words) * 4);
+    metrale::copy_bytes_async(device_rows.tensor.data(), gpu, row_ids, Device::cpu(), static_cast<size_t>(rows) * 4);
+    metrale::kernels::apply_token_bitmask(logits.tensor, device_masks.tensor, device_rows.tensor);
+  };
+  step();  // warm-up (module load)
+  metrale::synchronize(gpu);
+  for (auto _ : state) {
+    start.record(stream);
+    step();
+    stop.record(stream);
+    stop.synchronize();
+    state.SetIterationTime(stop.elapsed_ms_since(start) * 1e-3);
+  }
+  state.counters["rows"] = static_cast<double>(rows);
+}
+#endif
+
 void register_all() {
   for (const Workload& w : kWorkloads) {
     benchmark::RegisterBenchmark((std::string("RowMask/") + w.name).c_str(), [&w](benchmark::State& st) { row_mask(st, w, false); })
@@ -174,6 +249,16 @@ void register_all() {
         ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark((std::string("RowClosing/") + w.name).c_str(), [&w](benchmark::State& st) { row_mask(st, w, true); })
         ->Unit(benchmark::kMicrosecond);
+#if METRALE_WITH_CUDA
+    benchmark::RegisterBenchmark((std::string("RowApplyDevice/") + w.name).c_str(),
+                                 [&w](benchmark::State& st) { row_apply_device(st, w); })
+        ->Arg(1)
+        ->Arg(16)
+        ->Arg(64)
+        ->Arg(256)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+#endif
   }
 }
 

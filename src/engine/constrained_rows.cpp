@@ -1,44 +1,20 @@
 #include "engine/constrained_rows.h"
 
 #include <algorithm>
-#include <bit>
-#include <limits>
+#include <cstring>
 #include <utility>
 
 #include "core/error.h"
+#include "kernels/token_bitmask.h"
+#include "runtime/stream.h"
 
 namespace metrale {
 
 bool apply_token_bitmask(std::span<float> logits, std::span<const uint32_t> bitmask) {
   const size_t vocab = logits.size();
   METRALE_CHECK(bitmask.size() * 32 >= vocab, "a token bitmask of {} words for {} logits", bitmask.size(), vocab);
-  bool any = false;
-  for (size_t word = 0; word * 32 < vocab && !any; ++word) {
-    const size_t bits = std::min<size_t>(32, vocab - word * 32);
-    const uint32_t valid = bits == 32 ? ~0u : ((1u << bits) - 1u);
-    any = (bitmask[word] & valid) != 0;
-  }
-  if (!any) return false;
-  constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  // A constrained row is mostly masked words (all 32 tokens out), which become plain fills.
-  for (size_t word = 0; word * 32 < vocab; ++word) {
-    const uint32_t bits = bitmask[word];
-    if (bits == ~0u) continue;
-    const size_t begin = word * 32;
-    const size_t end = std::min(vocab, begin + 32);
-    if (bits == 0u) {
-      std::fill(logits.begin() + static_cast<std::ptrdiff_t>(begin), logits.begin() + static_cast<std::ptrdiff_t>(end),
-                kMasked);
-      continue;
-    }
-    // Branch-free select on the bit patterns, so that the loop vectorises.
-    constexpr uint32_t kMaskedBits = std::bit_cast<uint32_t>(kMasked);
-    for (size_t t = begin; t < end; ++t) {
-      const uint32_t keep = 0u - ((bits >> (t - begin)) & 1u);
-      const uint32_t value = std::bit_cast<uint32_t>(logits[t]);
-      logits[t] = std::bit_cast<float>((value & keep) | (kMaskedBits & ~keep));
-    }
-  }
+  if (!kernels::token_bitmask_allows_any(bitmask, static_cast<int64_t>(vocab))) return false;
+  kernels::cpu::apply_token_bitmask_row(logits, bitmask);
   return true;
 }
 
@@ -55,20 +31,27 @@ ConstrainedRows::~ConstrainedRows() {
 
 void ConstrainedRows::begin(const SchedulePlan& plan) {
   chunks_.clear();
-  size_t words = 0;
+  int64_t mask_rows = 0;
   for (const ScheduledChunk& chunk : plan.chunks) {
     Sequence& sequence = *chunk.sequence;
     if (!chunk.samples || sequence.request.max_tokens == 0 || sequence.request.constraint == nullptr) continue;
     ChunkMasks masks;
     masks.sequence = &sequence;
     masks.num_rows = 1 + chunk.num_drafts;
-    masks.offset = words;
+    masks.first_mask_row = mask_rows;
     masks.masked.assign(static_cast<size_t>(masks.num_rows), 0);
-    words += static_cast<size_t>(masks.num_rows * words_);
+    mask_rows += masks.num_rows;
     chunks_.push_back(std::move(masks));
   }
+  num_mask_rows_ = mask_rows;
   if (chunks_.empty()) return;
-  masks_.assign(words, 0u);
+  const size_t bytes = static_cast<size_t>(mask_rows * words_) * sizeof(uint32_t);
+  if (masks_.size() < bytes) {
+    // Pinned allocations are slow: grow geometrically, and rarely.
+    masks_ = PinnedBuffer(std::max(bytes, 2 * masks_.size()));
+    mask_row_ids_ = PinnedBuffer(masks_.size() / static_cast<size_t>(words_));
+  }
+  std::memset(masks_.data(), 0, bytes);
   {
     std::lock_guard lock(mutex_);
     pending_ = true;
@@ -111,9 +94,10 @@ void ConstrainedRows::compute() noexcept {
       TokenConstraint& constraint = *sequence.request.constraint;
       int32_t walked = 0;
       for (int64_t row = 0; row < chunk.num_rows; ++row) {
-        const std::span<uint32_t> mask(masks_.data() + chunk.offset + static_cast<size_t>(row * words_),
-                                       static_cast<size_t>(words_));
-        chunk.masked[static_cast<size_t>(row)] = constraint.fill_next_mask(mask) ? 1 : 0;
+        const std::span<uint32_t> mask = mask_row(chunk.first_mask_row + row);
+        // A mask that allows nothing is left off (the row samples unmasked), on every path.
+        const bool masked = constraint.fill_next_mask(mask) && kernels::token_bitmask_allows_any(mask, vocab_);
+        chunk.masked[static_cast<size_t>(row)] = masked ? 1 : 0;
         if (row + 1 == chunk.num_rows) break;
         // A draft the constraint refuses cannot be accepted (its row's mask clears it); the rows
         // after it are never reached.
@@ -142,9 +126,51 @@ void ConstrainedRows::process_row(const Sequence& sequence, int64_t row, std::sp
   if (sequence.request.constraint == nullptr) return;
   const ChunkMasks* chunk = find(sequence);
   if (chunk == nullptr || row < 0 || row >= chunk->num_rows || chunk->masked[static_cast<size_t>(row)] == 0) return;
-  const std::span<const uint32_t> mask(masks_.data() + chunk->offset + static_cast<size_t>(row * words_),
-                                       static_cast<size_t>(words_));
-  apply_token_bitmask(logits, mask);
+  kernels::cpu::apply_token_bitmask_row(logits, mask_row(chunk->first_mask_row + row));
+}
+
+int64_t ConstrainedRows::apply_to_logits(const Tensor& logits, std::span<const LogitRowUse> uses) {
+  if (chunks_.empty()) return 0;
+  METRALE_CHECK(logits.ndim() == 2 && logits.size(1) == vocab_, "masking logits {} of a vocabulary of {}",
+                logits.describe(), vocab_);
+  auto* row_ids = static_cast<int32_t*>(mask_row_ids_.data());
+  std::fill(row_ids, row_ids + num_mask_rows_, -1);
+  int64_t masked = 0, used_rows = 0;
+  for (const ChunkMasks& chunk : chunks_) {
+    const auto use = std::find_if(uses.begin(), uses.end(),
+                                  [&](const LogitRowUse& u) { return u.chunk.sequence == chunk.sequence; });
+    if (use == uses.end()) continue;
+    // The chunk's sampling rows: the row of its last known token, then one per draft.
+    const int64_t first = use->first_row + use->num_rows - chunk.num_rows;
+    METRALE_CHECK(first >= use->first_row && first + chunk.num_rows <= logits.size(0),
+                  "sequence {}: {} mask rows for logits rows [{}, {}) of {}", chunk.sequence->id, chunk.num_rows,
+                  use->first_row, use->first_row + use->num_rows, logits.size(0));
+    for (int64_t row = 0; row < chunk.num_rows; ++row) {
+      if (chunk.masked[static_cast<size_t>(row)] == 0) continue;
+      row_ids[chunk.first_mask_row + row] = static_cast<int32_t>(first + row);
+      used_rows = std::max(used_rows, chunk.first_mask_row + row + 1);
+      ++masked;
+    }
+  }
+  if (masked == 0) return 0;  // inside reasoning blocks, say: nothing to upload
+  const Device device = logits.device();
+  Tensor masks(masks_.data(), DType::kI32, {used_rows, words_}, Device::cpu());
+  Tensor ids(row_ids, DType::kI32, {used_rows}, Device::cpu());
+  if (!device.is_cpu()) {
+    if (device_row_ids_.tensor.empty() || device_row_ids_.tensor.size(0) < used_rows ||
+        device_row_ids_.tensor.device() != device) {
+      const int64_t capacity =
+          std::max<int64_t>(used_rows, 2 * (device_row_ids_.tensor.empty() ? 0 : device_row_ids_.tensor.size(0)));
+      device_masks_ = OwnedTensor(DType::kI32, {capacity, words_}, device);
+      device_row_ids_ = OwnedTensor(DType::kI32, {capacity}, device);
+    }
+    copy_bytes_async(device_masks_.tensor.data(), device, masks.data(), Device::cpu(), masks.nbytes());
+    copy_bytes_async(device_row_ids_.tensor.data(), device, ids.data(), Device::cpu(), ids.nbytes());
+    masks = device_masks_.tensor.slice(0, 0, used_rows);
+    ids = device_row_ids_.tensor.slice(0, 0, used_rows);
+  }
+  kernels::apply_token_bitmask(logits, masks, ids);
+  return masked;
 }
 
 void ConstrainedRows::accept(Sequence& sequence, std::span<const SampledToken> emitted) {

@@ -92,10 +92,20 @@ StepTokens StepSampler::sample(const SchedulePlan& plan, StepResult& result, Run
   tokens.all_greedy = all_greedy(result);
   // Verify steps of greedy requests accept from the argmax rows: a fixed-layout step computed them
   // with the forward, a ragged one (prefill rows too) computes them now; either way a few bytes per
-  // row reach the host instead of the logits rows.
-  if (plan.num_draft_rows > 0 && tokens.all_greedy) {
-    if (result.greedy_tokens.empty()) runner.greedy_rows(result);
+  // row reach the host instead of the logits rows. When constraints are the only processing, their
+  // masks are applied on the device first and the argmax rows are taken again from the masked rows
+  // (the step is then not all_greedy: the MTP head does not chain from the forward's argmax).
+  const bool masked_greedy = plan.num_draft_rows > 0 && !tokens.all_greedy && !result.logits.device().is_cpu() &&
+                             greedy_but_for_constraints(result);
+  if (plan.num_draft_rows > 0 && (tokens.all_greedy || masked_greedy)) {
+    if (masked_greedy) {
+      constrained_->apply_to_logits(result.logits, result.uses);
+      runner.greedy_rows(result);
+    } else if (result.greedy_tokens.empty()) {
+      runner.greedy_rows(result);
+    }
     accept_greedy_rows(result, runner, tokens);
+    for (size_t u = 0; u < num_uses; ++u) ConstrainedRows::accept(*result.uses[u].chunk.sequence, tokens.emitted[u]);
   } else if (plan.num_draft_rows > 0 && verifies_on_device(result)) {
     accept_sampled_rows(result, tokens);
   }
@@ -151,6 +161,12 @@ void StepSampler::copy_prompt_logits(const LogitRowUse& use, const Tensor& logit
 }
 
 bool StepSampler::all_greedy(const StepResult& result) const {
+  return greedy_but_for_constraints(result) &&
+         std::none_of(result.uses.begin(), result.uses.end(),
+                      [](const LogitRowUse& use) { return use.chunk.sequence->request.constraint != nullptr; });
+}
+
+bool StepSampler::greedy_but_for_constraints(const StepResult& result) const {
   for (const LogitRowUse& use : result.uses) {
     const SamplingParams& params = use.chunk.sequence->request.sampling;
     // Benchmark replay accepts by a seeded draw, whatever the parameters; the emitted token is
@@ -159,7 +175,7 @@ bool StepSampler::all_greedy(const StepResult& result) const {
     if (!replay && !params.is_greedy()) return false;
     if (params.top_logprobs > 0 || params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f ||
         params.frequency_penalty != 0.0f || use.chunk.sequence->request.return_prompt_logits ||
-        ConstrainedRows::needs_processing(*use.chunk.sequence))
+        ConstrainedRows::needs_host_processing(*use.chunk.sequence))
       return false;
   }
   return true;
@@ -357,7 +373,7 @@ bool StepSampler::sample_on_device(const StepResult& result, std::vector<Sampled
     if (!use.chunk.samples || use.num_rows != 1 || use.first_row != i || sequence.request.max_tokens == 0 ||
         sequence.request.return_prompt_logits || params.top_logprobs > 0 || params.repetition_penalty != 1.0f ||
         params.presence_penalty != 0.0f || params.frequency_penalty != 0.0f ||
-        ConstrainedRows::needs_processing(sequence)) {
+        ConstrainedRows::needs_host_processing(sequence)) {
       return false;
     }
   }
@@ -394,9 +410,13 @@ bool StepSampler::sample_on_device(const StepResult& result, std::vector<Sampled
   upload(state.min_p, min_p, 4);
   upload(state.seed, seed, 8);
   upload(state.step, step, 8);
-  kernels::SamplingRowParams row_params{state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
-                                        state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
-                                        state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
+  // Constrained rows: their masks (computed during the forward) go up in one copy and are applied
+  // in place; a step without them uploads and launches nothing.
+  constrained_->apply_to_logits(result.logits.slice(0, 0, rows), result.uses);
+  kernels::SamplingRowParams row_params{
+      state.temperature.tensor.slice(0, 0, rows), state.top_k.tensor.slice(0, 0, rows),
+      state.top_p.tensor.slice(0, 0, rows),       state.min_p.tensor.slice(0, 0, rows),
+      state.seed.tensor.slice(0, 0, rows),        state.step.tensor.slice(0, 0, rows)};
   kernels::sample_tokens(result.logits.slice(0, 0, rows), row_params, state.tokens.tensor.slice(0, 0, rows),
                          state.logprobs.tensor.slice(0, 0, rows));
   // Results come back into the (now consumed) staging area: tokens i32 then logprobs f32.

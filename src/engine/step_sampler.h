@@ -1,5 +1,7 @@
 // StepSampler: turns a step's logits into the tokens each of its chunks emits. Plain decode rows
-// are sampled on the device when every row can be (no penalties, top logprobs or prompt logits);
+// are sampled on the device when every row can be (no penalties, logit bias, top logprobs or prompt
+// logits; constrained rows get their token masks applied on the device first, in greedy verify
+// steps too);
 // verify steps of greedy requests accept from their argmax rows (Runner::fetch_greedy_rows: a few
 // bytes per row reach the host, not the logits); everything else samples on the host with the
 // Sampler, and a verify chunk accepts its drafts in order (greedy: while each equals the Sampler's
@@ -39,13 +41,16 @@ class StepSampler {
   // The step failed: waits for the mask worker, dropping its work.
   void abandon() noexcept;
   // The tokens of every chunk of `plan` (result.logits may be replaced by a host copy). Rows with a
-  // logit bias or a constraint sample on the host, after their bias and mask; the tokens a
-  // constrained chunk emits advance its constraint.
+  // logit bias sample on the host after their bias and mask; constrained decode rows sample on the
+  // device after their mask when the rest of the step can; the tokens a constrained chunk emits
+  // advance its constraint.
   StepTokens sample(const SchedulePlan& plan, StepResult& result, Runner& runner);
   // Every sequence of the step samples greedily (or acceptance is replayed), without penalties, top
   // logprobs or prompt logits: its next token is the argmax, its MTP drafts the head's argmax, and a
   // verify step accepts from the argmax rows alone.
   bool all_greedy(const StepResult& result) const;
+  // The same, except that rows may have a constraint (whose masks the device can apply).
+  bool greedy_but_for_constraints(const StepResult& result) const;
   // A verify step whose rows can all be sampled and accepted on the device: deterministic drafts
   // (no draft distribution), no penalties, top logprobs, prompt logits, bias or constraint.
   bool verifies_on_device(const StepResult& result) const;

@@ -17,9 +17,10 @@ ChoiceOutput::ChoiceOutput(const Tokenizer& tokenizer, ChoiceOptions options)
       stop_(options_.stop),
       output_(options_.reasoning ? std::optional<ReasoningParser>(std::in_place, options_.starts_in_reasoning)
                                  : std::nullopt,
-              options_.tool_format ? std::optional<ToolCallParser>(std::in_place, *options_.tool_format, options_.tools,
-                                                                   ToolCallParserOptions{options_.tool_id_seed})
-                                   : std::nullopt) {
+              options_.tool_format
+                  ? std::optional<ToolCallParser>(std::in_place, *options_.tool_format, options_.tools,
+                                                  ToolCallParserOptions{options_.tool_id_seed, options_.max_tool_calls})
+                  : std::nullopt) {
   accumulated_.index = options_.index;
   accumulated_.has_logprobs = options_.logprobs.has_value();
 }

@@ -33,6 +33,7 @@ struct ChoiceOptions {
   std::optional<ToolCallFormat> tool_format;
   std::vector<ToolDefinition> tools;
   uint64_t tool_id_seed = 0;
+  int32_t max_tool_calls = 0;  // 0: any number; 1 for parallel_tool_calls: false (later calls dropped)
 };
 
 // The string finish_reason of the OpenAI API for an engine finish ("stop", "length", "abort").

@@ -96,8 +96,10 @@ struct Generation {
   bool echo_logprobs = false;           // echo with logprobs: the prompt tokens' logprobs too
   bool reasoning = false;
   bool starts_in_reasoning = false;
-  // Chat with tools: the tools whose calls the answer is parsed for (empty: no parsing).
+  // Chat with tools: the tools whose calls the answer is parsed for (empty: no parsing), and whether
+  // more than one call is kept (parallel_tool_calls).
   std::vector<ToolDefinition> parsed_tools;
+  bool parallel_tool_calls = true;
   // Constrained decoding: the grammar every choice follows (null: none).
   std::shared_ptr<const grammar::CompiledGrammar> grammar;
 
@@ -408,7 +410,10 @@ std::string HttpServer::Impl::render_chat(ChatRequest& request) const {
   if (!chat_template) throw invalid_request("this model has no chat template; use /v1/completions", "messages");
   ChatTemplateInputs inputs;
   inputs.messages = std::move(request.messages);
-  inputs.tools = std::move(request.tools);
+  // tool_choice "none": the template does not see the tools (as /v1/responses, and vLLM with
+  // --exclude-tools-when-tool-choice-none), so the model is not told it may call them; the output
+  // is not parsed for calls either. Earlier turns' calls and tool results still render.
+  if (request.tool_choice.mode != ToolChoiceMode::kNone) inputs.tools = std::move(request.tools);
   inputs.add_generation_prompt = request.add_generation_prompt;
   inputs.extra = std::move(request.chat_template_kwargs);
   try {
@@ -434,6 +439,7 @@ std::shared_ptr<Generation> HttpServer::Impl::prepare(const std::string& body, b
     generation->grammar = structured->grammar_for(spec);
     if (structured->tool_format() && request.tool_choice.mode != ToolChoiceMode::kNone)
       generation->parsed_tools = request.tool_definitions;
+    generation->parallel_tool_calls = request.parallel_tool_calls;
     const std::string prompt = render_chat(request);
     generation->prompts.push_back(tokenizer.encode(prompt, /*add_special_tokens=*/false));
     generation->reasoning = template_uses_think;
@@ -545,6 +551,7 @@ void HttpServer::Impl::submit(Generation& generation) {
         options.tool_format = structured->tool_format();
         options.tools = generation.parsed_tools;
         options.tool_id_seed = tool_id_seed + index;
+        options.max_tool_calls = generation.parallel_tool_calls ? 0 : 1;
         // DeepSeek's markers may be special tokens, which the detokenizer must then keep.
         const ToolCallFormat format = *options.tool_format;
         if (format == ToolCallFormat::kDeepSeekV3 || format == ToolCallFormat::kDeepSeekV31 ||

@@ -71,8 +71,10 @@ struct ResponseFormat {
 // json_schema: {name, schema, strict}}); 400 naming `param` when malformed.
 ResponseFormat parse_response_format(const nlohmann::ordered_json& value, const std::string& param);
 
-// tool_choice: "auto" (the model decides; calls are parsed), "none" (no calls parsed), "required"
-// (at least one call, constrained) or a named function (exactly one call of it, constrained).
+// tool_choice: "auto" (the model decides; calls are parsed), "none" (the tools are left out of the
+// prompt and no calls are parsed), "required" (at least one call, constrained; exactly one with
+// parallel_tool_calls false) or a named function (exactly one call of it, constrained).
+// parallel_tool_calls false also keeps only the first parsed call under "auto".
 enum class ToolChoiceMode : uint8_t { kAuto, kNone, kRequired, kFunction };
 struct ToolChoice {
   ToolChoiceMode mode = ToolChoiceMode::kAuto;

@@ -80,9 +80,9 @@ json response_object(const ResponseIdentity& identity, const ResponsesRequest& r
 }
 
 ResponseEventBuilder::ResponseEventBuilder(json base, std::optional<ToolCallFormat> tool_format,
-                                           std::vector<ToolDefinition> tools, uint64_t call_id_seed)
+                                           std::vector<ToolDefinition> tools, ToolCallParserOptions parser)
     : response_(std::move(base)) {
-  if (tool_format) tool_parser_.emplace(*tool_format, std::move(tools), ToolCallParserOptions{call_id_seed});
+  if (tool_format) tool_parser_.emplace(*tool_format, std::move(tools), parser);
   const std::string id = response_["id"].get<std::string>();
   const size_t underscore = id.find('_');
   id_stem_ = underscore == std::string::npos ? id : id.substr(underscore + 1);

@@ -48,9 +48,10 @@ struct ResponseUsage {
 class ResponseEventBuilder {
  public:
   // `base`: response_object(). `tool_format`: the model's tool-call format, or nullopt for none (the
-  // answer is then all text); `tools` are the function tools the request declares.
+  // answer is then all text); `tools` are the function tools the request declares; `parser` the
+  // call ids' seed and the call limit (1 for parallel_tool_calls: false).
   ResponseEventBuilder(nlohmann::ordered_json base, std::optional<ToolCallFormat> tool_format,
-                       std::vector<ToolDefinition> tools, uint64_t call_id_seed);
+                       std::vector<ToolDefinition> tools, ToolCallParserOptions parser);
 
   // response.created and response.in_progress.
   std::vector<nlohmann::ordered_json> start();

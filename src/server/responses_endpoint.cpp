@@ -317,7 +317,10 @@ std::shared_ptr<ResponseGeneration> ResponsesEndpoint::prepare(const std::string
     format = context_.tool_call_format;
     tools = tool_definitions_from_openai(chat_tools(request.tools));
   }
-  generation->builder.emplace(response_object(generation->identity, request), format, std::move(tools), random_seed());
+  ToolCallParserOptions parser;
+  parser.id_seed = random_seed();
+  parser.max_calls = request.parallel_tool_calls ? 0 : 1;  // parallel_tool_calls: false keeps the first call
+  generation->builder.emplace(response_object(generation->identity, request), format, std::move(tools), parser);
 
   ChoiceOptions options;
   options.stop = request.params.stop;

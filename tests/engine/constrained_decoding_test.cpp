@@ -66,7 +66,7 @@ struct ConstrainedRun {
 };
 
 ConstrainedRun generate(const std::filesystem::path& model_dir, SpeculativeConfig speculative, float temperature,
-             int32_t free_rows = 0) {
+                        int32_t free_rows = 0) {
   EngineConfig config;
   config.block_size = 4;
   config.max_model_len = 256;
@@ -193,6 +193,85 @@ TEST(TokenBitmask, MasksClearedBitsAndRefusesAnEmptyMask) {
   std::vector<float> short_row(33, 0.0f);
   std::vector<uint32_t> high_only = {0u, 1u << 5};
   EXPECT_FALSE(apply_token_bitmask(short_row, high_only));
+}
+
+// The masks of a step applied to a whole logits tensor (the device path, here on CPU tensors through
+// the kernel's CPU twin): each chunk's mask rows land on its sampling rows (a verify chunk's last
+// 1 + drafts rows), rows of unconstrained chunks and mask-free rows are untouched, and the result
+// equals process_row on each row (the host path).
+TEST(ConstrainedRows, AppliesEachChunksMasksToItsRows) {
+  constexpr int64_t kVocab = 70;
+  ConstrainedRows rows(kVocab);
+  Sequence decode, verify, plain, free_row;
+  decode.id = 1;
+  verify.id = 2;
+  plain.id = 3;
+  free_row.id = 4;
+  for (Sequence* s : {&decode, &verify, &plain, &free_row}) {
+    s->tokens = {1, 2, 3};
+    s->num_prompt = 3;
+  }
+  decode.request.constraint = std::make_shared<ResidueConstraint>(kVocab, 0);
+  verify.request.constraint = std::make_shared<ResidueConstraint>(kVocab, 0);
+  free_row.request.constraint = std::make_shared<ResidueConstraint>(kVocab, /*free_rows=*/1);
+  verify.draft_tokens = {0, 1};  // allowed at positions 0 and 1: rows 0..2 all masked
+  SchedulePlan plan;
+  plan.chunks = {{&plain, 1, true, 0}, {&verify, 2, true, 2}, {&decode, 1, true, 0}, {&free_row, 1, true, 0}};
+  rows.begin(plan);
+  rows.wait();
+  // Logits rows: plain 0, verify 1..4 (a 2-token chunk and 2 drafts: sampling rows 2..4), decode 5,
+  // free_row 6.
+  std::vector<LogitRowUse> uses(4);
+  const int64_t firsts[] = {0, 1, 5, 6}, counts[] = {1, 4, 1, 1};
+  for (size_t u = 0; u < uses.size(); ++u) {
+    uses[u].chunk = plan.chunks[u];
+    uses[u].first_row = firsts[u];
+    uses[u].num_rows = counts[u];
+  }
+  std::vector<float> logits(7 * kVocab);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = static_cast<float>(i % 97) * 0.25f;
+  std::vector<float> host = logits;
+  EXPECT_EQ(rows.apply_to_logits(Tensor(logits.data(), DType::kF32, {7, kVocab}, Device::cpu()), uses), 4);
+  // The host path, row by row.
+  for (int64_t r = 0; r < 3; ++r) {
+    rows.process_row(verify, r, std::span<float>(host.data() + (2 + r) * kVocab, kVocab));
+  }
+  rows.process_row(decode, 0, std::span<float>(host.data() + 5 * kVocab, kVocab));
+  rows.process_row(free_row, 0, std::span<float>(host.data() + 6 * kVocab, kVocab));
+  EXPECT_EQ(logits, host);
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < 7; ++r) {
+    // Output position of each row's token: verify rows 2..4 are positions 0..2.
+    const bool masked = (r >= 2 && r <= 5);
+    const int64_t position = r >= 2 && r <= 4 ? r - 2 : 0;
+    for (int64_t t = 0; t < kVocab; ++t) {
+      const float value = logits[static_cast<size_t>(r * kVocab + t)];
+      if (masked && !ResidueConstraint::allowed_at(position, static_cast<int32_t>(t))) {
+        EXPECT_EQ(value, kMasked) << "row " << r << " token " << t;
+      } else {
+        EXPECT_NE(value, kMasked) << "row " << r << " token " << t;
+      }
+    }
+  }
+  // The verify chunk's walk rolled back its drafts.
+  EXPECT_TRUE(static_cast<ResidueConstraint&>(*verify.request.constraint).history.empty());
+}
+
+TEST(ConstrainedRows, AStepWithoutConstraintsMasksNothing) {
+  ConstrainedRows rows(40);
+  Sequence plain;
+  plain.tokens = {1};
+  plain.num_prompt = 1;
+  SchedulePlan plan;
+  plan.chunks = {{&plain, 1, true, 0}};
+  rows.begin(plan);
+  rows.wait();
+  std::vector<LogitRowUse> uses(1);
+  uses[0].chunk = plan.chunks[0];
+  uses[0].num_rows = 1;
+  std::vector<float> logits(40, 1.0f);
+  EXPECT_EQ(rows.apply_to_logits(Tensor(logits.data(), DType::kF32, {1, 40}, Device::cpu()), uses), 0);
+  EXPECT_EQ(std::count(logits.begin(), logits.end(), 1.0f), 40);
 }
 
 }  // namespace

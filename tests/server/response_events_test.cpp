@@ -21,11 +21,14 @@ ResponsesRequest request_with_tools() {
   return parse_responses_request({{"input", "x"}, {"tools", tools}}, SamplingParams{});
 }
 
-ResponseEventBuilder make_builder(std::optional<ToolCallFormat> format = std::nullopt) {
+ResponseEventBuilder make_builder(std::optional<ToolCallFormat> format = std::nullopt, int32_t max_calls = 0) {
   const ResponsesRequest request = request_with_tools();
   const ResponseIdentity identity{"resp_0123456789abcdef01234567", 1700000000, "demo"};
+  ToolCallParserOptions parser;
+  parser.id_seed = 7;
+  parser.max_calls = max_calls;
   return ResponseEventBuilder(response_object(identity, request), format,
-                              tool_definitions_from_openai(chat_tools(request.tools)), /*call_id_seed=*/7);
+                              tool_definitions_from_openai(chat_tools(request.tools)), parser);
 }
 
 // What the openai client's accumulateResponse does with each event (lib/responses/ResponseAccumulator).
@@ -190,6 +193,23 @@ TEST(ResponseEvents, ToolCallsBecomeFunctionCallItems) {
     EXPECT_EQ(output[2]["name"], "time");
     EXPECT_EQ(json::parse(output[2]["arguments"].get<std::string>()), json::object());
     EXPECT_NE(output[1]["call_id"], output[2]["call_id"]);
+  }
+}
+
+TEST(ResponseEvents, ParallelToolCallsFalseKeepsOneFunctionCall) {
+  const std::string text =
+      "Checking.<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
+      "<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>";
+  for (const size_t size : {size_t{1}, size_t{5}, text.size()}) {
+    SCOPED_TRACE(size);
+    const Generated result = run(make_builder(ToolCallFormat::kHermes, /*max_calls=*/1), pieces_of(text, size));
+    const json& output = result.response["output"];
+    ASSERT_EQ(output.size(), 2u) << output.dump(1);
+    EXPECT_EQ(output[0]["type"], "message");
+    EXPECT_EQ(output[0]["content"][0]["text"], "Checking.");
+    EXPECT_EQ(output[1]["type"], "function_call");
+    EXPECT_EQ(output[1]["name"], "weather");
+    EXPECT_EQ(result.response["status"], "completed");
   }
 }
 

@@ -193,6 +193,21 @@ TEST_F(ToolCallOutputTest, MalformedCallsComeBackAsContent) {
   }
 }
 
+TEST_F(ToolCallOutputTest, ParallelToolCallsFalseKeepsTheFirstCallForEveryFormat) {
+  for (const FormatCase& test : format_cases()) {
+    SCOPED_TRACE(std::string(tool_call_format_name(test.format)));
+    ChoiceOptions choice = options(test.format);
+    choice.max_tool_calls = 1;
+    const auto [streamed, whole] = run(test.text, choice);
+    EXPECT_EQ(streamed.dump(), whole.dump());
+    EXPECT_EQ(whole["finish_reason"], "tool_calls");
+    const json& message = whole["message"];
+    EXPECT_EQ(message["content"], "Checking.");
+    ASSERT_EQ(message["tool_calls"].size(), 1u) << message.dump();
+    EXPECT_EQ(message["tool_calls"][0]["function"]["name"], "get_weather");
+  }
+}
+
 TEST_F(ToolCallOutputTest, WithoutAToolFormatCallsArePlainContent) {
   const std::string text = format_cases()[0].text;
   ChoiceOptions plain;

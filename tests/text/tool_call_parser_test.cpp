@@ -45,8 +45,8 @@ void expect_result(const ToolParseResult& result, std::string_view content, cons
 }
 
 ToolParseResult run_pieces(ToolCallFormat format, const std::vector<ToolDefinition>& tools,
-                           const std::vector<std::string_view>& pieces) {
-  ToolCallParser parser(format, tools, ToolCallParserOptions{.id_seed = 42});
+                           const std::vector<std::string_view>& pieces, int32_t max_calls = 0) {
+  ToolCallParser parser(format, tools, ToolCallParserOptions{.id_seed = 42, .max_calls = max_calls});
   ToolParseResult result;
   int32_t started = 0;
   for (std::string_view piece : pieces) {
@@ -71,8 +71,9 @@ ToolParseResult run_pieces(ToolCallFormat format, const std::vector<ToolDefiniti
 // character at a time, every cut into two and three pieces (three only for short texts), and random
 // chunkings.
 void expect_parse(ToolCallFormat format, const std::vector<ToolDefinition>& tools, std::string_view text,
-                  std::string_view content, const std::vector<Call>& calls) {
-  const ToolParseResult whole = parse_tool_calls(format, tools, text, ToolCallParserOptions{.id_seed = 42});
+                  std::string_view content, const std::vector<Call>& calls, int32_t max_calls = 0) {
+  const ToolParseResult whole =
+      parse_tool_calls(format, tools, text, ToolCallParserOptions{.id_seed = 42, .max_calls = max_calls});
   expect_result(whole, content, calls, "whole");
   if (::testing::Test::HasFailure()) return;
   const auto same = [&](const ToolParseResult& streamed, const std::string& where) {
@@ -86,16 +87,16 @@ void expect_parse(ToolCallFormat format, const std::vector<ToolDefinition>& tool
   };
   std::vector<std::string_view> chars;
   for (size_t i = 0; i < text.size(); ++i) chars.push_back(text.substr(i, 1));
-  same(run_pieces(format, tools, chars), "one character at a time");
+  same(run_pieces(format, tools, chars, max_calls), "one character at a time");
   for (size_t i = 0; i <= text.size(); ++i) {
     if (text.size() <= 160) {
       for (size_t j = i; j <= text.size(); ++j) {
-        same(run_pieces(format, tools, {text.substr(0, i), text.substr(i, j - i), text.substr(j)}),
+        same(run_pieces(format, tools, {text.substr(0, i), text.substr(i, j - i), text.substr(j)}, max_calls),
              "cuts at " + std::to_string(i) + ", " + std::to_string(j));
         if (::testing::Test::HasFatalFailure()) return;
       }
     } else {
-      same(run_pieces(format, tools, {text.substr(0, i), text.substr(i)}), "cut at " + std::to_string(i));
+      same(run_pieces(format, tools, {text.substr(0, i), text.substr(i)}, max_calls), "cut at " + std::to_string(i));
       if (::testing::Test::HasFatalFailure()) return;
     }
   }
@@ -107,7 +108,7 @@ void expect_parse(ToolCallFormat format, const std::vector<ToolDefinition>& tool
       pieces.push_back(text.substr(at, length));
       at += length;
     }
-    same(run_pieces(format, tools, pieces), "random chunking " + std::to_string(round));
+    same(run_pieces(format, tools, pieces, max_calls), "random chunking " + std::to_string(round));
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
@@ -301,6 +302,44 @@ TEST(ToolCallParser, CallsAfterReasoningAndInsideReasoning) {
 }
 
 // --- Selection ---
+
+// parallel_tool_calls: false (max_calls 1): the first call that parses is kept; later ones are
+// dropped whole, streamed or not; a malformed call is still content, and does not use up the one
+// call.
+TEST(ToolCallParser, MaxCallsKeepsTheFirstCalls) {
+  const auto tools = weather_tools();
+  expect_parse(ToolCallFormat::kHermes, tools,
+               "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"query\": \"a\"}}\n</tool_call>\n"
+               "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>\nDone.",
+               "Done.", {{"search", R"({"query":"a"})"}}, 1);
+  expect_parse(ToolCallFormat::kHermes, tools,
+               "<tool_call>{oops}</tool_call>\n<tool_call>{\"name\": \"search\", \"arguments\": {}}</tool_call>"
+               "<tool_call>{\"name\": \"search\", \"arguments\": {\"query\": \"b\"}}</tool_call>",
+               "<tool_call>{oops}</tool_call>", {{"search", "{}"}}, 1);
+  expect_parse(ToolCallFormat::kQwen3Coder, tools,
+               "<tool_call>\n<function=get_weather>\n<parameter=city>\n123\n</parameter>\n</function>\n</tool_call>\n"
+               "<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n</function>\n</tool_call>",
+               "", {{"get_weather", R"({"city":"123"})"}}, 1);
+  expect_parse(ToolCallFormat::kGlm45, tools,
+               "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n"
+               "</tool_call><tool_call>search</tool_call><tool_call>search</tool_call>",
+               "Checking.", {{"get_weather", R"({"city":"Beijing"})"}, {"search", "{}"}}, 2);
+  expect_parse(ToolCallFormat::kDeepSeekV31, tools,
+               "Looking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Oslo\"}"
+               "<｜tool▁call▁end｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{\"query\": \"x\"}<｜tool▁call▁end｜>"
+               "<｜tool▁calls▁end｜>",
+               "Looking.", {{"get_weather", R"({"city":"Oslo"})"}}, 1);
+  expect_parse(ToolCallFormat::kDeepSeekV32, tools,
+               "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"search\">\n{\"query\": \"q\"}\n</｜DSML｜invoke>\n"
+               "<｜DSML｜invoke name=\"search\">\n{\"query\": \"r\"}\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+               "", {{"search", R"({"query":"q"})"}}, 1);
+  ToolCallParser parser(ToolCallFormat::kHermes, tools, ToolCallParserOptions{.max_calls = 1});
+  parser.feed(
+      "<tool_call>{\"name\": \"search\", \"arguments\": {}}</tool_call>"
+      "<tool_call>{\"name\": \"search\", \"arguments\": {}}</tool_call>");
+  parser.finish();
+  EXPECT_EQ(parser.num_calls(), 1);
+}
 
 TEST(ToolCallParser, FormatNamesRoundTrip) {
   for (std::string_view name : tool_call_format_names()) {

@@ -118,12 +118,35 @@ function openaiTests() {
 
   test('tool_choice auto and none answer with text or calls', async (server) => {
     const api = openai(server);
-    for (const tool_choice of ['auto', 'none']) {
-      const whole = await api.chat.completions.create({ model: 'default', messages, tools: [weatherTool],
-                                                        tool_choice, max_tokens: 12 });
+    const promptTokens = {};
+    for (const tool_choice of ['auto', 'none', undefined]) {
+      const whole = await api.chat.completions.create({ model: 'default', messages, max_tokens: 12,
+                                                        ...(tool_choice ? { tools: [weatherTool], tool_choice } : {}) });
       const choice = whole.choices[0];
       assert.ok(['stop', 'length', 'tool_calls'].includes(choice.finish_reason));
       if (tool_choice === 'none') assert.equal(choice.message.tool_calls, undefined);
+      promptTokens[tool_choice ?? 'no tools'] = whole.usage.prompt_tokens;
+    }
+    // "none" leaves the tools out of the chat template: the prompt is the one without tools.
+    assert.equal(promptTokens.none, promptTokens['no tools'], JSON.stringify(promptTokens));
+    assert.ok(promptTokens.auto > promptTokens['no tools'], JSON.stringify(promptTokens));
+    // /tokenize renders the same prompt.
+    const tokenize = async (body) => (await post(server, '/tokenize', { messages, ...body })).json.tokens;
+    assert.deepEqual(await tokenize({ tools: [weatherTool], tool_choice: 'none' }), await tokenize({}));
+  });
+
+  test('parallel_tool_calls false: one call, "required" and named, streamed and not', async (server) => {
+    const api = openai(server);
+    for (const tool_choice of ['required', { type: 'function', function: { name: 'get_time' } }]) {
+      for (const seed of [1, 2, 3]) {
+        const request = { model: 'default', messages, tools: [weatherTool, timeTool], tool_choice, max_tokens: 160,
+                          temperature: 1, seed, parallel_tool_calls: false };
+        const whole = await api.chat.completions.create(request);
+        assert.equal(whole.choices[0].finish_reason, 'tool_calls');
+        assert.equal(whole.choices[0].message.tool_calls.length, 1, JSON.stringify(whole.choices[0].message));
+        const streamed = await api.chat.completions.stream({ ...request, stream: true }).finalChatCompletion();
+        assert.equal(streamed.choices[0].message.tool_calls.length, 1);
+      }
     }
   });
 

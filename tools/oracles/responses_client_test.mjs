@@ -288,6 +288,33 @@ test('tool_choice required: a valid function call whatever the model says', asyn
   }
 });
 
+test('tool_choice none leaves the tools out of the prompt', async ({ client, model }) => {
+  const input = 'Weather in Paris?';
+  const plain = await client.responses.create({ model, input, max_output_tokens: 4, temperature: 0 });
+  const none = await client.responses.create({ model, input, tools: [weatherTool], tool_choice: 'none',
+    max_output_tokens: 4, temperature: 0 });
+  const auto = await client.responses.create({ model, input, tools: [weatherTool], max_output_tokens: 4, temperature: 0 });
+  assert.equal(none.usage.input_tokens, plain.usage.input_tokens);
+  assert.ok(auto.usage.input_tokens > plain.usage.input_tokens);
+  assert.equal(none.output.filter((item) => item.type === 'function_call').length, 0);
+});
+
+test('parallel_tool_calls false: exactly one function call', async ({ client, model }) => {
+  const timeTool = { type: 'function', name: 'get_time', description: 'Time in a zone', strict: true,
+    parameters: { type: 'object', properties: { zone: { type: 'string', enum: ['CET', 'UTC'] } }, required: ['zone'],
+                  additionalProperties: false } };
+  for (let round = 0; round < 3; ++round) {  // unseeded: three different outputs, most likely
+    const request = { model, input: 'Weather and time?', tools: [weatherTool, timeTool], tool_choice: 'required',
+      parallel_tool_calls: false, max_output_tokens: 160, temperature: 1 };
+    const response = await client.responses.create(request);
+    checkResponse(response, model);
+    assert.equal(response.parallel_tool_calls, false);
+    assert.equal(response.output.filter((item) => item.type === 'function_call').length, 1, JSON.stringify(response.output));
+    const streamed = await client.responses.stream(request).finalResponse();
+    assert.equal(streamed.output.filter((item) => item.type === 'function_call').length, 1);
+  }
+});
+
 test('errors name the field', async ({ client, model, server }) => {
   const rejects = async (body, param) => {
     await assert.rejects(client.responses.create({ model, ...body }), (e) => {

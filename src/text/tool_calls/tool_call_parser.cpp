@@ -56,7 +56,8 @@ std::string call_id(uint64_t seed, int32_t index) {
 }  // namespace
 
 // The parser's state machine. Invariant: every byte fed is, at any time, exactly one of: emitted
-// as content, consumed by an emitted call (or dropped as separating whitespace), or held in
+// as content, consumed by an emitted call (or dropped as separating whitespace, or as a call past
+// options.max_calls), or held in
 // held_space_ / separator_ / raw_ / body_ / pending_.
 struct ToolCallParser::State {
   enum class Phase : uint8_t {
@@ -105,6 +106,14 @@ struct ToolCallParser::State {
   }
 
   void emit_call(ToolParseDelta& delta, ParsedCall call) {
+    if (options.max_calls > 0 && num_calls_ >= options.max_calls) {
+      // Past the limit: the call is consumed and dropped, as the separating whitespace is.
+      separator_.clear();
+      raw_.clear();
+      body_.clear();
+      after_call_ = true;
+      return;
+    }
     ToolCallDelta start;
     start.index = num_calls_;
     start.id = call_id(options.id_seed, num_calls_);

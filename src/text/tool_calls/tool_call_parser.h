@@ -23,7 +23,7 @@
 //   back. A call that does not parse (bad JSON, an unknown function when tools are given, stray text
 //   inside the markup), or that is still open when the output ends, comes back as content, byte for
 //   byte: nothing the model wrote is dropped except the whitespace that separates calls from the text
-//   around them.
+//   around them, and the calls past ToolCallParserOptions::max_calls.
 // - Content streams as it arrives, except a possible partial start marker at the end of a piece and
 //   whitespace that may turn out to precede a call.
 // - Calls are numbered from 0 in order (parallel calls); ids are "call_" + 24 characters derived from
@@ -101,6 +101,10 @@ struct ToolParseResult {
 
 struct ToolCallParserOptions {
   uint64_t id_seed = 0;  // the server passes a per-request random value
+  // At most this many calls are emitted (0: no limit). A call past the limit that parses is dropped
+  // whole, with the whitespace around it (parallel_tool_calls: false keeps the first call, as vLLM
+  // does); one that does not parse is content, as always.
+  int32_t max_calls = 0;
 };
 
 class ToolCallParser {
