@@ -192,7 +192,7 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
   const auto load = [&]() -> std::unique_ptr<Model> {
     if (options.random_weights) {
       const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
-      return make_random_model(config, device, 1);
+      return make_random_model(config, device, 1, kv_cache_options(options.engine));
     }
     return load_model(resolve_model_dir(options.engine), device, load_options(options.engine));
   };
@@ -292,7 +292,7 @@ int run_bench(const BenchOptions& options) {
   std::string source;
   if (options.random_weights) {
     const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
-    model = make_random_model(config, device, 1);
+    model = make_random_model(config, device, 1, kv_cache_options(options.engine));
     source = options.config + " (random weights)";
   } else {
     model = load_model(resolve_model_dir(options.engine), device, load_options(options.engine));

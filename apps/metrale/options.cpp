@@ -23,8 +23,13 @@ std::filesystem::path default_model_dir() {
   return std::filesystem::path(METRALE_SOURCE_DIR) / "models" / "demo";
 }
 
+KvCacheOptions kv_cache_options(const EngineOptions& options) {
+  return KvCacheOptions{parse_kv_cache_dtype(options.kv_cache_dtype), options.calculate_kv_scales};
+}
+
 LoadOptions load_options(const EngineOptions& options) {
-  return LoadOptions{options.allow_unused_weights, parse_weight_quantization(options.quantization)};
+  return LoadOptions{options.allow_unused_weights, parse_weight_quantization(options.quantization),
+                     kv_cache_options(options)};
 }
 
 void add_model_option(CLI::App& command, EngineOptions& options) {
@@ -39,6 +44,14 @@ void add_device_options(CLI::App& command, EngineOptions& options) {
                      "fp8: quantise the attention and dense MLP projection weights to FP8 (e4m3, 128x128 block "
                      "scales) at load; none: as stored (a checkpoint declaring fp8 loads in FP8 either way)")
       ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
+  command.add_option("--kv-cache-dtype", options.kv_cache_dtype,
+                     "dtype of the attention layers' KV cache: auto (the activation dtype: bf16 on a GPU, fp32 on "
+                     "the CPU), bf16, fp32, or fp8 (= fp8_e4m3: e4m3 keys and values with per-layer, per-head "
+                     "scales, half the bytes of bf16; MLA latents and QSA attention stay in the activation dtype)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "bf16", "fp32", "fp8", "fp8_e4m3"}));
+  command.add_flag("--calculate-kv-scales", options.calculate_kv_scales,
+                   "FP8 KV cache: calibrate the per-head scales on the keys and values of the first step served, "
+                   "then freeze them (logged); default: the checkpoint's k_scale / v_scale, else 1.0");
   command.add_option("--device", options.device, "cpu, cuda or cuda:N (default: the GPU when present, else cpu)");
   command.add_option("--threads", options.threads, "CPU threads (default: all cores; at most 4 per core)")
       ->check(CLI::Range(0, ThreadPool::kMaxThreads));

@@ -62,6 +62,11 @@ struct ForwardBatch {
   // addresses (CUDA graphs replay them). Empty when the model declares none.
   std::span<const Tensor> step_inputs;
 
+  // Set on the first step the engine serves (never on warm-up, profiling or graph-capture steps):
+  // blocks that calibrate their KV-cache scales on real tokens (--calculate-kv-scales) do it on this
+  // step's keys and values, then keep them.
+  bool calibrate_kv_scales = false;
+
   bool all_decode() const { return num_tokens == num_seqs; }  // every sequence adds exactly one token
 };
 

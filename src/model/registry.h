@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "model/fp8_weights.h"
+#include "model/kv_cache_options.h"
 #include "model/model.h"
 
 namespace metrale {
@@ -36,6 +37,8 @@ struct LoadOptions {
   // attention and MLP) are quantised to FP8 blocks at load. A checkpoint whose config.json declares
   // fp8 quantization is read in FP8 either way.
   WeightQuantization quantization = WeightQuantization::kNone;
+  // The attention blocks' KV-cache dtype and FP8 scale source (--kv-cache-dtype, --calculate-kv-scales).
+  KvCacheOptions kv_cache = {};
 };
 
 std::span<const ArchEntry> registered_architectures();
@@ -46,6 +49,7 @@ const ArchEntry* find_architecture(std::string_view model_type);
 // Every tensor of the checkpoint is read by the model or ignored on purpose (see LoadOptions).
 std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device, const LoadOptions& options = {});
 // Builds the architecture of `config` with random weights generated on `device` (benchmarks).
-std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed = 1);
+std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed = 1,
+                                         const KvCacheOptions& kv_cache = {});
 
 }  // namespace metrale

@@ -15,6 +15,7 @@
 #include "core/startup.h"
 #include "kernels/linear_weight.h"
 #include "model/fp8_weights.h"
+#include "model/kv_cache_options.h"
 #include "model/safetensors.h"
 
 namespace metrale {
@@ -85,6 +86,16 @@ class Weights {
   void set_fp8(bool checkpoint_fp8, WeightQuantization quantization);
   // Whether get_linear() may return FP8 weights (blocks then keep their projections unfused).
   bool fp8_linears() const { return checkpoint_fp8_ || quantization_ == WeightQuantization::kFp8; }
+  // How attention blocks store their keys and values, and the tally of where FP8 layers got their
+  // scales (shared with every with_prefix() copy).
+  void set_kv_cache(const KvCacheOptions& options) { kv_cache_ = options; }
+  const KvCacheOptions& kv_cache() const { return kv_cache_; }
+  KvScaleTally& kv_scale_tally() const { return *kv_scale_tally_; }
+  // A small checkpoint tensor `prefix + key` (any float dtype, any shape) as fp32 host values; marks
+  // it used. Throws kNotFound when missing (random weights have none: check has_stored() first).
+  std::vector<float> read_host_values(const std::string& key);
+  // Whether the checkpoint stores `prefix + key` (always false for random weights).
+  bool has_stored(const std::string& key) const { return store_ != nullptr && has(key); }
   // The dtype weights have on the model's device when placed by get() (bf16 on the GPU).
   DType device_dtype(DType stored) const { return device_.is_cpu() ? stored : DType::kBF16; }
 
@@ -125,6 +136,8 @@ class Weights {
   std::shared_ptr<StageProgress> progress_;  // null: not counted
   bool checkpoint_fp8_ = false;
   WeightQuantization quantization_ = WeightQuantization::kNone;
+  KvCacheOptions kv_cache_;
+  std::shared_ptr<KvScaleTally> kv_scale_tally_ = std::make_shared<KvScaleTally>();
 };
 
 }  // namespace metrale
