@@ -169,6 +169,7 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   const int64_t seqs = static_cast<int64_t>(plan.chunks.size());
   const bool verify = plan.num_draft_rows > 0;
   const bool first_step = std::exchange(first_step_, false);
+  calibrate_mtp_ = first_step;
   if (verify && !first_step) {
     // Verify steps where every sequence decodes: the fixed layout (and its graphs).
     const auto [padded, k] = fixed_verify_shape(plan);

@@ -39,7 +39,7 @@ std::string format_scales(const std::vector<float>& values) {
 }  // namespace
 
 AttentionKvScales::AttentionKvScales(Weights& weights, const std::string& prefix, int64_t num_kv_heads)
-    : prefix_(weights.prefix() + prefix),
+    : name_(weights.prefix() + prefix.substr(0, prefix.ends_with('.') ? prefix.size() - 1 : prefix.size())),
       num_kv_heads_(num_kv_heads),
       dtype_(weights.kv_cache().dtype),
       calibrate_(weights.kv_cache().calculate_scales) {
@@ -65,7 +65,7 @@ void AttentionKvScales::upload(const std::vector<float>& k_scales, const std::ve
 
 kernels::KvScales AttentionKvScales::scales_for(DType cache_dtype) const {
   if (cache_dtype != DType::kF8E4M3) return {};
-  METRALE_CHECK(!scales_.tensor.empty(), "{}: an f8e4m3 KV cache, but the layer was built for {}", prefix_,
+  METRALE_CHECK(!scales_.tensor.empty(), "{}: an f8e4m3 KV cache, but the layer was built for {}", name_,
                 kv_cache_dtype_name(dtype_));
   return {scales_.tensor.row(0), scales_.tensor.row(1)};
 }
@@ -114,7 +114,7 @@ void AttentionKvScales::calibrate(const ForwardBatch& batch, DType activation, i
   for (float& scale : v_scales) scale = scale > 0.0f && std::isfinite(scale) ? scale / kValueRange : 1.0f;
   upload(k_scales, v_scales);
   calibrated_ = true;
-  METRALE_LOG_INFO("{}: FP8 KV scales calibrated on {} tokens and frozen: k_scale {} v_scale {}", prefix_, rows,
+  METRALE_LOG_INFO("{}: FP8 KV scales calibrated on {} tokens and frozen: k_scale {} v_scale {}", name_, rows,
                    format_scales(k_scales), format_scales(v_scales));
 }
 

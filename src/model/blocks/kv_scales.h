@@ -46,7 +46,7 @@ class AttentionKvScales {
  private:
   void upload(const std::vector<float>& k_scales, const std::vector<float>& v_scales);
 
-  std::string prefix_;
+  std::string name_;  // the layer, for messages: "model.layers.3.self_attn"
   int64_t num_kv_heads_ = 0;
   std::optional<DType> dtype_;
   bool calibrate_ = false;
