@@ -192,8 +192,7 @@ int run_speculative_bench(const BenchOptions& options, Device device) {
   const auto load = [&]() -> std::unique_ptr<Model> {
     if (options.random_weights) {
       const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
-      return make_random_model(config, device, 1, compute_dtype(options.engine),
-                               load_options(options.engine).quantization);
+      return make_random_model(config, device, 1, load_options(options.engine));
     }
     return load_model(resolve_model_dir(options.engine), device, load_options(options.engine));
   };
@@ -294,7 +293,7 @@ int run_bench(const BenchOptions& options) {
   if (options.random_weights) {
     const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
     const LoadOptions load = load_options(options.engine);
-    model = make_random_model(config, device, 1, compute_dtype(options.engine), load.quantization);
+    model = make_random_model(config, device, 1, load);
     source = options.config +
              (load.quantization == WeightQuantization::kFp8 ? " (random FP8 weights)" : " (random weights)");
   } else {

@@ -82,9 +82,9 @@ std::unique_ptr<Engine> build_engine(const ServeOptions& options) {
   } catch (const nlohmann::json::exception& e) {
     raise(ErrorCode::kBadFormat, "{}: invalid JSON: {}", options.config, e.what());
   }
-  return make_engine_for(make_random_model(parse_model_config(preset, options.config), device, 1,
-                                           compute_dtype(options.engine), load_options(options.engine).quantization),
-                         options.engine);
+  return make_engine_for(
+      make_random_model(parse_model_config(preset, options.config), device, 1, load_options(options.engine)),
+      options.engine);
 }
 
 // The API key from --api-key, --api-key-file or $METRALE_API_KEY. An empty key is an error, never

@@ -30,9 +30,13 @@ std::optional<DType> compute_dtype(const EngineOptions& options) {
   raise(ErrorCode::kInvalidArgument, "--dtype {}: expected auto, bfloat16 or float32", options.dtype);
 }
 
+KvCacheOptions kv_cache_options(const EngineOptions& options) {
+  return KvCacheOptions{parse_kv_cache_dtype(options.kv_cache_dtype), options.calculate_kv_scales};
+}
+
 LoadOptions load_options(const EngineOptions& options) {
   return LoadOptions{options.allow_unused_weights, parse_weight_quantization(options.quantization),
-                     compute_dtype(options), options.load_threads};
+                     compute_dtype(options), options.load_threads, kv_cache_options(options)};
 }
 
 void add_model_option(CLI::App& command, EngineOptions& options) {
@@ -63,6 +67,14 @@ void add_device_options(CLI::App& command, EngineOptions& options) {
                   "comparisons; slower, twice the weight memory). The CPU computes in float32 only")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "bfloat16", "float32"}));
+  command.add_option("--kv-cache-dtype", options.kv_cache_dtype,
+                     "dtype of the attention layers' KV cache: auto (the activation dtype: bf16 on a GPU, fp32 on "
+                     "the CPU), bf16, fp32, or fp8 (= fp8_e4m3: e4m3 keys and values with per-layer, per-head "
+                     "scales, half the bytes of bf16; MLA latents and QSA attention stay in the activation dtype)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "bf16", "fp32", "fp8", "fp8_e4m3"}));
+  command.add_flag("--calculate-kv-scales", options.calculate_kv_scales,
+                   "FP8 KV cache: calibrate the per-head scales on the keys and values of the first step served, "
+                   "then freeze them (logged); default: the checkpoint's k_scale / v_scale, else 1.0");
   command.add_option("--device", options.device, "cpu, cuda or cuda:N (default: the GPU when present, else cpu)");
   command.add_option("--threads", options.threads, "CPU threads (default: all cores; at most 4 per core)")
       ->check(CLI::Range(0, ThreadPool::kMaxThreads));

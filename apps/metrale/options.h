@@ -22,6 +22,8 @@ struct EngineOptions {
   bool allow_unused_weights = false;  // checkpoint tensors the model does not read: a warning, not an error
   std::string quantization = "none";  // none | fp8: quantise the dense projection weights to FP8 at load
   std::string dtype = "auto";         // auto | bfloat16 | float32: activations (LoadOptions::compute_dtype)
+  std::string kv_cache_dtype = "auto";  // auto | bf16 | fp32 | fp8 (fp8_e4m3): the attention KV cache's dtype
+  bool calculate_kv_scales = false;     // FP8 KV cache: calibrate the scales on the first step served
   int threads = 0;                    // CPU threads; 0: all cores
   int block_size = 16;
   int max_num_seqs = 64;
@@ -69,10 +71,12 @@ SamplingParams sampling_from_flags(const CLI::App& command, const SamplingParams
 void add_device_options(CLI::App& command, EngineOptions& options);
 
 std::filesystem::path resolve_model_dir(const EngineOptions& options);
-// The load options the flags ask for (--allow-unused-weights, --quantization, --dtype).
+// The load options the flags ask for (--allow-unused-weights, --quantization, --dtype,
+// --load-threads, --kv-cache-dtype, --calculate-kv-scales).
 LoadOptions load_options(const EngineOptions& options);
 // --dtype as LoadOptions::compute_dtype: nullopt for auto (the device's default).
 std::optional<DType> compute_dtype(const EngineOptions& options);
+KvCacheOptions kv_cache_options(const EngineOptions& options);
 // Loads the model and builds the engine; `scheduler` overrides are applied on top of the flags.
 // The flags are checked against the model first (check_engine_options).
 std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk = 0);

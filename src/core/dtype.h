@@ -37,7 +37,8 @@ uint8_t f32_to_f8e4m3_bits(float value);
 
 // Converts `count` elements of `dtype` at `src` to fp32.
 void convert_to_f32(DType dtype, const void* src, float* dst, size_t count);
-// Converts `count` fp32 values to `dtype` at `dst` (floating dtypes only; fp8 not supported).
+// Converts `count` fp32 values to `dtype` at `dst` (floating dtypes only; fp8 rounds to nearest and
+// saturates, as f32_to_f8e4m3_bits).
 void convert_from_f32(DType dtype, const float* src, void* dst, size_t count);
 
 inline float load_as_f32(DType dtype, const void* base, size_t index) {

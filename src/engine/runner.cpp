@@ -1,6 +1,7 @@
 #include "engine/runner.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -167,7 +168,9 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   const int64_t vocab = model_.config().vocab_size;
   const int64_t seqs = static_cast<int64_t>(plan.chunks.size());
   const bool verify = plan.num_draft_rows > 0;
-  if (verify) {
+  const bool first_step = std::exchange(first_step_, false);
+  calibrate_mtp_ = first_step;
+  if (verify && !first_step) {
     // Verify steps where every sequence decodes: the fixed layout (and its graphs).
     const auto [padded, k] = fixed_verify_shape(plan);
     if (padded > 0) {
@@ -180,7 +183,7 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   // Decode graphs write the final hidden states too when the engine drafts with MTP.
   const bool all_decode = !verify && (!keep_hidden_ || limits_.mtp) && decode_only;
   // The smallest captured graph that holds this decode batch.
-  const auto graph = all_decode ? graphs_.lower_bound(seqs) : graphs_.end();
+  const auto graph = all_decode && !first_step ? graphs_.lower_bound(seqs) : graphs_.end();
 #if METRALE_WITH_CUDA
   if (graph != graphs_.end()) {
     const int64_t padded = graph->first;
@@ -197,6 +200,7 @@ StepResult Runner::execute(const SchedulePlan& plan) {
   (void)graph;
 #endif
   ForwardBatch batch = build_step(plan, 0, 0, result);
+  batch.calibrate_kv_scales = first_step;
   const auto rows = static_cast<int64_t>(batch.host_logit_rows.size());
   attach_speculative_outputs(batch, verify, /*fixed=*/false, result);
   // An eager decode step whose hidden states land in the fixed buffer can feed the MTP chain too.

@@ -276,6 +276,13 @@ class Runner {
 
   // Speculative decoding.
   bool keep_hidden_ = false;
+  // The first step served runs eagerly with ForwardBatch::calibrate_kv_scales (blocks calibrating
+  // their KV-cache scales see real tokens, never a graph replay).
+  bool first_step_ = true;
+  // From the first step until the second: the MTP head's forwards (catch-up keys, drafts) run
+  // eagerly with ForwardBatch::calibrate_kv_scales too, so that its layers calibrate on their first
+  // real keys.
+  bool calibrate_mtp_ = false;
   OwnedTensor hidden_;          // [>= T, H] activation dtype: the trunk step's hidden_out
   OwnedTensor verify_scratch_;  // Model::verify_scratch_bytes of the largest verify step so far
   // The fixed-layout commit's temporaries, apart from workspace_: it may run beside the MTP chain.

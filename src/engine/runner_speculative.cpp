@@ -322,7 +322,7 @@ MtpChain Runner::launch_mtp_fixed(const FixedStep& step, std::span<const MtpFixe
 #if METRALE_WITH_CUDA
   const CudaGraph* graph = nullptr;
   const auto graphs = verify_graphs_.find({seqs, step.k});
-  if (step.graph && graphs != verify_graphs_.end()) {
+  if (step.graph && !calibrate_mtp_ && graphs != verify_graphs_.end()) {
     // The smallest captured chain that makes enough drafts.
     const auto it = graphs->second->mtp.lower_bound(drafts);
     if (it != graphs->second->mtp.end()) {
@@ -457,6 +457,7 @@ void Runner::run_fixed_mtp(const StagedMtp& staged) {
   // Catch-up over every verify row: x_{t+1} with h_t of the verify (the hidden states in place).
   ForwardBatch b0 = builder_.mtp_view(a, 0, max_kv_len);
   b0.hidden_out = mtp_fixed_hidden_[0].tensor.slice(0, 0, rows);
+  b0.calibrate_kv_scales = calibrate_mtp_;
   const Tensor verify_hidden = Tensor(hidden_.tensor.data(), act, {rows, hidden}, device);
   workspace_.reset();
   model_.mtp_forward(b0, model_caches(), verify_hidden, logits, workspace_, 0);
@@ -469,6 +470,7 @@ void Runner::run_fixed_mtp(const StagedMtp& staged) {
     ForwardBatch b = builder_.mtp_view(a, j, max_kv_len);
     b.token_ids = mtp_drafts_.tensor.slice(0, (j - 1) * seqs, j * seqs);
     b.hidden_out = out;
+    b.calibrate_kv_scales = calibrate_mtp_;
     workspace_.reset();
     model_.mtp_forward(b, model_caches(), previous, logits, workspace_, j % layers);
     greedy(j);
@@ -500,6 +502,7 @@ Tensor Runner::run_mtp(std::span<const MtpRows> rows, const Tensor& hidden_sourc
   options.hidden_rows = true;  // the MTP layers are attention only: no state slots
   const BatchBuilder::Built built = builder_.build_step(groups_, options);
   ForwardBatch batch = built.batch;
+  batch.calibrate_kv_scales = calibrate_mtp_;
   const int64_t t = batch.num_tokens, r = built.shape.num_logit_rows;
   const DType act = model_.activation_dtype();
   const Tensor hidden_in = grown(mtp_hidden_in_, act, {t, hidden_size}, device);
@@ -543,8 +546,10 @@ void Runner::run_mtp_key_batch(std::span<const MtpKeyRow> rows, int64_t padded, 
   const Tensor hidden_in =
       grown(mtp_hidden_in_, model_.activation_dtype(), {padded, model_.config().hidden_size}, device);
   kernels::gather_rows(hidden_source, built.hidden_rows, hidden_in);
+  ForwardBatch batch = built.batch;
+  batch.calibrate_kv_scales = calibrate_mtp_;
   workspace_.reset();
-  model_.mtp_write_keys(built.batch, model_caches(), hidden_in, workspace_, 0);
+  model_.mtp_write_keys(batch, model_caches(), hidden_in, workspace_, 0);
 }
 
 int64_t Runner::mtp_key_batch_rows(int64_t count) const {

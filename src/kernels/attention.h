@@ -10,12 +10,22 @@
 
 namespace metrale::kernels {
 
+// The dequantisation scales of FP8 (e4m3) KV caches, one per KV head: a cached element e of head h
+// stands for e * k[h] (keys) or e * v[h] (values), and a write stores sat(x / scale[h]) rounded to
+// the nearest e4m3 value (saturating at +-448). k, v [n_kv_heads] f32 contiguous, on the caches'
+// device. Empty tensors mean a scale of 1; caches of any other dtype ignore them.
+struct KvScales {
+  Tensor k;
+  Tensor v;
+};
+
 // k, v [T, n_kv_heads, head_dim] (strided views allowed, head_dim contiguous); slot_mapping [T] i32
 // (block * block_size + offset, or -1 to skip); k_cache, v_cache [num_blocks, block_size,
-// n_kv_heads, head_dim]. CUDA: bf16 or f32 caches; k, v of any float dtype, copied bit for bit when
-// it is the caches' and rounded otherwise.
+// n_kv_heads, head_dim], bf16, f16, f32 or f8e4m3 (quantised with `scales`). CUDA: bf16, f32 or
+// f8e4m3 caches; k, v of any float dtype, copied bit for bit when it is the caches' and rounded (or
+// quantised) otherwise.
 METRALE_DECLARE_OP_IMPLS(kv_cache_write, (const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
-                                          const Tensor& k_cache, const Tensor& v_cache))
+                                          const Tensor& k_cache, const Tensor& v_cache, const KvScales& scales))
 
 struct AttentionParams {
   float scale = 1.0f;  // usually head_dim^-0.5
@@ -27,6 +37,9 @@ struct AttentionParams {
   // Scratch for the CUDA kernels (split-KV partial results): at least
   // paged_attention_workspace_bytes(...) bytes on the device. Unused on the CPU.
   Tensor workspace;
+  // f8e4m3 caches: their per-KV-head scales (the keys' fold into the scores, the values' into the
+  // output, both in fp32).
+  KvScales kv_scales;
 };
 
 // Bytes of scratch the CUDA paged attention needs for a batch within these bounds (0 without CUDA).
@@ -43,8 +56,10 @@ size_t paged_attention_workspace_bytes(int64_t num_seqs, int64_t num_tokens, int
 // q [T, n_heads, head_dim]; out [T, n_heads, head_dim]; cu_q [S+1] i32; kv_lens [S] i32;
 // block_tables [S, max_blocks] i32. n_heads must be a multiple of n_kv_heads (GQA). q and out may be
 // strided views (head_dim contiguous); the caches are contiguous.
-// CUDA: q, out and the caches all bf16 (tensor cores at head_dim 64, 128 and 256, a CUDA-core kernel
-// for other even head_dim up to 256) or all f32 (the CUDA-core kernel, fp32 throughout); the
+// CUDA: q and out both bf16 or both f32, the caches of their dtype or f8e4m3 (FP8 elements are
+// widened to bf16 exactly in shared memory, the scales applied in fp32); bf16 at head_dim 64, 128
+// and 256 on the tensor cores, other even head_dim up to 256 and every f32 run on a CUDA-core kernel
+// (fp32 throughout); the
 // metadata on the device (it is read there, never on the host, so the call can be graph-captured);
 // grids follow the host bounds in AttentionParams (or T and max_blocks * block_size when 0).
 METRALE_DECLARE_OP_IMPLS(paged_attention, (const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
@@ -52,8 +67,8 @@ METRALE_DECLARE_OP_IMPLS(paged_attention, (const Tensor& q, const Tensor& k_cach
                                            const Tensor& out, const AttentionParams& params))
 
 inline void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping, const Tensor& k_cache,
-                           const Tensor& v_cache) {
-  METRALE_KERNEL_DISPATCH(kv_cache_write, k_cache.device(), k, v, slot_mapping, k_cache, v_cache);
+                           const Tensor& v_cache, const KvScales& scales = {}) {
+  METRALE_KERNEL_DISPATCH(kv_cache_write, k_cache.device(), k, v, slot_mapping, k_cache, v_cache, scales);
 }
 inline void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& cu_q,
                             const Tensor& kv_lens, const Tensor& block_tables, const Tensor& out,

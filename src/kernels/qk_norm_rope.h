@@ -3,6 +3,7 @@
 // cache (what rms_norm + rope + kv_cache_write do, in one pass over q, k and v).
 #pragma once
 
+#include "kernels/attention.h"
 #include "kernels/dispatch.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
@@ -14,6 +15,7 @@ struct QkNormRopeParams {
   bool k_norm = true;   // k_norm_weight is used
   RmsNormParams norm;   // eps and kind (plain or zero-centred), shared by both norms
   RopeParams rope;      // rotary_dim (<= head_dim, partial allowed) and attention_scaling
+  KvScales kv_scales;   // f8e4m3 caches: the per-KV-head scales the writes quantise with
 };
 
 // q [T, n_heads, D], k [T, n_kv_heads, D], v [T, n_kv_heads, D]: views with a contiguous last dim and
@@ -25,7 +27,9 @@ struct QkNormRopeParams {
 //
 // Effects: q <- rope(norm(q)) in place; k_cache[slot] <- rope(norm(k)); v_cache[slot] <- v. k and v are
 // not modified. On the GPU, q, k, v and the caches share one dtype and every step rounds to it like
-// transformers (rms_norm.h, rope.h); the CPU composes cpu::rms_norm, cpu::rope and cpu::kv_cache_write.
+// transformers (rms_norm.h, rope.h), except that the caches may be f8e4m3: the rounded values are
+// then quantised with params.kv_scales (kv_cache_write). The CPU composes cpu::rms_norm, cpu::rope
+// and cpu::kv_cache_write.
 METRALE_DECLARE_OP_IMPLS(qk_norm_rope_kv_write,
                          (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_norm_weight,
                           const Tensor& k_norm_weight, const Tensor& positions, const Tensor& inv_freq,

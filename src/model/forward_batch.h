@@ -62,6 +62,11 @@ struct ForwardBatch {
   // addresses (CUDA graphs replay them). Empty when the model declares none.
   std::span<const Tensor> step_inputs;
 
+  // Set on the first step the engine serves and on the MTP head's forwards that follow it (never on
+  // warm-up, profiling or graph-capture steps): blocks that calibrate their KV-cache scales on real
+  // tokens (--calculate-kv-scales) do it on the first such batch that writes keys, then keep them.
+  bool calibrate_kv_scales = false;
+
   bool all_decode() const { return num_tokens == num_seqs; }  // every sequence adds exactly one token
 };
 

@@ -82,16 +82,41 @@ void apply_compute_dtype(Weights& weights, std::optional<DType> compute_dtype) {
   weights.set_compute_dtype(*compute_dtype);
 }
 
+// One line on the FP8 KV cache's scales, and a warning for the layers left at 1.0.
+void report_kv_scales(const Weights& weights) {
+  const KvCacheOptions& options = weights.kv_cache();
+  const KvScaleTally& tally = weights.kv_scale_tally();
+  if (options.dtype != DType::kF8E4M3) return;
+  using Source = KvScaleTally::Source;
+  if (tally.total() == 0) {
+    METRALE_LOG_WARN("--kv-cache-dtype fp8: this model has no attention layer with an FP8 KV cache (MLA latents, "
+                     "indexer keys and QSA attention keep the activation dtype)");
+    return;
+  }
+  METRALE_LOG_INFO("FP8 (e4m3) KV cache in {} attention layers: scales from the checkpoint in {}, calibrated on the "
+                   "first step served in {}",
+                   tally.total(), tally.count(Source::kCheckpoint), tally.count(Source::kCalibration));
+  if (const int unit = tally.count(Source::kUnit); unit > 0) {
+    METRALE_LOG_WARN("FP8 KV cache: {} attention layers have no k_scale / v_scale in the checkpoint and "
+                     "--calculate-kv-scales is off: they use a scale of 1.0 (keys and values beyond +-448 saturate, "
+                     "small ones lose precision)",
+                     unit);
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed,
-                                         std::optional<DType> compute_dtype, WeightQuantization quantization) {
+                                         const LoadOptions& options) {
   const ArchEntry& entry = require_architecture(config);
   if (device.is_cuda()) kernels::linear_prepare(device);
   Weights weights(RandomWeights{seed, 0.02f, config.tie_word_embeddings}, device);
-  apply_compute_dtype(weights, compute_dtype);
-  weights.set_fp8(false, quantization);
-  return entry.build(config, weights);
+  apply_compute_dtype(weights, options.compute_dtype);
+  weights.set_fp8(false, options.quantization);
+  weights.set_kv_cache(options.kv_cache);
+  std::unique_ptr<Model> model = entry.build(config, weights);
+  report_kv_scales(weights);
+  return model;
 }
 
 namespace {
@@ -139,6 +164,7 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   const bool checkpoint_fp8 = checkpoint_has_fp8_weights(config);
   weights.set_fp8(checkpoint_fp8, options.quantization);
   apply_compute_dtype(weights, options.compute_dtype);
+  weights.set_kv_cache(options.kv_cache);
   METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {} computing in {}{}", entry->model_type, dir.string(),
                    weights.prefix(), device.to_string(), dtype_name(weights.compute_dtype()),
                    checkpoint_fp8                                         ? " with the checkpoint's FP8 weights"
@@ -162,6 +188,7 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
                    prefetcher.num_threads());
   progress->finish();
   check_unused_tensors(*entry, config, *store, options);
+  report_kv_scales(weights);
   return model;
 }
 

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "model/fp8_weights.h"
+#include "model/kv_cache_options.h"
 #include "model/model.h"
 
 namespace metrale {
@@ -45,6 +46,8 @@ struct LoadOptions {
   // Threads that bring the checkpoint's pages into memory while the model is built from them
   // (model/weight_prefetch.h); 0: the hardware's concurrency; 1 and up: that many.
   int32_t load_threads = 0;
+  // The attention blocks' KV-cache dtype and FP8 scale source (--kv-cache-dtype, --calculate-kv-scales).
+  KvCacheOptions kv_cache = {};
 };
 
 std::span<const ArchEntry> registered_architectures();
@@ -54,13 +57,12 @@ const ArchEntry* find_architecture(std::string_view model_type);
 // file and the tensor or field at fault.
 // Every tensor of the checkpoint is read by the model or ignored on purpose (see LoadOptions).
 std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device device, const LoadOptions& options = {});
-// Builds the architecture of `config` with random weights generated on `device` (benchmarks), computing
-// in `compute_dtype` (as LoadOptions::compute_dtype).
-// WeightQuantization::kFp8: every projection that a checkpoint could hold in FP8 (Weights::get_linear,
-// the MoE experts) is generated directly in FP8 on the device, so that no bf16 copy of the model
-// exists at any point (an 80B-parameter preset fits one 141 GB GPU).
+// Builds the architecture of `config` with random weights generated on `device` (benchmarks), as
+// load_model would with `options`: computing in options.compute_dtype, with options.kv_cache, and
+// with WeightQuantization::kFp8 every projection that a checkpoint could hold in FP8
+// (Weights::get_linear, the MoE experts) generated directly in FP8 on the device, so that no bf16
+// copy of the model exists at any point (an 80B-parameter preset fits one 141 GB GPU).
 std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device device, uint64_t seed = 1,
-                                         std::optional<DType> compute_dtype = {},
-                                         WeightQuantization quantization = WeightQuantization::kNone);
+                                         const LoadOptions& options = {});
 
 }  // namespace metrale

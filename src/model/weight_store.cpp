@@ -132,6 +132,8 @@ Weights Weights::with_prefix(std::string prefix) const {
     derived.checkpoint_fp8_ = checkpoint_fp8_;
     derived.quantization_ = quantization_;
     derived.compute_dtype_ = compute_dtype_;
+    derived.kv_cache_ = kv_cache_;
+    derived.kv_scale_tally_ = kv_scale_tally_;
     return derived;
   }
   RandomWeights random = random_;
@@ -140,6 +142,8 @@ Weights Weights::with_prefix(std::string prefix) const {
   derived.prefix_ = std::move(prefix);
   derived.quantization_ = quantization_;
   derived.compute_dtype_ = compute_dtype_;
+  derived.kv_cache_ = kv_cache_;
+  derived.kv_scale_tally_ = kv_scale_tally_;
   return derived;
 }
 
@@ -192,6 +196,19 @@ Tensor Weights::synthesize(const std::string& name, const Shape& shape) {
 }
 
 Tensor Weights::get(const std::string& key, const Shape& shape) { return get_root(prefix_ + key, shape); }
+
+std::vector<float> Weights::read_host_values(const std::string& key) {
+  const std::string name = resolve(prefix_ + key);
+  const Tensor view = store().get(name);
+  if (!is_floating(view.dtype())) {
+    raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}, expected a float dtype",
+          store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
+  }
+  if (progress_) progress_->advance(1, view.nbytes());
+  std::vector<float> values(static_cast<size_t>(view.numel()));
+  convert_to_f32(view.dtype(), view.data(), values.data(), values.size());
+  return values;
+}
 
 void Weights::load_into(const std::string& key, const Tensor& destination) {
   METRALE_CHECK(destination.is_contiguous() && destination.device() == device_, "load_into {}", destination.describe());

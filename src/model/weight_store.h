@@ -17,6 +17,7 @@
 #include "core/startup.h"
 #include "kernels/linear_weight.h"
 #include "model/fp8_weights.h"
+#include "model/kv_cache_options.h"
 #include "model/safetensors.h"
 
 namespace metrale {
@@ -119,6 +120,17 @@ class Weights {
   // compute dtype on the GPU.
   DType device_dtype(DType stored) const { return device_.is_cpu() ? stored : compute_dtype_; }
 
+  // How attention blocks store their keys and values, and the tally of where FP8 layers got their
+  // scales (shared with every with_prefix() copy).
+  void set_kv_cache(const KvCacheOptions& options) { kv_cache_ = options; }
+  const KvCacheOptions& kv_cache() const { return kv_cache_; }
+  KvScaleTally& kv_scale_tally() const { return *kv_scale_tally_; }
+  // A small checkpoint tensor `prefix + key` (any float dtype, any shape) as fp32 host values; marks
+  // it used. Throws kNotFound when missing (random weights have none: check has_stored() first).
+  std::vector<float> read_host_values(const std::string& key);
+  // Whether the checkpoint stores `prefix + key` (always false for random weights).
+  bool has_stored(const std::string& key) const { return store_ != nullptr && has(key); }
+
   // The same checkpoint with keys relative to `prefix` instead (e.g. "mtp." for the MTP head, whose
   // keys sit at the root of Qwen3.5 and Qwen3-Next checkpoints). It collects its own device copies.
   // Random weights: an independent stream seeded from this one.
@@ -164,6 +176,8 @@ class Weights {
   bool checkpoint_fp8_ = false;
   WeightQuantization quantization_ = WeightQuantization::kNone;
   DType compute_dtype_ = DType::kBF16;  // the GPU's (compute_dtype())
+  KvCacheOptions kv_cache_;
+  std::shared_ptr<KvScaleTally> kv_scale_tally_ = std::make_shared<KvScaleTally>();
 };
 
 }  // namespace metrale

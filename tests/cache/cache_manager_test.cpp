@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -244,6 +245,73 @@ TEST(CacheManager, StorageAndTablesServeTheAttentionKernels) {
     }
   }
   EXPECT_LE(std::sqrt(diff / norm), 1e-6);
+}
+
+// FP8 attention caches (--kv-cache-dtype fp8) next to a tensor that stays in the activation dtype
+// (an MLA latent): the planner's bytes per block halve for the K/V rows, and the host tier sizes
+// its blocks from each tensor's dtype and brings the codes back byte for byte.
+std::vector<CacheSpec> fp8_kv_specs(std::optional<DType> kv_dtype) {
+  return {{{CacheTensorSpec::per_token("k", {2, 8}, kv_dtype), CacheTensorSpec::per_token("v", {2, 8}, kv_dtype)}},
+          {{CacheTensorSpec::per_token("latent", {4})}}};
+}
+
+TEST(CacheManager, Fp8KeysAndValuesHalveTheirBlockBytes) {
+  const uint64_t bf16 = paged_bytes_per_block(fp8_kv_specs(DType::kBF16), 16, DType::kBF16);
+  const uint64_t fp8 = paged_bytes_per_block(fp8_kv_specs(DType::kF8E4M3), 16, DType::kBF16);
+  EXPECT_EQ(bf16, 16u * (2 * 2 * 8 * 2 + 4 * 2));
+  EXPECT_EQ(fp8, 16u * (2 * 2 * 8 * 1 + 4 * 2));
+  // Attention alone: exactly twice the blocks for the same bytes.
+  const std::vector<CacheSpec> attention_bf16 = {keys_and_values(8, 128)};
+  const std::vector<CacheSpec> attention_fp8 = {
+      {{CacheTensorSpec::per_token("k", {8, 128}, DType::kF8E4M3), CacheTensorSpec::per_token("v", {8, 128}, DType::kF8E4M3)}}};
+  EXPECT_EQ(paged_bytes_per_block(attention_bf16, 16, DType::kBF16),
+            2 * paged_bytes_per_block(attention_fp8, 16, DType::kBF16));
+}
+
+TEST(CacheManager, HostTierSwapsFp8BlocksByteForByte) {
+  CacheConfig config{4, 6, DType::kBF16};
+  config.num_host_blocks = 3;
+  CacheManager cache(fp8_kv_specs(DType::kF8E4M3), config, Device::cpu());
+  const Tensor& keys = cache.block_caches()[0].tensors[0];
+  const Tensor& latent = cache.block_caches()[1].tensors[0];
+  ASSERT_EQ(keys.dtype(), DType::kF8E4M3);
+  ASSERT_EQ(latent.dtype(), DType::kBF16);
+  EXPECT_EQ(cache.kv_memory_bytes(), 6u * 4 * (2 * 2 * 8 + 4 * 2));
+  EXPECT_EQ(cache.host_tier().memory_bytes(), 3u * 4 * (2 * 2 * 8 + 4 * 2));
+  ASSERT_TRUE(cache.reserve(1, 10));  // 3 blocks
+  std::mt19937_64 rng(1402);
+  const auto fill_blocks = [&](int64_t seq) {
+    for (const int32_t block : cache.block_table(seq)) {
+      for (const BlockCache& block_cache : cache.block_caches()) {
+        for (const Tensor& tensor : block_cache.tensors) {
+          auto* bytes = static_cast<uint8_t*>(tensor.select(0, block).data());
+          for (size_t i = 0; i < tensor.nbytes() / static_cast<size_t>(tensor.size(0)); ++i)
+            bytes[i] = static_cast<uint8_t>(rng());
+        }
+      }
+    }
+  };
+  const auto block_bytes = [&](int64_t seq) {
+    std::vector<uint8_t> all;
+    for (const int32_t block : cache.block_table(seq)) {
+      for (const BlockCache& block_cache : cache.block_caches()) {
+        for (const Tensor& tensor : block_cache.tensors) {
+          const auto* bytes = static_cast<const uint8_t*>(tensor.select(0, block).data());
+          all.insert(all.end(), bytes, bytes + tensor.nbytes() / static_cast<size_t>(tensor.size(0)));
+        }
+      }
+    }
+    return all;
+  };
+  fill_blocks(1);
+  const std::vector<uint8_t> before = block_bytes(1);
+  ASSERT_TRUE(cache.swap_out(1));
+  ASSERT_TRUE(cache.reserve(2, 24));  // every device block, overwritten
+  fill_blocks(2);
+  cache.free_sequence(2);
+  ASSERT_TRUE(cache.swap_in(1));
+  EXPECT_EQ(block_bytes(1), before);
+  cache.check_integrity();
 }
 
 }  // namespace

@@ -1,13 +1,15 @@
 // kv_cache_write + paged_attention over ragged batches, against dense causal attention computed
 // directly from the un-paged keys and values. Several sequences with different query lengths and
 // cached contexts share one call; block tables are shuffled so that a sequence's blocks are neither
-// contiguous nor ordered; GQA groups, decode rows, sliding windows, bf16 caches.
+// contiguous nor ordered; GQA groups, decode rows, sliding windows, bf16 and FP8 (e4m3) caches.
 #include "kernels/attention.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <iostream>
 #include <numeric>
 
 #include "kernels/kernel_helpers.h"
@@ -60,7 +62,10 @@ kernels::AttentionParams attention_params(double scale, int window) {
 
 // Builds the batch and fills the cache in two kv_cache_write calls, as two engine steps would: first
 // every sequence's cached context, then this step's new tokens (ragged, all sequences in one call).
-PagedBatch make_batch(const Geometry& g, const std::vector<SequenceSpec>& seqs, DType cache_dtype, Random& rng) {
+// FP8 caches quantise with `scales` (host [kv_heads] f32 each); `value_gain[h]` multiplies the
+// keys and values of KV head h (heads of different ranges need their own scales).
+PagedBatch make_batch(const Geometry& g, const std::vector<SequenceSpec>& seqs, DType cache_dtype, Random& rng,
+                      const kernels::KvScales& scales = {}, const std::vector<float>& head_gain = {}) {
   PagedBatch b{g, seqs, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0};
   const size_t count = seqs.size();
   for (const auto& s : seqs) b.max_blocks = std::max(b.max_blocks, (s.kv_len() + g.block_size - 1) / g.block_size);
@@ -80,12 +85,24 @@ PagedBatch make_batch(const Geometry& g, const std::vector<SequenceSpec>& seqs, 
     const size_t kv_elems = static_cast<size_t>(seqs[s].kv_len() * g.kv_heads * g.head_dim);
     b.keys.push_back(rng.floats(kv_elems, -1.5f, 1.5f));
     b.values.push_back(rng.floats(kv_elems, -1.0f, 1.0f));
+    if (!head_gain.empty()) {
+      for (size_t e = 0; e < kv_elems; ++e) {
+        const float gain = head_gain[(e / static_cast<size_t>(g.head_dim)) % static_cast<size_t>(g.kv_heads)];
+        b.keys.back()[e] *= gain;
+        b.values.back()[e] *= gain;
+      }
+    }
   }
   b.q = random_tensor(DType::kF32, {b.tokens(), g.heads, g.head_dim}, rng, -1.5f, 1.5f);
   b.k_cache = OwnedTensor(cache_dtype, {g.num_blocks, g.block_size, g.kv_heads, g.head_dim});
   b.v_cache = OwnedTensor(cache_dtype, {g.num_blocks, g.block_size, g.kv_heads, g.head_dim});
-  testing::poison(*b.k_cache);  // any slot the kernel reads without it being written shows up as NaN
-  testing::poison(*b.v_cache);
+  if (cache_dtype != DType::kF8E4M3) {
+    testing::poison(*b.k_cache);  // any slot the kernel reads without it being written shows up as NaN
+    testing::poison(*b.v_cache);
+  } else {
+    std::memset(b.k_cache->data(), 0x7f, b.k_cache->nbytes());  // e4m3 NaN
+    std::memset(b.v_cache->data(), 0x7f, b.v_cache->nbytes());
+  }
 
   // Writes positions [begin_of(s), end_of(s)) of every sequence in one kv_cache_write call.
   const auto write = [&](auto begin_of, auto end_of) {
@@ -105,7 +122,7 @@ PagedBatch make_batch(const Geometry& g, const std::vector<SequenceSpec>& seqs, 
     if (n == 0) return;
     kernels::kv_cache_write(Tensor(k_rows.data(), DType::kF32, {n, g.kv_heads, g.head_dim}),
                             Tensor(v_rows.data(), DType::kF32, {n, g.kv_heads, g.head_dim}),
-                            Tensor(slots.data(), DType::kI32, {n}), *b.k_cache, *b.v_cache);
+                            Tensor(slots.data(), DType::kI32, {n}), *b.k_cache, *b.v_cache, scales);
   };
   write([](size_t) { return int64_t{0}; }, [&](size_t s) { return seqs[s].cached; });
   write([&](size_t s) { return seqs[s].cached; }, [&](size_t s) { return seqs[s].kv_len(); });
@@ -317,6 +334,129 @@ TEST(PagedAttention, RejectsInconsistentMetadata) {
   OwnedTensor odd_out(DType::kF32, {b.tokens(), 3, g.head_dim});
   EXPECT_THROW(kernels::paged_attention(*odd_heads, *b.k_cache, *b.v_cache, b.cu_q_tensor(), b.kv_lens_tensor(),
                                         b.tables_tensor(), *odd_out, attention_params(0.5, 0)),
+               Error);
+}
+
+// ---- FP8 (e4m3) caches with per-KV-head scales
+
+// Per-head scales amax / 200 of the batch's keys and values (how --calculate-kv-scales sets them).
+struct HostScales {
+  std::vector<float> k, v;
+  kernels::KvScales tensors() {
+    const auto heads = static_cast<int64_t>(k.size());
+    return {Tensor(k.data(), DType::kF32, {heads}), Tensor(v.data(), DType::kF32, {heads})};
+  }
+};
+
+// What an FP8 cache stands for: every logical key and value quantised with its head's scale and
+// dequantised again, explicitly.
+void dequantise_logical(PagedBatch& b, const HostScales& scales) {
+  const auto round_trip = [&](std::vector<float>& rows, const std::vector<float>& head_scales) {
+    for (size_t e = 0; e < rows.size(); ++e) {
+      const float scale = head_scales[(e / static_cast<size_t>(b.g.head_dim)) % static_cast<size_t>(b.g.kv_heads)];
+      rows[e] = f8e4m3_bits_to_f32(f32_to_f8e4m3_bits(rows[e] / scale)) * scale;
+    }
+  };
+  for (auto& keys : b.keys) round_trip(keys, scales.k);
+  for (auto& values : b.values) round_trip(values, scales.v);
+}
+
+const std::vector<float> kHeadGain = {1.0f, 30.0f};  // KV head 1 spans a 30x wider range
+
+TEST(KvCacheWrite, Fp8QuantisesWithEachHeadsScale) {
+  Random rng(611);
+  const int64_t kv_heads = 2, head_dim = 16, tokens = 5;
+  OwnedTensor k_cache(DType::kF8E4M3, {2, 4, kv_heads, head_dim});
+  OwnedTensor v_cache(DType::kF8E4M3, {2, 4, kv_heads, head_dim});
+  std::memset(k_cache->data(), 0x11, k_cache->nbytes());
+  std::memset(v_cache->data(), 0x22, v_cache->nbytes());
+  const OwnedTensor k = random_tensor(DType::kF32, {tokens, kv_heads, head_dim}, rng, -300.0f, 300.0f);
+  const OwnedTensor v = random_tensor(DType::kF32, {tokens, kv_heads, head_dim}, rng, -2.0f, 2.0f);
+  HostScales scales{{0.5f, 1.25f}, {0.01f, 0.004f}};
+  std::vector<int32_t> slots = {6, -1, 0, 3, 7};
+  kernels::kv_cache_write(*k, *v, Tensor(slots.data(), DType::kI32, {tokens}), *k_cache, *v_cache, scales.tensors());
+  const auto* kc = static_cast<const uint8_t*>(k_cache->data());
+  const auto* vc = static_cast<const uint8_t*>(v_cache->data());
+  const auto* kf = k->data_as<const float>();
+  const auto* vf = v->data_as<const float>();
+  const int64_t row = kv_heads * head_dim;
+  int saturated = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[static_cast<size_t>(t)] < 0) continue;
+    for (int64_t e = 0; e < row; ++e) {
+      const auto h = static_cast<size_t>(e / head_dim);
+      const int64_t at = slots[static_cast<size_t>(t)] * row + e;
+      EXPECT_EQ(kc[at], f32_to_f8e4m3_bits(kf[t * row + e] / scales.k[h])) << "token " << t << " element " << e;
+      EXPECT_EQ(vc[at], f32_to_f8e4m3_bits(vf[t * row + e] / scales.v[h])) << "token " << t << " element " << e;
+      saturated += (kc[at] & 0x7f) == 0x7e;
+    }
+  }
+  EXPECT_GT(saturated, 0) << "keys up to 300 / 0.5 = 600 exceed 448 and must saturate";
+  for (const int64_t untouched : {1, 2, 4, 5}) {
+    for (int64_t e = 0; e < row; ++e) {
+      ASSERT_EQ(kc[untouched * row + e], 0x11);
+      ASSERT_EQ(vc[untouched * row + e], 0x22);
+    }
+  }
+}
+
+// paged_attention on FP8 caches against the same attention over keys and values dequantised
+// explicitly (tight), and against bf16 caches of the unquantised keys and values (loose: the
+// quantisation error, reported).
+TEST(PagedAttention, Fp8CacheMatchesExplicitDequantisation) {
+  const Geometry g{6, 2, 32, 4, 48};  // GQA group of 3
+  const double scale = 1.0 / std::sqrt(static_cast<double>(g.head_dim));
+  for (const int window : {0, 3}) {
+    Random rng(612);
+    // Scales from the ranges the batch draws (keys up to 1.5 * gain, values up to 1 * gain).
+    HostScales scales{{1.5f / 200.0f, 1.5f * kHeadGain[1] / 200.0f}, {1.0f / 100.0f, kHeadGain[1] / 100.0f}};
+    PagedBatch fp8 = make_batch(g, kMixedStep, DType::kF8E4M3, rng, scales.tensors(), kHeadGain);
+    Random same(612);
+    PagedBatch bf16 = make_batch(g, kMixedStep, DType::kBF16, same, {}, kHeadGain);
+    OwnedTensor out(DType::kF32, {fp8.tokens(), g.heads, g.head_dim}), bf16_out(DType::kF32, out->shape());
+    testing::poison(*out);
+    kernels::AttentionParams params = attention_params(scale, window);
+    params.kv_scales = scales.tensors();
+    kernels::paged_attention(*fp8.q, *fp8.k_cache, *fp8.v_cache, fp8.cu_q_tensor(), fp8.kv_lens_tensor(),
+                             fp8.tables_tensor(), *out, params);
+    const std::vector<double> q = testing::to_doubles(*fp8.q);
+    dequantise_logical(fp8, scales);  // the cache is written: the logical copy may change
+    EXPECT_TRUE(testing::close_rel_l2(*out, reference_attention(fp8, q, scale, window, false), 2e-6))
+        << "window " << window;
+
+    kernels::paged_attention(*bf16.q, *bf16.k_cache, *bf16.v_cache, bf16.cu_q_tensor(), bf16.kv_lens_tensor(),
+                             bf16.tables_tensor(), *bf16_out, attention_params(scale, window));
+    const std::vector<double> a = testing::to_doubles(*out), b = testing::to_doubles(*bf16_out);
+    double diff = 0.0, norm = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      diff += (a[i] - b[i]) * (a[i] - b[i]);
+      norm += b[i] * b[i];
+    }
+    const double rel_l2 = std::sqrt(diff / norm);
+    std::cout << "[ fp8 KV ] window " << window << ": relative L2 of the output against bf16 KV " << rel_l2 << "\n";
+    RecordProperty("rel_l2_vs_bf16_window_" + std::to_string(window), std::to_string(rel_l2));
+    // e4m3 keeps 3 mantissa bits (about 3.6% RMS relative error per element); random keys and values
+    // make the output a sum that cancels, which magnifies the relative error (0.06 to 0.09 here).
+    EXPECT_LT(rel_l2, 0.15);
+    EXPECT_GT(rel_l2, 1e-4) << "the FP8 cache must actually quantise";
+  }
+}
+
+TEST(PagedAttention, Fp8CacheWithoutScalesReadsUnitScale) {
+  Random rng(613);
+  const Geometry g{4, 2, 16, 4, 40};
+  PagedBatch b = make_batch(g, kMixedStep, DType::kF8E4M3, rng);  // no scales: 1.0
+  const double scale = 1.0 / std::sqrt(static_cast<double>(g.head_dim));
+  OwnedTensor out(DType::kF32, {b.tokens(), g.heads, g.head_dim});
+  kernels::paged_attention(*b.q, *b.k_cache, *b.v_cache, b.cu_q_tensor(), b.kv_lens_tensor(), b.tables_tensor(), *out,
+                           attention_params(scale, 0));
+  dequantise_logical(b, {std::vector<float>(2, 1.0f), std::vector<float>(2, 1.0f)});
+  EXPECT_TRUE(testing::close_rel_l2(*out, reference_attention(b, testing::to_doubles(*b.q), scale, 0, false), 2e-6));
+  std::vector<float> wrong_count(3, 1.0f);
+  kernels::AttentionParams params = attention_params(scale, 0);
+  params.kv_scales = {Tensor(wrong_count.data(), DType::kF32, {3}), Tensor(wrong_count.data(), DType::kF32, {3})};
+  EXPECT_THROW(kernels::paged_attention(*b.q, *b.k_cache, *b.v_cache, b.cu_q_tensor(), b.kv_lens_tensor(),
+                                        b.tables_tensor(), *out, params),
                Error);
 }
 

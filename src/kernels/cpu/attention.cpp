@@ -8,8 +8,21 @@
 
 namespace metrale::kernels::cpu {
 
+namespace {
+
+// Per-KV-head scales of an f8e4m3 cache as a host array (nullptr: not FP8, or scale 1).
+const float* fp8_scales(const Tensor& cache, const Tensor& scales, int64_t kv_heads, const char* what) {
+  if (cache.dtype() != DType::kF8E4M3 || scales.empty()) return nullptr;
+  METRALE_CHECK(scales.dtype() == DType::kF32 && scales.numel() == kv_heads && scales.is_contiguous() &&
+                    scales.device().is_cpu(),
+                "{} scales {} for {} KV heads: [n_kv_heads] f32 on the CPU", what, scales.describe(), kv_heads);
+  return scales.data_as<const float>();
+}
+
+}  // namespace
+
 void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping, const Tensor& k_cache,
-                    const Tensor& v_cache) {
+                    const Tensor& v_cache, const KvScales& scales) {
   METRALE_CHECK(k.ndim() == 3 && v.ndim() == 3 && k_cache.ndim() == 4 && v_cache.ndim() == 4, "kv_cache_write ranks");
   const int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2);
   const int64_t block_size = k_cache.size(1);
@@ -17,8 +30,16 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
   METRALE_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == head_dim && v.size(0) == tokens &&
                     slot_mapping.numel() == tokens && k_cache.is_contiguous() && v_cache.is_contiguous(),
                 "kv_cache_write shapes k {} cache {}", k.describe(), k_cache.describe());
+  const float* k_scales = fp8_scales(k_cache, scales.k, kv_heads, "kv_cache_write key");
+  const float* v_scales = fp8_scales(v_cache, scales.v, kv_heads, "kv_cache_write value");
   const auto* slot = slot_mapping.data_as<const int32_t>();
   const int64_t row = kv_heads * head_dim;
+  // Quantises a row in place by its head's scale (FP8 caches store x / scale).
+  const auto scaled = [&](const float* values, const float* head_scales, int64_t h, float* out) {
+    if (head_scales == nullptr) return values;
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = values[d] / head_scales[h];
+    return static_cast<const float*>(out);
+  };
   for (int64_t t = 0; t < tokens; ++t) {
     if (slot[t] < 0) continue;
     METRALE_CHECK(slot[t] < slots, "slot {} outside cache of {} slots", slot[t], slots);
@@ -26,10 +47,11 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
       const void* ks = static_cast<const char*>(k.data()) + (t * k.stride(0) + h * k.stride(1)) * static_cast<int64_t>(k.element_size());
       const void* vs = static_cast<const char*>(v.data()) + (t * v.stride(0) + h * v.stride(1)) * static_cast<int64_t>(v.element_size());
       const int64_t offset = slot[t] * row + h * head_dim;
-      float* tmp = scratch_a(head_dim);
-      const float* kf = as_f32(k.dtype(), ks, tmp, head_dim);
+      float* tmp = scratch_a(2 * head_dim);
+      float* quantised = tmp + head_dim;
+      const float* kf = scaled(as_f32(k.dtype(), ks, tmp, head_dim), k_scales, h, quantised);
       store_f32(k_cache.dtype(), kf, static_cast<char*>(k_cache.data()) + offset * static_cast<int64_t>(k_cache.element_size()), head_dim);
-      const float* vf = as_f32(v.dtype(), vs, tmp, head_dim);
+      const float* vf = scaled(as_f32(v.dtype(), vs, tmp, head_dim), v_scales, h, quantised);
       store_f32(v_cache.dtype(), vf, static_cast<char*>(v_cache.data()) + offset * static_cast<int64_t>(v_cache.element_size()), head_dim);
     }
   }
@@ -53,6 +75,11 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
   const int64_t group = heads / kv_heads;
   const int64_t kv_row = kv_heads * head_dim;
   METRALE_CHECK(cu[num_seqs] == tokens, "cu_q ends at {} for {} query rows", cu[num_seqs], tokens);
+  METRALE_CHECK(k_cache.dtype() == v_cache.dtype() && v_cache.shape() == k_cache.shape(),
+                "paged_attention caches k {} v {}", k_cache.describe(), v_cache.describe());
+  // FP8 caches: the key scale folds into the score, the value scale into the output.
+  const float* k_scales = fp8_scales(k_cache, params.kv_scales.k, kv_heads, "paged_attention key");
+  const float* v_scales = fp8_scales(v_cache, params.kv_scales.v, kv_heads, "paged_attention value");
 
   // Map each query row to its sequence once. The host bounds, when given, must hold: the CUDA
   // kernels size their grids from them.
@@ -82,6 +109,7 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
       const int64_t first_key = params.window > 0 ? std::max<int64_t>(0, position - params.window + 1) : 0;
       const int64_t n_keys = position + 1 - first_key;
       const int64_t kvh = h / group;
+      const float score_scale = params.scale * (k_scales != nullptr ? k_scales[kvh] : 1.0f);
       const int32_t* table = tables + s * max_blocks;
       const void* q_ptr = static_cast<const char*>(q.data()) + (t * q.stride(0) + h * q.stride(1)) * static_cast<int64_t>(q.element_size());
       const float* qv = as_f32(q.dtype(), q_ptr, qf, head_dim);
@@ -92,7 +120,7 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
         const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
         const void* k_ptr = static_cast<const char*>(k_cache.data()) + (slot * kv_row + kvh * head_dim) * static_cast<int64_t>(k_cache.element_size());
         const float* kv = as_f32(k_cache.dtype(), k_ptr, kf, head_dim);
-        const float score = dot_f32(qv, kv, head_dim) * params.scale;
+        const float score = dot_f32(qv, kv, head_dim) * score_scale;
         scores[static_cast<size_t>(j)] = score;
         max_score = std::max(max_score, score);
       }
@@ -110,7 +138,7 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
         const float p = scores[static_cast<size_t>(j)];
         for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * vv[d];
       }
-      const float inv = static_cast<float>(1.0 / denom);
+      const float inv = static_cast<float>(1.0 / denom) * (v_scales != nullptr ? v_scales[kvh] : 1.0f);
       for (int64_t d = 0; d < head_dim; ++d) acc[d] *= inv;
       void* o_ptr = static_cast<char*>(out.data()) + (t * out.stride(0) + h * out.stride(1)) * static_cast<int64_t>(out.element_size());
       store_f32(out.dtype(), acc, o_ptr, head_dim);

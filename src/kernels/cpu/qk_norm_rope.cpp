@@ -45,7 +45,7 @@ void qk_norm_rope_kv_write(const Tensor& q, const Tensor& k, const Tensor& v, co
   }
   if (params.k_norm) norm_heads_in_place(*rotated_k, k_norm_weight, params.norm);
   cpu::rope(*rotated_k, positions, inv_freq, params.rope);
-  cpu::kv_cache_write(*rotated_k, v, slot_mapping, k_cache, v_cache);
+  cpu::kv_cache_write(*rotated_k, v, slot_mapping, k_cache, v_cache, params.kv_scales);
 }
 
 }  // namespace metrale::kernels::cpu

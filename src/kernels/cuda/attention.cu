@@ -19,6 +19,11 @@
 // P.V product, as in flash-attention; the softmax statistics stay fp32.
 //  * generic kernel (CUDA cores, fp32 throughout): head sizes the tensor-core kernels are not built
 //    for, and f32 q/out/caches (f32 runs), whatever the head size.
+//
+// FP8 (e4m3) caches (kFp8): the same kernels. K/V tiles arrive by cp.async as e4m3 codes in staging
+// buffers (half the bytes of bf16), and are widened to bf16 in registers into the swizzled tiles the
+// MMAs read (exactly: every e4m3 value is a bf16 value). The key scale of the CTA's KV head folds
+// into the score scale and the value scale into the output normalisation, both fp32.
 #include <algorithm>
 #include <array>
 #include <climits>
@@ -26,12 +31,14 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kernels/attention.h"
 #include "kernels/cuda/attention_mma.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_kv.cuh"
 
 namespace metrale::kernels {
 namespace cuda {
@@ -63,8 +70,10 @@ constexpr int kCtasPerSmTarget = 2;    // split until S * n_kv * chunks * splits
 
 // ---- the paged cache and the batch as the kernels see them ----
 struct PagedKv {
-  const bf16* k_cache;          // [num_blocks, block_size, n_kv_heads, head_dim] bf16
-  const bf16* v_cache;          // same
+  const void* k_cache;          // [num_blocks, block_size, n_kv_heads, head_dim] bf16, or e4m3 codes (kFp8)
+  const void* v_cache;          // same
+  const float* k_scale;         // e4m3 caches: [n_kv_heads] f32, or null (1)
+  const float* v_scale;
   const int32_t* block_tables;  // [S, table_stride] i32
   int64_t table_stride;         // elements between two sequences' tables
   int block_size;
@@ -93,6 +102,14 @@ struct AttentionArgs {
   float* partial_out;  // [ctas, 16, head_dim] f32, normalised partial outputs (num_splits > 1)
   float* partial_lse;  // [ctas, 16] f32, log2-sum-exp of each partial (-inf: no key)
 };
+
+// The dequantisation scales of one KV head's keys and values (1 for bf16 caches).
+__device__ __forceinline__ float key_scale(const PagedKv& kv, int kv_head) {
+  return kv.k_scale != nullptr ? __ldg(kv.k_scale + kv_head) : 1.0f;
+}
+__device__ __forceinline__ float value_scale(const PagedKv& kv, int kv_head) {
+  return kv.v_scale != nullptr ? __ldg(kv.v_scale + kv_head) : 1.0f;
+}
 
 // The packed rows one CTA handles and the keys they attend.
 struct TileGeometry {
@@ -162,8 +179,8 @@ __device__ __forceinline__ void load_kv_tile(const PagedKv& kv, const int32_t* t
     const int dst = swizzled_offset<kHeadDim>(first_row + pass * kRowsPerPass, chunk);
     // A mapped source address even when nothing is read.
     const int64_t src = (static_cast<int64_t>(slot < 0 ? 0 : slot) * kv.num_kv_heads + kv_head) * kHeadDim + chunk * 8;
-    cp_async_16(smem_address(k_tile + dst), kv.k_cache + src, slot >= 0);
-    cp_async_16(smem_address(v_tile + dst), kv.v_cache + src, slot >= 0);
+    cp_async_16(smem_address(k_tile + dst), static_cast<const bf16*>(kv.k_cache) + src, slot >= 0);
+    cp_async_16(smem_address(v_tile + dst), static_cast<const bf16*>(kv.v_cache) + src, slot >= 0);
   };
   if constexpr (kUnroll) {
     int slots[kPasses];
@@ -174,6 +191,55 @@ __device__ __forceinline__ void load_kv_tile(const PagedKv& kv, const int32_t* t
   } else {
 #pragma unroll 1
     for (int pass = 0; pass < kPasses; ++pass) copy_pass(pass, slot_of_pass(pass));
+  }
+}
+
+// load_kv_tile for e4m3 caches: keys [tile_start, tile_start + kRows) into plain row-major staging
+// tiles [kRows, kHeadDim] of codes, 16 codes per cp.async; the same zero-fill (code 0 is +0).
+template <int kHeadDim, int kRows, bool kUnroll>
+__device__ __forceinline__ void load_kv_tile_fp8(const PagedKv& kv, const int32_t* table, int kv_head, int tile_start,
+                                                 int valid_begin, int valid_end, uint8_t* k_stage, uint8_t* v_stage) {
+  constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks per key row
+  static_assert(kThreads % kChunks == 0, "a pass covers whole rows");
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  static_assert(kRows % kRowsPerPass == 0, "the tile is a whole number of passes");
+  constexpr int kPasses = kRows / kRowsPerPass;
+  const int chunk = threadIdx.x % kChunks;
+  const int first_row = static_cast<int>(threadIdx.x) / kChunks;
+  const auto slot_of_pass = [&](int pass) {
+    const int key = tile_start + first_row + pass * kRowsPerPass;
+    return key >= valid_begin && key < valid_end ? paged_slot(kv, table, key) : -1;
+  };
+  const auto copy_pass = [&](int pass, int slot) {
+    const int dst = (first_row + pass * kRowsPerPass) * kHeadDim + chunk * 16;
+    const int64_t src = (static_cast<int64_t>(slot < 0 ? 0 : slot) * kv.num_kv_heads + kv_head) * kHeadDim + chunk * 16;
+    cp_async_16(smem_address(k_stage + dst), static_cast<const uint8_t*>(kv.k_cache) + src, slot >= 0);
+    cp_async_16(smem_address(v_stage + dst), static_cast<const uint8_t*>(kv.v_cache) + src, slot >= 0);
+  };
+  if constexpr (kUnroll) {
+    int slots[kPasses];
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) slots[pass] = slot_of_pass(pass);
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) copy_pass(pass, slots[pass]);
+  } else {
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass) copy_pass(pass, slot_of_pass(pass));
+  }
+}
+
+// Widens `rows` rows of an e4m3 staging tile [rows, kHeadDim] into the swizzled bf16 tile the MMAs
+// read, `threads` threads from `thread` (a warp its own rows, or the whole CTA).
+template <int kHeadDim>
+__device__ __forceinline__ void widen_fp8_rows(const uint8_t* stage, bf16* tile, int rows, int thread, int threads) {
+  constexpr int kChunks = kHeadDim / 16;
+  for (int index = thread; index < rows * kChunks; index += threads) {
+    const int row = index / kChunks, chunk = index % kChunks;
+    const uint4 codes = *reinterpret_cast<const uint4*>(stage + row * kHeadDim + chunk * 16);
+    uint4 low, high;
+    e4m3x16_to_bf16(codes, low, high);
+    *reinterpret_cast<uint4*>(tile + swizzled_offset<kHeadDim>(row, 2 * chunk)) = low;
+    *reinterpret_cast<uint4*>(tile + swizzled_offset<kHeadDim>(row, 2 * chunk + 1)) = high;
   }
 }
 
@@ -278,7 +344,8 @@ __device__ __forceinline__ void online_softmax(float (&scores)[kKeyTiles][4], fl
 // [w * 16 * kRowTiles, (w + 1) * 16 * kRowTiles) of the tile. K/V tiles of kKeys keys are double
 // buffered (tile n + 1 is in flight while tile n is computed); each tile is consumed in steps of
 // kStepKeys keys (S, softmax, P.V per step) to bound the score registers.
-// Shared memory: Q [kTileRows, D] + 2 x K [kKeys, D] + 2 x V [kKeys, D], bf16, swizzled.
+// Shared memory: Q [kTileRows, D] + 2 x K [kKeys, D] + 2 x V [kKeys, D], bf16, swizzled. e4m3 caches:
+// Q + one bf16 K and V tile [kKeys, D] (widened) + 2 x e4m3 K and V staging [kKeys, D]: the same bytes.
 // ================================================================================================
 template <int kHeadDim, int kRowTiles, int kKeys, int kStepKeys>
 struct PrefillConfig {
@@ -291,7 +358,7 @@ struct PrefillConfig {
   static_assert(kKeys % kStepKeys == 0 && kStepKeys % 16 == 0, "steps of whole k16 fragments");
 };
 
-template <int kHeadDim, int kRowTiles, int kKeys, int kStepKeys, int kMinBlocks>
+template <int kHeadDim, int kRowTiles, int kKeys, int kStepKeys, int kMinBlocks, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_prefill_kernel(const AttentionArgs a) {
   using Config = PrefillConfig<kHeadDim, kRowTiles, kKeys, kStepKeys>;
   constexpr int kTileRows = Config::kTileRows, kRowsPerWarp = Config::kRowsPerWarp;
@@ -300,8 +367,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_prefill_kernel(con
 
   extern __shared__ __align__(128) uint8_t shared_raw[];
   bf16* q_tile = reinterpret_cast<bf16*>(shared_raw);  // [kTileRows, D]; reused for the output
-  bf16* k_tiles = q_tile + kTileRows * kHeadDim;       // [2, kKeys, D]
-  bf16* v_tiles = k_tiles + 2 * kKeys * kHeadDim;      // [2, kKeys, D]
+  bf16* k_tiles = q_tile + kTileRows * kHeadDim;       // [2, kKeys, D] (kFp8: [1, kKeys, D], widened)
+  bf16* v_tiles = k_tiles + (kFp8 ? 1 : 2) * kKeys * kHeadDim;
+  // kFp8: [2, kKeys, D] e4m3 staging for K, then for V.
+  uint8_t* k_stages = reinterpret_cast<uint8_t*>(v_tiles + (kFp8 ? 1 : 2) * kKeys * kHeadDim);
+  uint8_t* v_stages = k_stages + 2 * kKeys * kHeadDim;
 
   const int seq = blockIdx.z, kv_head = blockIdx.y;
   const int row0 = (gridDim.x - 1 - blockIdx.x) * kTileRows;
@@ -314,9 +384,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_prefill_kernel(con
   const int32_t* table = a.kv.block_tables + seq * a.kv.table_stride;
   const auto load_tile = [&](int tile_index) {
     const int buffer = (tile_index & 1) * kKeys * kHeadDim;
-    load_kv_tile<kHeadDim, kKeys, false>(a.kv, table, kv_head, first_key + tile_index * kKeys, g.key_lo, g.key_end,
-                                         k_tiles + buffer, v_tiles + buffer);
+    if constexpr (kFp8) {
+      load_kv_tile_fp8<kHeadDim, kKeys, false>(a.kv, table, kv_head, first_key + tile_index * kKeys, g.key_lo,
+                                               g.key_end, k_stages + buffer, v_stages + buffer);
+    } else {
+      load_kv_tile<kHeadDim, kKeys, false>(a.kv, table, kv_head, first_key + tile_index * kKeys, g.key_lo, g.key_end,
+                                           k_tiles + buffer, v_tiles + buffer);
+    }
   };
+  const float score_scale = a.score_scale * key_scale(a.kv, kv_head);
 
   if (num_key_tiles > 0) load_tile(0);
   cp_async_commit();
@@ -355,10 +431,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_prefill_kernel(con
     cp_async_commit();
     cp_async_wait<1>();  // tile n (and Q's plain stores, after the barrier) ready
     __syncthreads();
+    if constexpr (kFp8) {
+      // Staging buffers (n & 1) -> the bf16 tiles (free since the barrier that ended iteration n - 1).
+      widen_fp8_rows<kHeadDim>(k_stages + (n & 1) * kKeys * kHeadDim, k_tiles, kKeys, threadIdx.x, kThreads);
+      widen_fp8_rows<kHeadDim>(v_stages + (n & 1) * kKeys * kHeadDim, v_tiles, kKeys, threadIdx.x, kThreads);
+      __syncthreads();
+    }
 
     if (warp_active) {
-      const bf16* k_tile = k_tiles + (n & 1) * kKeys * kHeadDim;
-      const bf16* v_tile = v_tiles + (n & 1) * kKeys * kHeadDim;
+      const bf16* k_tile = k_tiles + (kFp8 ? 0 : (n & 1) * kKeys * kHeadDim);
+      const bf16* v_tile = v_tiles + (kFp8 ? 0 : (n & 1) * kKeys * kHeadDim);
       for (int step = 0; step < kKeys / kStepKeys; ++step) {
         const int key0 = first_key + n * kKeys + step * kStepKeys;
         const int step_row0 = step * kStepKeys;  // first key row of the step in the shared tile
@@ -398,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_prefill_kernel(con
 #pragma unroll
           for (int nt = 0; nt < kStepKeyTiles; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) scores[mt][nt][e] *= a.score_scale;
+            for (int e = 0; e < 4; ++e) scores[mt][nt][e] *= score_scale;
           }
           if (needs_mask) {
 #pragma unroll
@@ -448,12 +530,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_prefill_kernel(con
   // Normalise and stage the bf16 output in the warp's own Q rows, then store whole 16-byte chunks.
   // (The barrier matters only when the loop ran no iteration: the Q rows were stored by any thread.)
   __syncthreads();
+  const float out_scale = value_scale(a.kv, kv_head);
 #pragma unroll
   for (int mt = 0; mt < kRowTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float sum = attn::quad_sum(row_sum[mt][half]);
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float inv = sum > 0.0f ? out_scale / sum : 0.0f;
       const int r = warp_row0 + mt * 16 + group_id + 8 * half;
 #pragma unroll
       for (int dt = 0; dt < kDimTiles; ++dt) {
@@ -480,30 +563,36 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_prefill_kernel(con
 // stage. At the end the 4 warps' (max, sum, acc) are combined through shared memory and written as
 // the final bf16 output (one split) or as a normalised fp32 partial + log2-sum-exp (several).
 // Shared memory: Q [16, D] + kSplitStages x (K [64, D] + V [64, D]) bf16, swizzled, + 2 x [4, 16] f32;
-// the K/V stages are reused for the cross-warp combine ([4, 16, D + 8] f32).
+// the K/V stages are reused for the cross-warp combine ([4, 16, D + 8] f32). e4m3 caches: the stages
+// hold codes (half the bytes), after one bf16 K and V tile [64, D] that each warp widens its 16 keys into.
 // ================================================================================================
-template <int kHeadDim>
+template <int kHeadDim, bool kFp8>
 struct SplitConfig {
   static constexpr int kStageElems = kSplitKeysPerTile * kHeadDim;
   static constexpr int kCombineStride = kHeadDim + 8;  // floats; the pad spreads a half-warp's rows over the banks
-  static constexpr size_t kTileBytes =
-      sizeof(bf16) * (static_cast<size_t>(kSplitRows) * kHeadDim + 2u * kSplitStages * kStageElems);
+  static constexpr size_t kQBytes = sizeof(bf16) * static_cast<size_t>(kSplitRows) * kHeadDim;
+  static constexpr size_t kWideBytes = kFp8 ? sizeof(bf16) * 2u * kStageElems : 0u;
+  static constexpr size_t kStageBytes = (kFp8 ? 1u : sizeof(bf16)) * 2u * kSplitStages * kStageElems;
+  static constexpr size_t kTileBytes = kQBytes + kWideBytes + kStageBytes;
   static constexpr size_t kSmemBytes = kTileBytes + 2u * sizeof(float) * kWarps * kSplitRows;
-  static_assert(sizeof(float) * kWarps * kSplitRows * kCombineStride <= sizeof(bf16) * 2u * kSplitStages * kStageElems,
-                "the combine buffer fits in the K/V stages");
+  static_assert(sizeof(float) * kWarps * kSplitRows * kCombineStride <= kWideBytes + kStageBytes,
+                "the combine buffer fits in the K/V tiles and stages");
 };
 
-template <int kHeadDim, int kMinBlocks>
+template <int kHeadDim, int kMinBlocks, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_split_kernel(const AttentionArgs a) {
-  using Config = SplitConfig<kHeadDim>;
+  using Config = SplitConfig<kHeadDim, kFp8>;
   constexpr int kDimTiles = kHeadDim / 8;
   constexpr int kKeysPerWarp = kSplitKeysPerTile / kWarps;
   static_assert(kKeysPerWarp == 16, "each warp's keys form one k16 step of P.V");
 
   extern __shared__ __align__(128) uint8_t shared_raw[];
-  bf16* q_tile = reinterpret_cast<bf16*>(shared_raw);                              // [16, D]
-  bf16* k_tiles = q_tile + kSplitRows * kHeadDim;                                  // [stages, 64, D]
-  bf16* v_tiles = k_tiles + kSplitStages * Config::kStageElems;                    // [stages, 64, D]
+  bf16* q_tile = reinterpret_cast<bf16*>(shared_raw);  // [16, D]
+  // bf16: [stages, 64, D] each. kFp8: the widened [64, D] each, then the e4m3 stages [stages, 64, D].
+  bf16* k_tiles = q_tile + kSplitRows * kHeadDim;
+  bf16* v_tiles = k_tiles + (kFp8 ? 1 : kSplitStages) * Config::kStageElems;
+  uint8_t* k_stages = reinterpret_cast<uint8_t*>(v_tiles + (kFp8 ? 1 : kSplitStages) * Config::kStageElems);
+  uint8_t* v_stages = k_stages + kSplitStages * Config::kStageElems;
   float* combine_acc = reinterpret_cast<float*>(k_tiles);                          // [4, 16, D + 8] after the main loop
   float* combine_max = reinterpret_cast<float*>(shared_raw + Config::kTileBytes);  // [4, 16]
   float* combine_sum = combine_max + kWarps * kSplitRows;                          // [4, 16]
@@ -530,10 +619,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_split_kernel(const
   const auto load_stage = [&](int tile_index) {
     const int stage = tile_index % kSplitStages;
     const int start = range_begin + tile_index * kSplitKeysPerTile;
-    load_kv_tile<kHeadDim, kSplitKeysPerTile, true>(a.kv, table, kv_head, start, range_begin, range_end,
-                                                    k_tiles + stage * Config::kStageElems,
-                                                    v_tiles + stage * Config::kStageElems);
+    if constexpr (kFp8) {
+      load_kv_tile_fp8<kHeadDim, kSplitKeysPerTile, true>(a.kv, table, kv_head, start, range_begin, range_end,
+                                                          k_stages + stage * Config::kStageElems,
+                                                          v_stages + stage * Config::kStageElems);
+    } else {
+      load_kv_tile<kHeadDim, kSplitKeysPerTile, true>(a.kv, table, kv_head, start, range_begin, range_end,
+                                                      k_tiles + stage * Config::kStageElems,
+                                                      v_tiles + stage * Config::kStageElems);
+    }
   };
+  const float score_scale = a.score_scale * key_scale(a.kv, kv_head);
 #pragma unroll
   for (int t = 0; t < kSplitStages - 1; ++t) {
     if (t < num_key_tiles) load_stage(t);
@@ -573,8 +669,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_split_kernel(const
     cp_async_commit();
 
     const int stage = n % kSplitStages;
-    const bf16* k_tile = k_tiles + stage * Config::kStageElems + warp * kKeysPerWarp * kHeadDim;
-    const bf16* v_tile = v_tiles + stage * Config::kStageElems + warp * kKeysPerWarp * kHeadDim;
+    const int warp_rows = warp * kKeysPerWarp * kHeadDim;  // this warp's 16 keys within a tile
+    if constexpr (kFp8) {
+      // The warp widens its own 16 keys; only it reads them (its ldmatrix of the last tile is done).
+      __syncwarp();
+      widen_fp8_rows<kHeadDim>(k_stages + stage * Config::kStageElems + warp_rows, k_tiles + warp_rows, kKeysPerWarp,
+                               lane, 32);
+      widen_fp8_rows<kHeadDim>(v_stages + stage * Config::kStageElems + warp_rows, v_tiles + warp_rows, kKeysPerWarp,
+                               lane, 32);
+      __syncwarp();
+    }
+    const bf16* k_tile = k_tiles + (kFp8 ? 0 : stage * Config::kStageElems) + warp_rows;
+    const bf16* v_tile = v_tiles + (kFp8 ? 0 : stage * Config::kStageElems) + warp_rows;
     const int key0 = range_begin + n * kSplitKeysPerTile + warp * kKeysPerWarp;
 
     float scores[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -592,7 +698,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_split_kernel(const
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float s = scores[nt][e] * a.score_scale;
+        float s = scores[nt][e] * score_scale;
         if (needs_mask) {
           const int key = key0 + nt * 8 + quad * 2 + (e & 1);
           if (key >= range_end || key > row_pos[e >> 1] || key < row_first[e >> 1]) s = -INFINITY;
@@ -647,7 +753,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_split_kernel(const
     weight[w] = overall_max == -INFINITY ? 0.0f : fast_exp2(combine_max[w * kSplitRows + row] - overall_max);
     total += weight[w] * combine_sum[w * kSplitRows + row];
   }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  const float inv = total > 0.0f ? value_scale(a.kv, kv_head) / total : 0.0f;
   const int packed = row0 + row;
   const int64_t token = g.q_begin + packed / a.group;
   const int head = kv_head * a.group + packed % a.group;
@@ -732,8 +838,10 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const AttentionA
 struct CacheWriteArgs {
   int64_t k_token_stride, k_head_stride, v_token_stride, v_head_stride;  // elements
   const int32_t* slot_mapping;                                           // [T]
-  void* k_cache;  // [num_slots, n_kv_heads, head_dim] viewed flat, bf16 or f32
+  void* k_cache;  // [num_slots, n_kv_heads, head_dim] viewed flat: bf16, f32, or e4m3 codes
   void* v_cache;
+  const float* k_scale;  // e4m3 caches: [n_kv_heads] f32, or null (1)
+  const float* v_scale;
   int64_t num_slots;
   int num_kv_heads, head_dim;
   int64_t total;  // work items
@@ -759,7 +867,8 @@ __global__ void kv_cache_write_vec_kernel(const bf16* __restrict__ k, const bf16
   reinterpret_cast<uint4*>(static_cast<bf16*>(a.v_cache) + dst)[chunk] = value;
 }
 
-// T: the dtype of k and v; C: the caches'.
+// One element per thread. T: the dtype of k and v; C: the caches' (bf16, float, or uint8_t for e4m3
+// codes, quantised with the head's scale).
 template <typename T, typename C>
 __global__ void kv_cache_write_scalar_kernel(const T* __restrict__ k, const T* __restrict__ v, const CacheWriteArgs a) {
   const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -771,8 +880,15 @@ __global__ void kv_cache_write_scalar_kernel(const T* __restrict__ k, const T* _
   const int64_t slot = __ldg(a.slot_mapping + token);
   if (slot < 0 || slot >= a.num_slots) return;
   const int64_t dst = (slot * a.num_kv_heads + head) * a.head_dim + dim;
-  static_cast<C*>(a.k_cache)[dst] = from_f32<C>(to_f32<T>(k[token * a.k_token_stride + head * a.k_head_stride + dim]));
-  static_cast<C*>(a.v_cache)[dst] = from_f32<C>(to_f32<T>(v[token * a.v_token_stride + head * a.v_head_stride + dim]));
+  const float key = to_f32<T>(k[token * a.k_token_stride + head * a.k_head_stride + dim]);
+  const float value = to_f32<T>(v[token * a.v_token_stride + head * a.v_head_stride + dim]);
+  if constexpr (std::is_same_v<C, uint8_t>) {
+    static_cast<uint8_t*>(a.k_cache)[dst] = e4m3_quantize(key, a.k_scale != nullptr ? a.k_scale[head] : 1.0f);
+    static_cast<uint8_t*>(a.v_cache)[dst] = e4m3_quantize(value, a.v_scale != nullptr ? a.v_scale[head] : 1.0f);
+  } else {
+    static_cast<C*>(a.k_cache)[dst] = from_f32<C>(key);
+    static_cast<C*>(a.v_cache)[dst] = from_f32<C>(value);
+  }
 }
 
 // ================================================================================================
@@ -872,12 +988,12 @@ bool aligned16(const void* pointer) {
   return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0;
 }
 
-template <int kHeadDim>
+template <int kHeadDim, bool kFp8>
 void launch_split(const AttentionArgs& args, const SplitPlan& plan, int64_t num_seqs, int64_t kv_heads, int device,
                   cudaStream_t stream) {
-  constexpr size_t smem = SplitConfig<kHeadDim>::kSmemBytes;
+  constexpr size_t smem = SplitConfig<kHeadDim, kFp8>::kSmemBytes;
   constexpr int kMinBlocks = kHeadDim <= 128 ? 2 : 1;
-  void (*kernel)(AttentionArgs) = paged_split_kernel<kHeadDim, kMinBlocks>;
+  void (*kernel)(AttentionArgs) = paged_split_kernel<kHeadDim, kMinBlocks, kFp8>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, device);
   const dim3 grid(static_cast<unsigned>(plan.row_chunks * plan.num_splits), static_cast<unsigned>(kv_heads),
                   static_cast<unsigned>(num_seqs));
@@ -891,14 +1007,14 @@ void launch_split(const AttentionArgs& args, const SplitPlan& plan, int64_t num_
   }
 }
 
-template <int kHeadDim, int kRowTiles, int kKeys, int kStepKeys>
+template <int kHeadDim, int kRowTiles, int kKeys, int kStepKeys, bool kFp8>
 void launch_prefill(const AttentionArgs& args, int64_t max_q, int64_t num_seqs, int64_t kv_heads, int device,
                     cudaStream_t stream) {
   using Config = PrefillConfig<kHeadDim, kRowTiles, kKeys, kStepKeys>;
   constexpr size_t smem = Config::kSmemBytes;
   // Two CTAs per SM where registers (<= 255 per thread) and shared memory allow.
   constexpr int kMinBlocks = smem <= 110u * 1024u ? 2 : 1;
-  void (*kernel)(AttentionArgs) = paged_prefill_kernel<kHeadDim, kRowTiles, kKeys, kStepKeys, kMinBlocks>;
+  void (*kernel)(AttentionArgs) = paged_prefill_kernel<kHeadDim, kRowTiles, kKeys, kStepKeys, kMinBlocks, kFp8>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, device);
   const int64_t tiles = (max_q * args.group + Config::kTileRows - 1) / Config::kTileRows;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(kv_heads), static_cast<unsigned>(num_seqs));
@@ -909,17 +1025,67 @@ void launch_prefill(const AttentionArgs& args, int64_t max_q, int64_t num_seqs, 
 // Tile shapes per head_dim: 128 rows x 64 keys (32 rows per warp) for 64 and 128, 64 rows when the
 // batch has too few tiles to fill the SMs; head_dim 256 keeps 16 rows per warp and 32-key tiles
 // (its 16 x 256 fp32 accumulator alone takes 128 registers per thread).
-template <int kHeadDim>
+template <int kHeadDim, bool kFp8>
 void launch_prefill_for_dim(const AttentionArgs& args, bool small_tiles, int64_t max_q, int64_t num_seqs,
                             int64_t kv_heads, int device, cudaStream_t stream) {
   if constexpr (kHeadDim == 256) {
     (void)small_tiles;
-    launch_prefill<256, 1, 32, 32>(args, max_q, num_seqs, kv_heads, device, stream);
+    launch_prefill<256, 1, 32, 32, kFp8>(args, max_q, num_seqs, kv_heads, device, stream);
   } else if (small_tiles) {
-    launch_prefill<kHeadDim, 1, 64, 64>(args, max_q, num_seqs, kv_heads, device, stream);
+    launch_prefill<kHeadDim, 1, 64, 64, kFp8>(args, max_q, num_seqs, kv_heads, device, stream);
   } else {
-    launch_prefill<kHeadDim, 2, 64, (kHeadDim >= 128 ? 32 : 64)>(args, max_q, num_seqs, kv_heads, device, stream);
+    launch_prefill<kHeadDim, 2, 64, (kHeadDim >= 128 ? 32 : 64), kFp8>(args, max_q, num_seqs, kv_heads, device,
+                                                                       stream);
   }
+}
+
+// The instantiation for the head size (64, 128 or 256) and the cache dtype (bf16, or e4m3 when fp8).
+void launch_split_for_cache(const AttentionArgs& args, bool fp8, const SplitPlan& plan, int64_t head_dim,
+                            int64_t num_seqs, int64_t kv_heads, int device, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64:
+      fp8 ? launch_split<64, true>(args, plan, num_seqs, kv_heads, device, stream)
+          : launch_split<64, false>(args, plan, num_seqs, kv_heads, device, stream);
+      break;
+    case 128:
+      fp8 ? launch_split<128, true>(args, plan, num_seqs, kv_heads, device, stream)
+          : launch_split<128, false>(args, plan, num_seqs, kv_heads, device, stream);
+      break;
+    default:
+      fp8 ? launch_split<256, true>(args, plan, num_seqs, kv_heads, device, stream)
+          : launch_split<256, false>(args, plan, num_seqs, kv_heads, device, stream);
+      break;
+  }
+}
+
+void launch_prefill_for_cache(const AttentionArgs& args, bool fp8, bool small_tiles, int64_t max_q, int64_t head_dim,
+                              int64_t num_seqs, int64_t kv_heads, int device, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64:
+      fp8 ? launch_prefill_for_dim<64, true>(args, small_tiles, max_q, num_seqs, kv_heads, device, stream)
+          : launch_prefill_for_dim<64, false>(args, small_tiles, max_q, num_seqs, kv_heads, device, stream);
+      break;
+    case 128:
+      fp8 ? launch_prefill_for_dim<128, true>(args, small_tiles, max_q, num_seqs, kv_heads, device, stream)
+          : launch_prefill_for_dim<128, false>(args, small_tiles, max_q, num_seqs, kv_heads, device, stream);
+      break;
+    default:
+      fp8 ? launch_prefill_for_dim<256, true>(args, small_tiles, max_q, num_seqs, kv_heads, device, stream)
+          : launch_prefill_for_dim<256, false>(args, small_tiles, max_q, num_seqs, kv_heads, device, stream);
+      break;
+  }
+}
+
+// The device pointer of FP8 KV scales ([n_kv_heads] f32 on `device`), or null for none (scale 1).
+const float* device_scales(const Tensor& scales, int64_t kv_heads, Device device, const char* op) {
+  if (scales.empty()) return nullptr;
+  if (scales.dtype() != DType::kF32 || scales.numel() != kv_heads || !scales.is_contiguous() ||
+      !(scales.device() == device)) {
+    raise_message(ErrorCode::kInvalidArgument, std::string(op) + " (cuda): FP8 KV scales " + scales.describe() +
+                                                   " must be [" + std::to_string(kv_heads) + "] f32 on " +
+                                                   device.to_string());
+  }
+  return scales.data_as<const float>();
 }
 
 [[noreturn]] void unsupported(const std::string& message) {
@@ -932,7 +1098,7 @@ void launch_prefill_for_dim(const AttentionArgs& args, bool small_tiles, int64_t
 }  // namespace
 
 void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping, const Tensor& k_cache,
-                    const Tensor& v_cache) {
+                    const Tensor& v_cache, const KvScales& scales) {
   METRALE_EXPECT(k.ndim() == 3 && v.ndim() == 3 && k_cache.ndim() == 4 && v_cache.ndim() == 4,
                  "kv_cache_write: k, v must be [T, n_kv_heads, head_dim] and the caches 4-D, got k " + k.describe() +
                      ", cache " + k_cache.describe());
@@ -947,9 +1113,11 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
   METRALE_EXPECT(k.device() == k_cache.device() && v.device() == k_cache.device() &&
                      v_cache.device() == k_cache.device() && slot_mapping.device() == k_cache.device(),
                  "kv_cache_write: every tensor must be on " + k_cache.device().to_string());
-  if ((k_cache.dtype() != DType::kBF16 && k_cache.dtype() != DType::kF32) || v_cache.dtype() != k_cache.dtype()) {
+  const bool fp8 = k_cache.dtype() == DType::kF8E4M3;
+  if ((k_cache.dtype() != DType::kBF16 && k_cache.dtype() != DType::kF32 && !fp8) ||
+      v_cache.dtype() != k_cache.dtype()) {
     raise_message(ErrorCode::kUnsupported,
-                  "kv_cache_write (cuda): caches must both be bf16 or both f32, got " + k_cache.describe());
+                  "kv_cache_write (cuda): caches must both be bf16, both f32 or both f8e4m3, got " + k_cache.describe());
   }
   if (k.dtype() != v.dtype()) {
     raise_message(ErrorCode::kUnsupported, "kv_cache_write (cuda): k and v dtypes differ");
@@ -964,6 +1132,10 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
   args.slot_mapping = slot_mapping.data_as<const int32_t>();
   args.k_cache = k_cache.data();
   args.v_cache = v_cache.data();
+  if (fp8) {
+    args.k_scale = device_scales(scales.k, kv_heads, k_cache.device(), "kv_cache_write");
+    args.v_scale = device_scales(scales.v, kv_heads, k_cache.device(), "kv_cache_write");
+  }
   args.num_slots = k_cache.size(0) * k_cache.size(1);
   args.num_kv_heads = static_cast<int>(kv_heads);
   args.head_dim = static_cast<int>(head_dim);
@@ -983,13 +1155,11 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
   args.total = tokens * kv_heads * head_dim;
   METRALE_DISPATCH_FLOAT(k.dtype(), "kv_cache_write", [&] {
     using T = scalar_t;
-    if (k_cache.dtype() == DType::kF32) {
-      launch_kernel(kv_cache_write_scalar_kernel<T, float>, dim3(ceil_div(args.total, kBlock)), dim3(kBlock), 0, stream,
-                    k.data_as<const T>(), v.data_as<const T>(), args);
-    } else {
-      launch_kernel(kv_cache_write_scalar_kernel<T, bf16>, dim3(ceil_div(args.total, kBlock)), dim3(kBlock), 0, stream,
-                    k.data_as<const T>(), v.data_as<const T>(), args);
-    }
+    const auto kernel = fp8 ? kv_cache_write_scalar_kernel<T, uint8_t>
+                        : k_cache.dtype() == DType::kF32 ? kv_cache_write_scalar_kernel<T, float>
+                                                         : kv_cache_write_scalar_kernel<T, bf16>;
+    launch_kernel(kernel, dim3(ceil_div(args.total, kBlock)), dim3(kBlock), 0, stream, k.data_as<const T>(),
+                  v.data_as<const T>(), args);
   });
   METRALE_CHECK_LAUNCH("kv_cache_write_scalar_kernel");
 }
@@ -1009,9 +1179,19 @@ __device__ __forceinline__ int generic_slot(const PagedKv& kv, int sequence, int
   return table[key / kv.block_size] * kv.block_size + key % kv.block_size;
 }
 
-// T: the storage dtype of q, out and the caches (bf16 or float). AttentionArgs types them as bf16 for
-// the tensor-core kernels; here they are read as T.
-template <typename T>
+// One cached element as fp32 (unscaled): C is bf16, float, or uint8_t (an e4m3 code).
+template <typename C>
+__device__ __forceinline__ float cached_value(const void* cache, int64_t index) {
+  if constexpr (std::is_same_v<C, uint8_t>) {
+    return e4m3_to_float(static_cast<const uint8_t*>(cache)[index]);
+  } else {
+    return to_f32(static_cast<const C*>(cache)[index]);
+  }
+}
+
+// T: the storage dtype of q and out (bf16 or float; AttentionArgs types them as bf16 for the
+// tensor-core kernels, here they are read as T); C: the caches' (see cached_value).
+template <typename T, typename C>
 __global__ void __launch_bounds__(kGenericThreads)
     generic_attention_kernel(AttentionArgs args, int head_dim, int num_seqs) {
   __shared__ float q_shared[256];
@@ -1033,14 +1213,15 @@ __global__ void __launch_bounds__(kGenericThreads)
   __syncthreads();
   // Each thread accumulates channels threadIdx.x and threadIdx.x + 128 (head_dim <= 256).
   float acc0 = 0.0f, acc1 = 0.0f, running_max = -INFINITY, running_sum = 0.0f;
-  const float scale = args.score_scale;  // includes log2(e): scores are in the exp2 domain
+  // Includes log2(e) (scores are in the exp2 domain) and the key scale of an e4m3 cache.
+  const float scale = args.score_scale * key_scale(args.kv, kv_head);
   for (int chunk = first_key; chunk <= position; chunk += kGenericKeys) {
     const int count = min(kGenericKeys, position + 1 - chunk);
     if (threadIdx.x < count) {
       const int slot = generic_slot(args.kv, sequence, chunk + threadIdx.x);
-      const T* k = k_cache + (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
+      const int64_t k = (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
       float dot = 0.0f;
-      for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * to_f32(k[d]);
+      for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * cached_value<kFp8>(args.kv.k_cache, k + d);
       scores[threadIdx.x] = dot * scale;
     }
     __syncthreads();
@@ -1055,30 +1236,31 @@ __global__ void __launch_bounds__(kGenericThreads)
       const float p = exp2f(scores[j] - new_max);
       running_sum += p;
       const int slot = generic_slot(args.kv, sequence, chunk + j);
-      const T* v = v_cache + (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
-      if (threadIdx.x < head_dim) acc0 += p * to_f32(v[threadIdx.x]);
-      if (threadIdx.x + kGenericThreads < head_dim) acc1 += p * to_f32(v[threadIdx.x + kGenericThreads]);
+      const int64_t v = (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
+      if (threadIdx.x < head_dim) acc0 += p * cached_value<C>(args.kv.v_cache, v + threadIdx.x);
+      if (threadIdx.x + kGenericThreads < head_dim)
+        acc1 += p * cached_value<C>(args.kv.v_cache, v + threadIdx.x + kGenericThreads);
     }
     running_max = new_max;
     __syncthreads();
   }
-  const float inverse = running_sum > 0.0f ? 1.0f / running_sum : 0.0f;
+  const float inverse = running_sum > 0.0f ? value_scale(args.kv, kv_head) / running_sum : 0.0f;
   T* out = reinterpret_cast<T*>(args.out) + static_cast<int64_t>(row) * args.out_token_stride +
            static_cast<int64_t>(head) * args.out_head_stride;
   if (threadIdx.x < head_dim) out[threadIdx.x] = from_f32<T>(acc0 * inverse);
   if (threadIdx.x + kGenericThreads < head_dim) out[threadIdx.x + kGenericThreads] = from_f32<T>(acc1 * inverse);
 }
 
-void launch_generic_attention(const AttentionArgs& args, DType dtype, int64_t tokens, int64_t heads, int64_t head_dim,
-                              int64_t num_seqs, cudaStream_t stream) {
+// dtype: q's and out's (bf16 or f32); cache: the caches' (the same, or f8e4m3).
+void launch_generic_attention(const AttentionArgs& args, DType dtype, DType cache, int64_t tokens, int64_t heads,
+                              int64_t head_dim, int64_t num_seqs, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(heads));
-  if (dtype == DType::kF32) {
-    generic_attention_kernel<float>
-        <<<grid, kGenericThreads, 0, stream>>>(args, static_cast<int>(head_dim), static_cast<int>(num_seqs));
-  } else {
-    generic_attention_kernel<bf16>
-        <<<grid, kGenericThreads, 0, stream>>>(args, static_cast<int>(head_dim), static_cast<int>(num_seqs));
-  }
+  const bool fp8 = cache == DType::kF8E4M3;
+  const auto kernel = dtype == DType::kF32 ? (fp8 ? generic_attention_kernel<float, uint8_t>
+                                                  : generic_attention_kernel<float, float>)
+                                           : (fp8 ? generic_attention_kernel<bf16, uint8_t>
+                                                  : generic_attention_kernel<bf16, bf16>);
+  kernel<<<grid, kGenericThreads, 0, stream>>>(args, static_cast<int>(head_dim), static_cast<int>(num_seqs));
   METRALE_CHECK_LAUNCH("generic_attention_kernel");
 }
 
@@ -1110,9 +1292,11 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
     }
   }
   const DType dtype = q.dtype();
-  if ((dtype != DType::kBF16 && dtype != DType::kF32) || out.dtype() != dtype || k_cache.dtype() != dtype ||
-      v_cache.dtype() != dtype) {
-    unsupported("q, out and the caches must all be bf16 or all f32, got q " + q.describe() + ", cache " +
+  const bool fp8 = k_cache.dtype() == DType::kF8E4M3;
+  if ((dtype != DType::kBF16 && dtype != DType::kF32) || out.dtype() != dtype ||
+      (k_cache.dtype() != dtype && !fp8) || v_cache.dtype() != k_cache.dtype()) {
+    unsupported("q and out must be both bf16 or both f32, the caches both of their dtype or both f8e4m3, got q " +
+                q.describe() + ", cache " +
                 k_cache.describe() + ", out " + out.describe());
   }
   // f32 runs take the generic kernel at every head size (the tensor-core kernels read bf16).
@@ -1145,8 +1329,12 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
   args.out_head_stride = out.stride(1);
   args.cu_q = cu_q.data_as<const int32_t>();
   args.kv_lens = kv_lens.data_as<const int32_t>();
-  args.kv.k_cache = k_cache.data_as<const bf16>();
-  args.kv.v_cache = v_cache.data_as<const bf16>();
+  args.kv.k_cache = k_cache.data();
+  args.kv.v_cache = v_cache.data();
+  if (fp8) {
+    args.kv.k_scale = device_scales(params.kv_scales.k, kv_heads, device, "paged_attention");
+    args.kv.v_scale = device_scales(params.kv_scales.v, kv_heads, device, "paged_attention");
+  }
   args.kv.block_tables = block_tables.data_as<const int32_t>();
   args.kv.table_stride = block_tables.stride(0);
   args.kv.block_size = static_cast<int>(block_size);
@@ -1168,7 +1356,7 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
   const DeviceProps& props = device_props(device_index);
   const cudaStream_t stream = stream_of(out);
   if (generic_head_dim) {
-    launch_generic_attention(args, dtype, tokens, heads, head_dim, num_seqs, stream);
+    launch_generic_attention(args, dtype, k_cache.dtype(), tokens, heads, head_dim, num_seqs, stream);
     return;
   }
 
@@ -1202,30 +1390,10 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
     }
     args.row_chunks = plan.row_chunks;
     args.num_splits = plan.num_splits;
-    switch (head_dim) {
-      case 64:
-        launch_split<64>(args, plan, num_seqs, kv_heads, device_index, stream);
-        break;
-      case 128:
-        launch_split<128>(args, plan, num_seqs, kv_heads, device_index, stream);
-        break;
-      default:
-        launch_split<256>(args, plan, num_seqs, kv_heads, device_index, stream);
-        break;
-    }
+    launch_split_for_cache(args, fp8, plan, head_dim, num_seqs, kv_heads, device_index, stream);
     return;
   }
-  switch (head_dim) {
-    case 64:
-      launch_prefill_for_dim<64>(args, small_tiles, max_q, num_seqs, kv_heads, device_index, stream);
-      break;
-    case 128:
-      launch_prefill_for_dim<128>(args, small_tiles, max_q, num_seqs, kv_heads, device_index, stream);
-      break;
-    default:
-      launch_prefill_for_dim<256>(args, small_tiles, max_q, num_seqs, kv_heads, device_index, stream);
-      break;
-  }
+  launch_prefill_for_cache(args, fp8, small_tiles, max_q, head_dim, num_seqs, kv_heads, device_index, stream);
 }
 
 }  // namespace cuda

@@ -7,10 +7,13 @@
 // One CTA per token, one warp per head (the token's q heads, then k heads, then v heads). A warp loads
 // its head once (16-byte vectors when aligned) into a shared-memory row, normalises it there, then
 // rotates channel i against channel i +- rotary_dim/2 from that row and stores. The token's cos/sin
-// table is computed once per CTA.
+// table is computed once per CTA. FP8 caches (kFp8Cache) receive the D-rounded k and v quantised
+// with their head's scale (kernels/cuda/fp8_kv.cuh), as the CPU's kv_cache_write does.
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_kv.cuh"
 #include "kernels/qk_norm_rope.h"
 
 namespace metrale::kernels::cuda {
@@ -38,17 +41,36 @@ struct QkArgs {
   const int32_t* positions;     // [T]
   const float* inv_freq;        // [half]
   const int32_t* slot_mapping;  // [T]
-  T* k_cache;                   // [num_slots, n_kv, D]
-  T* v_cache;
+  void* k_cache;                // [num_slots, n_kv, D] T, or e4m3 codes (kFp8Cache)
+  void* v_cache;
+  const float* k_scale;         // [n_kv] f32 (kFp8Cache), or null: 1
+  const float* v_scale;
   int64_t num_slots;
   int n_heads, n_kv, head_dim, half;
   float eps, attention_scaling;
   bool zero_centered;
 };
 
-template <typename T, int N>
+// Stores N values (already rounded to T) into a cache row: as T, or quantised to e4m3 codes.
+template <typename T, int N, bool kFp8Cache>
+__device__ __forceinline__ void store_cache_chunk(void* cache_row, int c, const float (&values)[N], float scale) {
+  if constexpr (kFp8Cache) {
+    Vec<uint8_t, N> codes;
+#pragma unroll
+    for (int e = 0; e < N; ++e) codes.v[e] = e4m3_quantize(values[e], scale);
+    *reinterpret_cast<Vec<uint8_t, N>*>(static_cast<uint8_t*>(cache_row) + c) = codes;
+  } else {
+    Vec<T, N> out;
+#pragma unroll
+    for (int e = 0; e < N; ++e) out.v[e] = from_f32<T>(values[e]);
+    *reinterpret_cast<Vec<T, N>*>(static_cast<T*>(cache_row) + c) = out;
+  }
+}
+
+template <typename T, int N, bool kFp8Cache>
 __global__ void __launch_bounds__(32 * kMaxWarps) qk_norm_rope_kv_write_kernel(QkArgs<T> a) {
   using V = Vec<T, N>;
+  using C = std::conditional_t<kFp8Cache, uint8_t, T>;
   extern __shared__ float shared[];
   float* cos_table = shared;             // [half], rounded to D
   float* sin_table = shared + a.half;    // [half]
@@ -75,9 +97,18 @@ __global__ void __launch_bounds__(32 * kMaxWarps) qk_norm_rope_kv_write_kernel(Q
       if (!cached) continue;
       const int kv_head = h - a.n_heads - a.n_kv;
       const T* src = a.v + t * a.v_token_stride + kv_head * a.v_head_stride;
-      T* dst = a.v_cache + (static_cast<int64_t>(slot) * a.n_kv + kv_head) * head_dim;
+      C* dst = static_cast<C*>(a.v_cache) + (static_cast<int64_t>(slot) * a.n_kv + kv_head) * head_dim;
+      const float scale = a.v_scale != nullptr ? a.v_scale[kv_head] : 1.0f;
       for (int c = lane * N; c < head_dim; c += 32 * N) {
-        *reinterpret_cast<V*>(dst + c) = *reinterpret_cast<const V*>(src + c);
+        if constexpr (kFp8Cache) {
+          const V x = *reinterpret_cast<const V*>(src + c);
+          float values[N];
+#pragma unroll
+          for (int e = 0; e < N; ++e) values[e] = to_f32(x.v[e]);
+          store_cache_chunk<T, N, true>(dst, c, values, scale);
+        } else {
+          *reinterpret_cast<V*>(dst + c) = *reinterpret_cast<const V*>(src + c);
+        }
       }
       continue;
     }
@@ -86,8 +117,10 @@ __global__ void __launch_bounds__(32 * kMaxWarps) qk_norm_rope_kv_write_kernel(Q
     const int kv_head = h - a.n_heads;
     const T* src = is_q ? a.q + t * a.q_token_stride + h * a.q_head_stride
                         : a.k + t * a.k_token_stride + kv_head * a.k_head_stride;
-    T* dst = is_q ? a.q + t * a.q_token_stride + h * a.q_head_stride
-                  : a.k_cache + (static_cast<int64_t>(slot) * a.n_kv + kv_head) * head_dim;
+    void* dst = is_q ? static_cast<void*>(a.q + t * a.q_token_stride + h * a.q_head_stride)
+                     : static_cast<void*>(static_cast<C*>(a.k_cache) +
+                                          (static_cast<int64_t>(slot) * a.n_kv + kv_head) * head_dim);
+    const float k_scale = !is_q && a.k_scale != nullptr ? a.k_scale[kv_head] : 1.0f;
     const void* weight = is_q ? a.q_weight : a.k_weight;
     const WeightType weight_type = is_q ? a.q_weight_type : a.k_weight_type;
 
@@ -116,7 +149,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) qk_norm_rope_kv_write_kernel(Q
     __syncwarp();
     // Rotate channel i < half against i + half (values are D-rounded), pass the rest through.
     for (int c = lane * N; c < head_dim; c += 32 * N) {
-      V out;
+      float out[N];
 #pragma unroll
       for (int e = 0; e < N; ++e) {
         const int i = c + e;
@@ -129,9 +162,13 @@ __global__ void __launch_bounds__(32 * kMaxWarps) qk_norm_rope_kv_write_kernel(Q
           const float partner = row[j];
           value = __fadd_rn(round_to<T>(__fmul_rn(value, cos_table[j])), round_to<T>(__fmul_rn(partner, sin_table[j])));
         }
-        out.v[e] = from_f32<T>(value);
+        out[e] = round_to<T>(value);
       }
-      *reinterpret_cast<V*>(dst + c) = out;
+      if (is_q) {
+        store_cache_chunk<T, N, false>(dst, c, out, 1.0f);  // q in place, as T
+      } else {
+        store_cache_chunk<T, N, kFp8Cache>(dst, c, out, k_scale);
+      }
     }
     __syncwarp();  // the row is reused by the warp's next head
   }
@@ -139,7 +176,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) qk_norm_rope_kv_write_kernel(Q
 
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
-template <typename T, int N>
+template <typename T, int N, bool kFp8Cache>
 void launch(const QkArgs<T>& a, int64_t tokens, int warps, cudaStream_t stream) {
   const int total_heads = a.n_heads + 2 * a.n_kv;
   int head_groups = 1;
@@ -149,7 +186,7 @@ void launch(const QkArgs<T>& a, int64_t tokens, int warps, cudaStream_t stream) 
   }
   const size_t shared_bytes = (2 * static_cast<size_t>(a.half) + static_cast<size_t>(warps) * a.head_dim) * sizeof(float);
   const dim3 grid(static_cast<unsigned int>(tokens), static_cast<unsigned int>(head_groups));
-  qk_norm_rope_kv_write_kernel<T, N><<<grid, 32 * warps, shared_bytes, stream>>>(a);
+  qk_norm_rope_kv_write_kernel<T, N, kFp8Cache><<<grid, 32 * warps, shared_bytes, stream>>>(a);
 }
 
 template <typename T>
@@ -184,8 +221,19 @@ void run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_norm
   a.positions = positions.data_as<const int32_t>();
   a.inv_freq = inv_freq.data_as<const float>();
   a.slot_mapping = slot_mapping.data_as<const int32_t>();
-  a.k_cache = k_cache.data_as<T>();
-  a.v_cache = v_cache.data_as<T>();
+  const bool fp8_cache = k_cache.dtype() == DType::kF8E4M3;
+  a.k_cache = k_cache.data();
+  a.v_cache = v_cache.data();
+  if (fp8_cache) {
+    for (const Tensor* scales : {&params.kv_scales.k, &params.kv_scales.v}) {
+      METRALE_EXPECT(scales->empty() || (scales->dtype() == DType::kF32 && scales->numel() == k.size(1) &&
+                                         scales->is_contiguous() && scales->device() == k_cache.device()),
+                     "qk_norm_rope_kv_write: FP8 KV scales " + scales->describe() + " must be [n_kv_heads] f32 on " +
+                         k_cache.device().to_string());
+    }
+    a.k_scale = params.kv_scales.k.empty() ? nullptr : params.kv_scales.k.data_as<const float>();
+    a.v_scale = params.kv_scales.v.empty() ? nullptr : params.kv_scales.v.data_as<const float>();
+  }
   a.num_slots = k_cache.size(0) * k_cache.size(1);
   a.n_heads = static_cast<int>(q.size(1));
   a.n_kv = static_cast<int>(k.size(1));
@@ -211,9 +259,9 @@ void run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_norm
                           aligned16(k_cache.data()) && aligned16(v_cache.data());
   const cudaStream_t stream = stream_of(q);
   if (vectorised) {
-    launch<T, kVector>(a, tokens, warps, stream);
+    fp8_cache ? launch<T, kVector, true>(a, tokens, warps, stream) : launch<T, kVector, false>(a, tokens, warps, stream);
   } else {
-    launch<T, 1>(a, tokens, warps, stream);
+    fp8_cache ? launch<T, 1, true>(a, tokens, warps, stream) : launch<T, 1, false>(a, tokens, warps, stream);
   }
   METRALE_CHECK_LAUNCH("qk_norm_rope_kv_write_kernel");
 }
@@ -237,9 +285,9 @@ void qk_norm_rope_kv_write(const Tensor& q, const Tensor& k, const Tensor& v, co
   METRALE_EXPECT(k_cache.shape() == v_cache.shape() && k_cache.size(2) == kv_heads && k_cache.size(3) == head_dim &&
                      k_cache.is_contiguous() && v_cache.is_contiguous(),
                  "qk_norm_rope_kv_write caches " + k_cache.describe());
-  METRALE_EXPECT(q.dtype() == k.dtype() && q.dtype() == v.dtype() && q.dtype() == k_cache.dtype() &&
-                     q.dtype() == v_cache.dtype(),
-                 "qk_norm_rope_kv_write: q, k, v and the caches must share a dtype on CUDA");
+  METRALE_EXPECT(q.dtype() == k.dtype() && q.dtype() == v.dtype() && k_cache.dtype() == v_cache.dtype() &&
+                     (q.dtype() == k_cache.dtype() || k_cache.dtype() == DType::kF8E4M3),
+                 "qk_norm_rope_kv_write: q, k, v and the caches must share a dtype on CUDA (or the caches be f8e4m3)");
   const int rotary_dim = params.rope.rotary_dim;
   METRALE_EXPECT(rotary_dim % 2 == 0 && rotary_dim >= 0 && rotary_dim <= head_dim &&
                      inv_freq.dtype() == DType::kF32 && inv_freq.numel() == rotary_dim / 2,

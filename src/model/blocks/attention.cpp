@@ -11,7 +11,10 @@ namespace metrale {
 
 Attention::Attention(const AttentionConfig& config, Weights& weights, const std::string& prefix,
                      std::shared_ptr<const RotaryEmbedding> rope)
-    : config_(config), rope_(std::move(rope)), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+    : config_(config),
+      rope_(std::move(rope)),
+      scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))),
+      kv_scales_(weights, prefix, config.num_kv_heads) {
   const int64_t h = config.hidden_size, d = config.head_dim;
   const int64_t q_rows = config.num_heads * d * (config.output_gate ? 2 : 1), kv_rows = config.num_kv_heads * d;
   if (weights.device().is_cuda() && !weights.fp8_linears()) {
@@ -38,8 +41,9 @@ size_t Attention::scratch_bytes(const ForwardBatch& batch, Device device) const 
 }
 
 CacheSpec Attention::cache_spec() const {
-  return {{CacheTensorSpec::per_token("k", {config_.num_kv_heads, config_.head_dim}),
-           CacheTensorSpec::per_token("v", {config_.num_kv_heads, config_.head_dim})}};
+  const std::optional<DType> dtype = kv_scales_.cache_dtype();
+  return {{CacheTensorSpec::per_token("k", {config_.num_kv_heads, config_.head_dim}, dtype),
+           CacheTensorSpec::per_token("v", {config_.num_kv_heads, config_.head_dim}, dtype)}};
 }
 
 void Attention::forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) {
@@ -72,6 +76,7 @@ void Attention::forward(const StepContext& step, const BlockCache& cache, const 
   params.max_q_len = batch.max_q_len;
   params.max_kv_len = batch.max_kv_len;
   if (!step.layer_scratch.empty()) params.workspace = step.layer_scratch;
+  params.kv_scales = kv_scales_.scales_for(cache.tensors[kKeys].dtype());
   kernels::paged_attention(q, cache.tensors[kKeys], cache.tensors[kValues], batch.cu_q, batch.kv_lens, batch.block_tables, attn,
                            params);
   if (config_.output_gate) {
@@ -103,17 +108,32 @@ void Attention::write_keys(const StepContext& step, const BlockCache& cache, con
 }
 
 void Attention::write_rotated_keys(const ForwardBatch& batch, const BlockCache& cache, const Tensor& q, const Tensor& k,
-                                   const Tensor& v) const {
+                                   const Tensor& v) {
+  const DType cache_dtype = cache.tensors[kKeys].dtype();
+  if (batch.calibrate_kv_scales && kv_scales_.calibration_pending(cache_dtype)) {
+    // The keys as the cache would get them, into a scratch cache: q is left for the real write.
+    const Tensor no_queries(q.data(), q.dtype(), {q.size(0), 0, q.size(2)}, {q.stride(0), q.stride(1), 1}, q.device());
+    kv_scales_.calibrate(batch, k.dtype(), config_.head_dim,
+                         [&](const Tensor& slots, const Tensor& k_cache, const Tensor& v_cache) {
+                           write_rotated_keys_to(batch, slots, k_cache, v_cache, {}, no_queries, k, v);
+                         });
+  }
+  write_rotated_keys_to(batch, batch.slot_mapping, cache.tensors[kKeys], cache.tensors[kValues],
+                        kv_scales_.scales_for(cache_dtype), q, k, v);
+}
+
+void Attention::write_rotated_keys_to(const ForwardBatch& batch, const Tensor& slots, const Tensor& k_cache,
+                                      const Tensor& v_cache, const kernels::KvScales& scales, const Tensor& q,
+                                      const Tensor& k, const Tensor& v) const {
   // Qwen3 normalises q and k per head before RoPE; the cache holds post-norm, post-RoPE keys.
   kernels::QkNormRopeParams prologue;
   prologue.q_norm = q_norm_.has_value() && q.size(1) > 0;
   prologue.k_norm = k_norm_.has_value();
   prologue.norm = q_norm_ ? q_norm_->params : k_norm_ ? k_norm_->params : kernels::RmsNormParams{};
   prologue.rope = rope_->params();
+  prologue.kv_scales = scales;
   kernels::qk_norm_rope_kv_write(q, k, v, q_norm_ ? q_norm_->weight : Tensor(), k_norm_ ? k_norm_->weight : Tensor(),
-                                 batch.positions, rope_->inv_freq(), batch.slot_mapping, cache.tensors[kKeys],
-                                 cache.tensors[kValues],
-                                 prologue);
+                                 batch.positions, rope_->inv_freq(), slots, k_cache, v_cache, prologue);
 }
 
 }  // namespace metrale

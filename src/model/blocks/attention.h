@@ -2,14 +2,16 @@
 // partial or full RoPE, optional sliding window, and optionally the sigmoid output gate of gated
 // attention (Qwen3-Next, Qwen3.5, qwen.md §3.5).
 //
-// Cache: {k, v} per token, each [n_kv_heads, head_dim] in the activation dtype (post-norm,
-// post-RoPE keys): BlockCache::tensors [num_blocks, block_size, n_kv_heads, head_dim] each.
+// Cache: {k, v} per token, each [n_kv_heads, head_dim] (post-norm, post-RoPE keys):
+// BlockCache::tensors [num_blocks, block_size, n_kv_heads, head_dim] each, in the activation dtype
+// or the one Weights::kv_cache() asks for; f8e4m3 with per-KV-head scales (kv_scales.h).
 #pragma once
 
 #include <memory>
 #include <optional>
 #include <string>
 
+#include "model/blocks/kv_scales.h"
 #include "model/blocks/layer.h"
 #include "model/blocks/norms.h"
 #include "model/blocks/rope.h"
@@ -45,7 +47,11 @@ class Attention : public Mixer {
   // q [T, nH or 0, D] rotated (and normalised) in place; k normalised and rotated, and v, written to
   // the cache at the batch's slots.
   void write_rotated_keys(const ForwardBatch& batch, const BlockCache& cache, const Tensor& q, const Tensor& k,
-                          const Tensor& v) const;
+                          const Tensor& v);
+  // The prologue into explicit caches with explicit slots and scales.
+  void write_rotated_keys_to(const ForwardBatch& batch, const Tensor& slots, const Tensor& k_cache,
+                             const Tensor& v_cache, const kernels::KvScales& scales, const Tensor& q, const Tensor& k,
+                             const Tensor& v) const;
 
   static constexpr size_t kKeys = 0, kValues = 1;  // BlockCache::tensors
 
@@ -59,6 +65,7 @@ class Attention : public Mixer {
   std::optional<RmsNorm> q_norm_, k_norm_;    // [D]
   std::shared_ptr<const RotaryEmbedding> rope_;
   float scale_;
+  AttentionKvScales kv_scales_;
 };
 
 }  // namespace metrale
