@@ -309,7 +309,7 @@ TEST(CacheManager, HostTierSwapsFp8BlocksByteForByte) {
   ASSERT_TRUE(cache.reserve(2, 24));  // every device block, overwritten
   fill_blocks(2);
   cache.free_sequence(2);
-  ASSERT_TRUE(cache.swap_in(1));
+  ASSERT_EQ(cache.swap_in(1), SwapIn::kDone);
   EXPECT_EQ(block_bytes(1), before);
   cache.check_integrity();
 }

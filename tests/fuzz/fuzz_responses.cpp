@@ -33,7 +33,9 @@ void check_events(const ResponsesRequest& request, bool tool_parser, size_t piec
     FUZZ_CHECK(e.code() == ErrorCode::kInvalidArgument, e.what());
     return;
   }
-  ResponseEventBuilder builder(response_object(identity, request), format, std::move(tools), 1);
+  metrale::ToolCallParserOptions parser;
+  parser.id_seed = 1;
+  ResponseEventBuilder builder(response_object(identity, request), format, std::move(tools), parser);
   std::vector<json> events = builder.start();
   for (size_t at = 0; at < text.size(); at += piece) {
     // Alternate reasoning and content pieces, as a reasoning model's output splits.
