@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -51,11 +52,19 @@ struct BenchOptions {
 // Times work on one device: CUDA events on the GPU, the steady clock on the CPU.
 class DeviceTimer {
  public:
-  explicit DeviceTimer(Device device) : device_(device) {}
+  explicit DeviceTimer(Device device) : device_(device) {
+#if METRALE_WITH_CUDA
+    // Events only on a GPU: a CUDA build timing the CPU may run where no driver is installed.
+    if (device_.is_cuda()) {
+      begin_.emplace();
+      end_.emplace();
+    }
+#endif
+  }
   void start() {
 #if METRALE_WITH_CUDA
     if (device_.is_cuda()) {
-      begin_.record(static_cast<cudaStream_t>(current_stream(device_)));
+      begin_->record(static_cast<cudaStream_t>(current_stream(device_)));
       return;
     }
 #endif
@@ -64,9 +73,9 @@ class DeviceTimer {
   double stop_ms() {
 #if METRALE_WITH_CUDA
     if (device_.is_cuda()) {
-      end_.record(static_cast<cudaStream_t>(current_stream(device_)));
-      end_.synchronize();
-      return end_.elapsed_ms_since(begin_);
+      end_->record(static_cast<cudaStream_t>(current_stream(device_)));
+      end_->synchronize();
+      return end_->elapsed_ms_since(*begin_);
     }
 #endif
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_begin_).count();
@@ -75,7 +84,7 @@ class DeviceTimer {
  private:
   Device device_;
 #if METRALE_WITH_CUDA
-  CudaEvent begin_, end_;
+  std::optional<CudaEvent> begin_, end_;
 #endif
   std::chrono::steady_clock::time_point host_begin_;
 };

@@ -175,17 +175,17 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   auto progress = std::make_shared<StageProgress>(
       "weights",
       fmt::format("loading weights of {} from {} on {}", entry->model_type, dir.string(), device.to_string()),
-      fmt::format("loaded weights ({} reader threads)", prefetcher.num_threads()), "tensors",
+      "loaded weights", "tensors",
       static_cast<int64_t>(store->names().size()), store->total_bytes());
   weights.set_progress(progress);
   const auto start = std::chrono::steady_clock::now();
   std::unique_ptr<Model> model = entry->build(config, weights);
   prefetcher.stop();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  METRALE_LOG_INFO("loaded {} tensors, {:.2f} GB in {:.2f} s ({:.2f} GB/s; {} reader threads)", progress->items(),
+  METRALE_LOG_INFO("loaded {} tensors, {:.2f} GB in {:.2f} s ({:.2f} GB/s; {} reader thread{})", progress->items(),
                    static_cast<double>(progress->bytes()) / 1e9, seconds,
                    seconds > 0 ? static_cast<double>(progress->bytes()) / 1e9 / seconds : 0.0,
-                   prefetcher.num_threads());
+                   prefetcher.num_threads(), prefetcher.num_threads() == 1 ? "" : "s");
   progress->finish();
   check_unused_tensors(*entry, config, *store, options);
   report_kv_scales(weights);

@@ -346,15 +346,31 @@ TEST(DTypeConvert, IntegersAndFp8ToF32) {
   EXPECT_EQ(out[3], std::ldexp(1.0f, -9));
 }
 
+// f32 -> f8e4m3 (FP8 KV-cache writes): round to nearest even, saturate at +-448, and every code
+// reads back as the value it was written from.
+TEST(DTypeConvert, F32ToF8E4M3RoundsAndSaturates) {
+  const float values[6] = {1.0f, -1.0f, 1000.0f, -1000.0f, 1.0625f, std::ldexp(1.0f, -9)};
+  uint8_t codes[6] = {};
+  convert_from_f32(DType::kF8E4M3, values, codes, 6);
+  float back[6] = {};
+  convert_to_f32(DType::kF8E4M3, codes, back, 6);
+  EXPECT_EQ(back[0], 1.0f);
+  EXPECT_EQ(back[1], -1.0f);
+  EXPECT_EQ(back[2], 448.0f);
+  EXPECT_EQ(back[3], -448.0f);
+  EXPECT_EQ(back[4], 1.0f);  // halfway between 1 and 1.125: to the even code
+  EXPECT_EQ(back[5], std::ldexp(1.0f, -9));
+}
+
 TEST(DTypeConvert, UnsupportedDirectionsThrow) {
   float value = 1.0f;
   uint8_t byte = 0;
   try {
-    convert_from_f32(DType::kF8E4M3, &value, &byte, 1);
-    FAIL() << "f32 -> f8e4m3 must be rejected";
+    convert_from_f32(DType::kBool, &value, &byte, 1);
+    FAIL() << "f32 -> bool must be rejected";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("f8e4m3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("bool"), std::string::npos) << e.what();
   }
   EXPECT_THROW(convert_to_f32(DType::kBool, &byte, &value, 1), Error);
   EXPECT_THROW(convert_from_f32(DType::kI32, &value, &byte, 1), Error);
