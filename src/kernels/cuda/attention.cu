@@ -1221,7 +1221,7 @@ __global__ void __launch_bounds__(kGenericThreads)
       const int slot = generic_slot(args.kv, sequence, chunk + threadIdx.x);
       const int64_t k = (static_cast<int64_t>(slot) * args.kv.num_kv_heads + kv_head) * head_dim;
       float dot = 0.0f;
-      for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * cached_value<kFp8>(args.kv.k_cache, k + d);
+      for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * cached_value<C>(args.kv.k_cache, k + d);
       scores[threadIdx.x] = dot * scale;
     }
     __syncthreads();
