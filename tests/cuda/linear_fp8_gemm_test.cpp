@@ -89,7 +89,9 @@ std::vector<double> host_row_product(const std::vector<double>& x_row, const Hos
   return out;
 }
 
-std::vector<double> doubles_of_row(const Tensor& host, int64_t row) { return testing::to_doubles(host.row(row)); }
+std::vector<double> doubles_of_row(const Tensor& host, int64_t row) {
+  return testing::to_doubles(host.row(row));
+}
 
 // The x row after quantisation (codes * scales), from the CPU quantiser.
 std::vector<double> quantised_row(const Tensor& codes, const Tensor& scales, int64_t row) {
@@ -124,7 +126,8 @@ TEST(CudaFp8Quantize, MatchesCpuTwinBitForBit) {
       OwnedTensor codes(DType::kF8E4M3, {m, k}), scales(DType::kF32, {groups, m});
       kernels::quantize_fp8_rows(x, *codes, *scales);
       const OwnedTensor wide_device = to_device(*wide);
-      OwnedTensor codes_device(DType::kF8E4M3, {m, k}, Device::cuda()), scales_device(DType::kF32, {groups, m}, Device::cuda());
+      OwnedTensor codes_device(DType::kF8E4M3, {m, k}, Device::cuda()),
+          scales_device(DType::kF32, {groups, m}, Device::cuda());
       kernels::quantize_fp8_rows(wide_device->slice(1, 0, k), *codes_device, *scales_device);
       const OwnedTensor codes_got = to_host(*codes_device), scales_got = to_host(*scales_device);
       int64_t code_mismatches = 0, first = -1;
@@ -150,10 +153,10 @@ TEST(CudaLinearFp8Gemm, MatchesReferenceWithinActivationQuantisation) {
   kernels::linear_prepare(Device::cuda());
   GemvRowsGuard guard;
   Random rng(7303);
-  const GemmCase cases[] = {{4096, 4096, true},   {1536, 4096, true},  {12288, 4096, true}, {4096, 12288, true},
-                            {4112, 4096, false},  // N % 128 != 0 (a partial scale block of rows)
-                            {1024, 1408, false},  // ceil(K/128) = 11: the padded weight-scale copy
-                            {512, 4160, false}};  // K % 128 != 0 (a partial scale block along K)
+  const GemmCase cases[] = {{4096, 4096, true},  {1536, 4096, true},  {12288, 4096, true},
+                            {4096, 12288, true}, {4112, 4096, false},  // N % 128 != 0 (a partial scale block of rows)
+                            {1024, 1408, false},                       // ceil(K/128) = 11: the padded weight-scale copy
+                            {512, 4160, false}};                       // K % 128 != 0 (a partial scale block along K)
   const int64_t ms[] = {9, 64, 300, 2048};
   constexpr int64_t kOutPad = 8;  // keeps bf16 rows 16-byte aligned
   for (const GemmCase& c : cases) {
@@ -181,8 +184,8 @@ TEST(CudaLinearFp8Gemm, MatchesReferenceWithinActivationQuantisation) {
       kernels::cuda::set_fp8_gemv_max_rows(8);
       const std::vector<double> reference = testing::to_doubles(*to_host(*reference_device));
       for (const DType out_dtype : {DType::kBF16, DType::kF32}) {
-        SCOPED_TRACE(::testing::Message() << "m " << m << " n " << c.n << " k " << c.k << " out "
-                                          << dtype_name(out_dtype));
+        SCOPED_TRACE(::testing::Message()
+                     << "m " << m << " n " << c.n << " k " << c.k << " out " << dtype_name(out_dtype));
         OwnedTensor out_host(out_dtype, {m, c.n + kOutPad});
         testing::poison(*out_host);
         const OwnedTensor out_wide = to_device(*out_host);
@@ -192,7 +195,8 @@ TEST(CudaLinearFp8Gemm, MatchesReferenceWithinActivationQuantisation) {
         const auto after = kernels::cuda::linear_fp8_path_counts();
         const char* path = path_taken(before, after);
         std::printf("[fp8 gemm] m %5lld n %5lld k %5lld out %-4s: %s%s%s\n", static_cast<long long>(m),
-                    static_cast<long long>(c.n), static_cast<long long>(c.k), std::string(dtype_name(out_dtype)).c_str(), path,
+                    static_cast<long long>(c.n), static_cast<long long>(c.k),
+                    std::string(dtype_name(out_dtype)).c_str(), path,
                     after.refused_plans > before.refused_plans ? "; refused: " : "",
                     after.refused_plans > before.refused_plans ? after.last_refusal.c_str() : "");
         if (c.gemm_expected && m % 16 == 0) {
@@ -230,8 +234,8 @@ TEST(CudaLinearFp8Gemm, MatchesReferenceWithinActivationQuantisation) {
         const OwnedTensor acc_wide = to_device(*prior);
         kernels::linear_fp8(*x_device, *codes_device, *scales_device, acc_wide->slice(1, 0, c.n), true);
         const OwnedTensor acc_host = to_host(*acc_wide);
-        const std::vector<double> plain = testing::to_doubles(got), before_values =
-                                                                         testing::to_doubles(prior->slice(1, 0, c.n));
+        const std::vector<double> plain = testing::to_doubles(got),
+                                  before_values = testing::to_doubles(prior->slice(1, 0, c.n));
         std::vector<double> expected(plain.size());
         for (size_t i = 0; i < plain.size(); ++i) expected[i] = plain[i] + before_values[i];
         EXPECT_TRUE(testing::close_rel_l2(acc_host->slice(1, 0, c.n), expected, output_rounding))

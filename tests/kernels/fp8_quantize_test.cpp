@@ -27,7 +27,8 @@ TEST(Fp8Quantize, ScalesLayoutAndRoundTrip) {
       const Tensor x = wide->slice(1, 0, k);
       // Row 0's second group (when there is one) all zero; row m-1's first group spans 1e-6 .. 1e3.
       if (groups > 1) {
-        for (int64_t c = kFp8Block; c < std::min(k, 2 * kFp8Block); ++c) testing::store_element(dtype, x.data(), c, 0.0f);
+        for (int64_t c = kFp8Block; c < std::min(k, 2 * kFp8Block); ++c)
+          testing::store_element(dtype, x.data(), c, 0.0f);
       }
       for (int64_t c = 0; c < std::min(k, kFp8Block); ++c) {
         const float magnitude = std::pow(10.0f, -6.0f + 9.0f * static_cast<float>(c) / kFp8Block);

@@ -14,9 +14,9 @@ void quantize_fp8_rows(const Tensor& x, const Tensor& codes, const Tensor& scale
   const int64_t m = x.size(0), k = x.size(1), groups = fp8_scale_blocks(k);
   METRALE_CHECK(codes.size(0) == m && codes.size(1) == k && codes.dtype() == DType::kF8E4M3 && codes.is_contiguous(),
                 "quantize_fp8_rows codes {} for x {}", codes.describe(), x.describe());
-  METRALE_CHECK(scales.size(0) == groups && scales.size(1) == m && scales.dtype() == DType::kF32 &&
-                    scales.is_contiguous(),
-                "quantize_fp8_rows scales {} for x {} (want [{}, {}] f32)", scales.describe(), x.describe(), groups, m);
+  METRALE_CHECK(
+      scales.size(0) == groups && scales.size(1) == m && scales.dtype() == DType::kF32 && scales.is_contiguous(),
+      "quantize_fp8_rows scales {} for x {} (want [{}, {}] f32)", scales.describe(), x.describe(), groups, m);
   METRALE_CHECK(x.stride(1) == 1 && x.stride(0) >= k, "quantize_fp8_rows needs contiguous rows: x {}", x.describe());
   METRALE_CHECK(x.dtype() == DType::kBF16 || x.dtype() == DType::kF32, "quantize_fp8_rows: x {}", x.describe());
   auto* code_bytes = static_cast<uint8_t*>(codes.data());

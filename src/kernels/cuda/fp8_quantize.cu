@@ -79,16 +79,17 @@ void quantize_fp8_rows(const Tensor& x, const Tensor& codes, const Tensor& scale
   auto* code_bytes = static_cast<uint8_t*>(codes.data());
   switch (x.dtype()) {
     case DType::kBF16:
-      quantize_fp8_rows_kernel<__nv_bfloat16><<<grid, kWarps * 32, 0, stream>>>(
-          x.data_as<const __nv_bfloat16>(), x.stride(0), static_cast<int>(m), static_cast<int>(k), code_bytes,
-          scales.data_as<float>());
+      quantize_fp8_rows_kernel<__nv_bfloat16>
+          <<<grid, kWarps * 32, 0, stream>>>(x.data_as<const __nv_bfloat16>(), x.stride(0), static_cast<int>(m),
+                                             static_cast<int>(k), code_bytes, scales.data_as<float>());
       break;
     case DType::kF32:
       quantize_fp8_rows_kernel<float><<<grid, kWarps * 32, 0, stream>>>(x.data_as<const float>(), x.stride(0),
                                                                         static_cast<int>(m), static_cast<int>(k),
                                                                         code_bytes, scales.data_as<float>());
       break;
-    default: expect(false, "x must be bf16 or f32, got " + x.describe());
+    default:
+      expect(false, "x must be bf16 or f32, got " + x.describe());
   }
   METRALE_CHECK_LAUNCH("quantize_fp8_rows_kernel");
 }

@@ -179,9 +179,13 @@ uint32_t alignment_of(const void* pointer) {
   return alignment;
 }
 
-constexpr int64_t round_up(int64_t value, int64_t to) { return (value + to - 1) / to * to; }
+constexpr int64_t round_up(int64_t value, int64_t to) {
+  return (value + to - 1) / to * to;
+}
 constexpr size_t kScratchAlign = 256;
-size_t align_bytes(size_t bytes) { return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
+size_t align_bytes(size_t bytes) {
+  return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+}
 
 // Where one call's pieces lie in the scratch buffer.
 struct ScratchLayout {
@@ -251,7 +255,8 @@ class Fp8Plan {
              "set TRANSA");
     lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &no_transpose, sizeof(no_transpose)),
              "set TRANSB");
-    const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                  b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)),
              "set A_SCALE_MODE");
     lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)),
@@ -264,9 +269,9 @@ class Fp8Plan {
     lt_check(cublasLtMatrixLayoutCreate(&b_, CUDA_R_8F_E4M3, static_cast<uint64_t>(key.k), static_cast<uint64_t>(key.m),
                                         key.k),
              "layout B");
-    lt_check(cublasLtMatrixLayoutCreate(&c_, out_type, static_cast<uint64_t>(key.n), static_cast<uint64_t>(key.m),
-                                        key.ldc),
-             "layout C");
+    lt_check(
+        cublasLtMatrixLayoutCreate(&c_, out_type, static_cast<uint64_t>(key.n), static_cast<uint64_t>(key.m), key.ldc),
+        "layout C");
     lt_check(cublasLtMatmulPreferenceCreate(&preference_), "cublasLtMatmulPreferenceCreate");
     const uint64_t workspace = workspace_bytes;
     lt_check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
@@ -291,7 +296,8 @@ class Fp8Plan {
         cublasLtMatmulAlgoGetHeuristic(handle, op_, a_, b_, c_, c_, preference_, 1, &result, &found);
     if (status != CUBLAS_STATUS_SUCCESS) return "cublasLtMatmulAlgoGetHeuristic returned " + status_text(status);
     if (found == 0) return "cublasLtMatmulAlgoGetHeuristic found no algorithm";
-    if (result.state != CUBLAS_STATUS_SUCCESS) return "the heuristic's algorithm has state " + status_text(result.state);
+    if (result.state != CUBLAS_STATUS_SUCCESS)
+      return "the heuristic's algorithm has state " + status_text(result.state);
     algo_ = result.algo;
     workspace_bytes_ = result.workspaceSize;
     return {};
@@ -403,9 +409,9 @@ bool run_fp8_gemm(const Tensor& x, const Tensor& weight, const Tensor& scale_inv
     const auto start = std::chrono::steady_clock::now();
     auto plan = std::make_unique<Fp8Plan>();
     const std::string refusal = plan->build(lt.handle, key, lt.workspace_bytes, w_scales, x_scales);
-    const std::string shape =
-        "m " + std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k) + " ldc " +
-        std::to_string(key.ldc) + " out " + std::string(dtype_name(out.dtype())) + (accumulate ? " accumulate" : "");
+    const std::string shape = "m " + std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k) +
+                              " ldc " + std::to_string(key.ldc) + " out " + std::string(dtype_name(out.dtype())) +
+                              (accumulate ? " accumulate" : "");
     if (!refusal.empty()) {
       plan.reset();
       path_counters().refused_plans.fetch_add(1, std::memory_order_relaxed);
@@ -448,7 +454,9 @@ bool gemm_candidate(const Tensor& x, const Tensor& weight, const Tensor& out) {
 
 }  // namespace
 
-int fp8_gemv_max_rows() { return fp8_gemv_rows_setting().load(std::memory_order_relaxed); }
+int fp8_gemv_max_rows() {
+  return fp8_gemv_rows_setting().load(std::memory_order_relaxed);
+}
 
 void set_fp8_gemv_max_rows(int rows) {
   METRALE_EXPECT(rows >= 0, "fp8_gemv_max_rows must be >= 0");
