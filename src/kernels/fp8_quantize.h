@@ -13,9 +13,11 @@ namespace metrale::kernels {
 constexpr float kE4M3Max = 448.0f;
 
 // x [M, K] bf16|f32 (rows may be strided: stride(0) >= K, stride(1) == 1);
-// codes [M, K] f8e4m3, contiguous; scales [ceil(K/128), M] f32, contiguous: row g holds group g of
-// every token, tokens adjacent (the layout cuBLASLt's CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F reads
-// for an operand stored K-inner, [K, M] column-major, with no padding of M).
+// codes [M, K] f8e4m3, contiguous; scales [ceil(K/128), M] f32, stride(1) == 1, stride(0) >= M: row g
+// holds group g of every token, tokens adjacent. That is the layout cuBLASLt's
+// CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F reads for an operand stored K-inner ([K, M] column-major)
+// when stride(0) == round_up(M, 4) (16-byte rows; what Transformer Engine's "GEMM_READY" 1x128
+// scales are). Padding entries of a row are left as they are.
 // Division and rounding are IEEE (x / scale in fp32, round to nearest even, saturating to +-448), so
 // the CPU and CUDA implementations give the same codes and scales bit for bit.
 METRALE_DECLARE_OP_IMPLS(quantize_fp8_rows, (const Tensor& x, const Tensor& codes, const Tensor& scales))

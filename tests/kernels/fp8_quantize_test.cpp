@@ -1,5 +1,6 @@
 // kernels::quantize_fp8_rows on the CPU: the scale of every (token, 128-wide group) is its amax / 448
-// in the [groups, M] layout, a group of zeros gets scale 1 and zero codes, the amax element maps to
+// in the [groups, M] layout (rows padded to round_up(M, 4)), a group of zeros gets scale 1 and zero codes, the amax
+// element maps to
 // +-448, and every value round-trips within half an e4m3 step (relative 2^-4, or 2^-10 * scale
 // among the subnormals); strided rows and a partial last group included.
 #include "kernels/fp8_quantize.h"
@@ -35,17 +36,24 @@ TEST(Fp8Quantize, ScalesLayoutAndRoundTrip) {
         testing::store_element(dtype, x.data(), (m - 1) * x.stride(0) + c, c % 2 ? -magnitude : magnitude);
       }
       OwnedTensor codes(DType::kF8E4M3, {m, k});
-      OwnedTensor scales(DType::kF32, {groups, m});
-      kernels::quantize_fp8_rows(x, *codes, *scales);
+      // Rows of round_up(M, 4) floats, as cuBLASLt reads them; the padding must stay untouched.
+      const int64_t pitch = (m + 3) / 4 * 4;
+      OwnedTensor scale_rows(DType::kF32, {groups, pitch});
+      testing::poison(*scale_rows);
+      const Tensor scales = scale_rows->slice(1, 0, m);
+      kernels::quantize_fp8_rows(x, *codes, scales);
       const std::vector<double> values = testing::to_doubles(x);
       const auto* code_bytes = static_cast<const uint8_t*>(codes->data());
-      const float* scale_values = scales->data_as<const float>();
+      const float* scale_values = scale_rows->data_as<const float>();
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t c = m; c < pitch; ++c) ASSERT_TRUE(std::isnan(scale_values[g * pitch + c])) << "padding written";
+      }
       for (int64_t r = 0; r < m; ++r) {
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t begin = g * kFp8Block, end = std::min(k, begin + kFp8Block);
           float amax = 0.0f;
           for (int64_t c = begin; c < end; ++c) amax = std::max(amax, static_cast<float>(std::fabs(values[r * k + c])));
-          const float scale = scale_values[g * m + r];
+          const float scale = scale_values[g * pitch + r];
           ASSERT_EQ(scale, amax > 0.0f ? amax / kernels::kE4M3Max : 1.0f) << "row " << r << " group " << g;
           for (int64_t c = begin; c < end; ++c) {
             const double value = values[r * k + c];

@@ -16,11 +16,12 @@ constexpr int kWarps = 8;  // tokens per block
 constexpr int kValuesPerLane = 4;
 static_assert(32 * kValuesPerLane == kFp8Block, "a warp covers one scale group");
 
-// x [m, k] rows x_stride apart -> codes [m, k], scales [ceil(k/128), m]; grid (ceil(m/8), groups).
+// x [m, k] rows x_stride apart -> codes [m, k], scales [ceil(k/128), m] rows scale_stride apart;
+// grid (ceil(m/8), groups).
 template <typename XT>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_fp8_rows_kernel(const XT* __restrict__ x, int64_t x_stride, int m, int k, uint8_t* __restrict__ codes,
-                             float* __restrict__ scales) {
+                             float* __restrict__ scales, int64_t scale_stride) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
   if (row >= m) return;
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   const float scale = amax > 0.0f ? __fdiv_rn(amax, kE4M3Max) : 1.0f;
-  if (lane == 0) scales[static_cast<int64_t>(group) * m + row] = scale;
+  if (lane == 0) scales[static_cast<int64_t>(group) * scale_stride + row] = scale;
   uint8_t out[kValuesPerLane];
 #pragma unroll
   for (int j = 0; j < kValuesPerLane; ++j) {
@@ -67,7 +68,8 @@ void quantize_fp8_rows(const Tensor& x, const Tensor& codes, const Tensor& scale
   const int64_t m = x.size(0), k = x.size(1), groups = fp8_scale_blocks(k);
   expect(codes.size(0) == m && codes.size(1) == k && codes.dtype() == DType::kF8E4M3 && codes.is_contiguous(),
          "codes " + codes.describe() + " for x " + x.describe());
-  expect(scales.size(0) == groups && scales.size(1) == m && scales.dtype() == DType::kF32 && scales.is_contiguous(),
+  expect(scales.size(0) == groups && scales.size(1) == m && scales.dtype() == DType::kF32 && scales.stride(1) == 1 &&
+             (groups <= 1 || scales.stride(0) >= m),
          "scales " + scales.describe() + " for x " + x.describe());
   expect(x.stride(1) == 1 && x.stride(0) >= k, "x needs contiguous rows: " + x.describe());
   expect(x.device() == codes.device() && scales.device() == codes.device(), "tensors on different devices");
@@ -79,14 +81,14 @@ void quantize_fp8_rows(const Tensor& x, const Tensor& codes, const Tensor& scale
   auto* code_bytes = static_cast<uint8_t*>(codes.data());
   switch (x.dtype()) {
     case DType::kBF16:
-      quantize_fp8_rows_kernel<__nv_bfloat16>
-          <<<grid, kWarps * 32, 0, stream>>>(x.data_as<const __nv_bfloat16>(), x.stride(0), static_cast<int>(m),
-                                             static_cast<int>(k), code_bytes, scales.data_as<float>());
+      quantize_fp8_rows_kernel<__nv_bfloat16><<<grid, kWarps * 32, 0, stream>>>(
+          x.data_as<const __nv_bfloat16>(), x.stride(0), static_cast<int>(m), static_cast<int>(k), code_bytes,
+          scales.data_as<float>(), scales.stride(0));
       break;
     case DType::kF32:
-      quantize_fp8_rows_kernel<float><<<grid, kWarps * 32, 0, stream>>>(x.data_as<const float>(), x.stride(0),
-                                                                        static_cast<int>(m), static_cast<int>(k),
-                                                                        code_bytes, scales.data_as<float>());
+      quantize_fp8_rows_kernel<float><<<grid, kWarps * 32, 0, stream>>>(
+          x.data_as<const float>(), x.stride(0), static_cast<int>(m), static_cast<int>(k), code_bytes,
+          scales.data_as<float>(), scales.stride(0));
       break;
     default:
       expect(false, "x must be bf16 or f32, got " + x.describe());

@@ -13,10 +13,12 @@
 //     K or N not multiples of 16, misaligned operands, or x not bf16 (f32 runs keep exact
 //     activations), the GEMV runs instead, 8 rows a pass (each pass rereads the weights).
 //
-// Scale layouts cuBLASLt reads: BLK128x128 for an operand stored K-inner is [ceil(N/128)] rows of
+// Scale layouts cuBLASLt reads (row pitches padded to 16 bytes, as Transformer Engine's "GEMM_READY"
+// block scales): BLK128x128 for an operand stored K-inner is [ceil(N/128)] rows of
 // round_up(ceil(K/128), 4) floats, the K blocks adjacent: the checkpoint's scale_inv
 // [ceil(N/128), ceil(K/128)] itself when ceil(K/128) % 4 == 0, else a padded copy made per call in the
-// scratch buffer. VEC128 is [ceil(K/128), M], tokens adjacent, which quantize_fp8_rows writes.
+// scratch buffer. VEC128 is [ceil(K/128)] rows of round_up(M, 4) floats, tokens adjacent, which
+// quantize_fp8_rows writes.
 //
 // The scratch buffer (codes [M, K] e4m3, their scales, the padded weight scales) is never allocated
 // during a CUDA graph capture: it grows only outside one (a capture that would need it larger raises;
@@ -190,17 +192,20 @@ size_t align_bytes(size_t bytes) {
 // Where one call's pieces lie in the scratch buffer.
 struct ScratchLayout {
   size_t codes = 0, act_scales = 0, weight_scales = 0, total = 0;  // byte offsets and the size
+  int64_t act_scale_pitch = 0;     // floats between the activation scales' rows (round_up(M, 4))
   int64_t weight_scale_pitch = 0;  // floats between the weight's scale rows (round_up(K/128, 4))
-  bool pad_weight_scales = false;  // the checkpoint's scale rows are not that pitch: copy them
+  bool pad_weight_scales = false;  // the checkpoint's scales are not that pitch (or 16-byte aligned): copy them
 };
 
-ScratchLayout scratch_layout(int64_t m, int64_t n, int64_t k) {
+ScratchLayout scratch_layout(int64_t m, int64_t n, int64_t k, bool misaligned_weight_scales) {
   ScratchLayout layout;
   const int64_t k_blocks = fp8_scale_blocks(k);
   layout.act_scales = align_bytes(static_cast<size_t>(m * k));
-  layout.weight_scales = layout.act_scales + align_bytes(static_cast<size_t>(k_blocks * m) * sizeof(float));
+  layout.act_scale_pitch = round_up(m, 4);
+  layout.weight_scales =
+      layout.act_scales + align_bytes(static_cast<size_t>(k_blocks * layout.act_scale_pitch) * sizeof(float));
   layout.weight_scale_pitch = round_up(k_blocks, 4);
-  layout.pad_weight_scales = layout.weight_scale_pitch != k_blocks;
+  layout.pad_weight_scales = layout.weight_scale_pitch != k_blocks || misaligned_weight_scales;
   layout.total = layout.weight_scales;
   if (layout.pad_weight_scales) {
     layout.total += align_bytes(static_cast<size_t>(fp8_scale_blocks(n) * layout.weight_scale_pitch) * sizeof(float));
@@ -386,7 +391,7 @@ bool run_fp8_gemm(const Tensor& x, const Tensor& weight, const Tensor& scale_inv
                        accumulate,
                        alignment_of(weight.data()),
                        alignment_of(out.data())};
-  const ScratchLayout layout = scratch_layout(m, n, k);
+  const ScratchLayout layout = scratch_layout(m, n, k, alignment_of(scale_inv.data()) < 16);
   std::lock_guard lock(cublaslt_mutex());
   const CublasLtContext lt = cublaslt_context_locked(index, stream);
   Fp8Device& device = fp8_device_locked(index);
@@ -426,12 +431,18 @@ bool run_fp8_gemm(const Tensor& x, const Tensor& weight, const Tensor& scale_inv
     if (!it->second) return false;
   }
   const Tensor code_view(codes, DType::kF8E4M3, {m, k}, out.device());
-  const Tensor scale_view(x_scales, DType::kF32, {fp8_scale_blocks(k), m}, out.device());
+  const int64_t k_blocks = fp8_scale_blocks(k);
+  if (layout.act_scale_pitch != m) {
+    // Defined padding: cuBLASLt may read the scales of the tokens past M (their output is dropped).
+    METRALE_CUDA_CHECK(
+        cudaMemsetAsync(x_scales, 0, static_cast<size_t>(k_blocks * layout.act_scale_pitch) * 4, stream));
+  }
+  const Tensor scale_view(x_scales, DType::kF32, {k_blocks, m}, {layout.act_scale_pitch, 1}, out.device());
   quantize_fp8_rows(x, code_view, scale_view);
   const cublasStatus_t status = it->second->run(lt.handle, weight.data(), w_scales, codes, x_scales, out.data(),
                                                 accumulate, lt.workspace, stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
-    // Refused at launch (nothing was enqueued): forget the plan, the GEMV takes this shape from now on.
+    // Refused at launch (the matmul was not enqueued): forget the plan, the GEMV takes this shape from now on.
     path_counters().refused_plans.fetch_add(1, std::memory_order_relaxed);
     last_refusal_locked() = "m " + std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k) +
                             ": cublasLtMatmul returned " + status_text(status);
@@ -497,8 +508,8 @@ void linear_fp8(const Tensor& x, const Tensor& weight, const Tensor& scale_inv, 
     if (run_fp8_gemm(x, weight, scale_inv, out, accumulate, stream)) {
       gemm_rows = m;
     } else if (const int64_t aligned_rows = m / 16 * 16; aligned_rows != m && aligned_rows > fp8_gemv_max_rows()) {
-      // cuBLASLt may want the token count (the VEC128 scales' row pitch) a multiple of 16: the
-      // GEMM takes the first rows, the GEMV the rest.
+      // Should cuBLASLt refuse a token count that is not a multiple of 16, the GEMM takes the
+      // first M / 16 * 16 rows and the GEMV the rest.
       if (run_fp8_gemm(x.slice(0, 0, aligned_rows), weight, scale_inv, out.slice(0, 0, aligned_rows), accumulate,
                        stream)) {
         gemm_rows = aligned_rows;
