@@ -30,6 +30,7 @@
 
 #include "core/log_level.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cublaslt_context.cuh"
 #include "kernels/cuda/gemm_gemv.cuh"
 #include "kernels/linear.h"
 
@@ -361,6 +362,13 @@ bool run_cublaslt(const Tensor& x, const Tensor& weight, const Tensor& out, bool
 }
 
 }  // namespace
+
+std::mutex& cublaslt_mutex() { return lt_mutex(); }
+
+CublasLtContext cublaslt_context_locked(int device_index, cudaStream_t stream) {
+  LtDevice& device = lt_device_locked(device_index, stream);
+  return {device.handle, device.workspace.data(), kCublasWorkspaceBytes};
+}
 
 void linear_prepare(int device_index) {
   std::lock_guard lock(lt_mutex());

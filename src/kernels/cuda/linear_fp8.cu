@@ -1,15 +1,49 @@
-// linear_fp8 on the GPU: a GEMV for decode. One warp per weight row streams the row's e4m3 codes
-// once (16 bytes a lane), dequantises them in registers with the row's 128x128 block scale and
-// dots them with up to kRowsPerPass input rows in fp32; more input rows take further passes (each
-// rereads the weights: correct for prefill, but slow there until an FP8 GEMM exists).
+// linear_fp8 on the GPU, two paths by the number of input rows M:
+//   - M <= fp8_gemv_max_rows() (decode; default 8): a GEMV. One warp per weight row streams the
+//     row's e4m3 codes once (16 bytes a lane), dequantises them in registers with the row's 128x128
+//     block scale and dots them with up to kRowsPerPass input rows in fp32.
+//   - larger M (prefill): bf16 x is quantised per token and 128-wide K group to e4m3 (fp8_quantize.h)
+//     into a per-device scratch buffer, then one cuBLASLt FP8 matmul with block scaling (Hopper,
+//     cuBLASLt >= 12.9) computes out = x_q . W_q^T with fp32 accumulation: as in linear.cu, the
+//     row-major product is the column-major out^T [N, M] = W [K, N]^T . x_q [K, M], so cuBLASLt's A is
+//     the weight (TRANSA = T, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F) and B the quantised
+//     activations (TRANSB = N, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F), the "TN" layout FP8
+//     requires. D is bf16 or f32 (out's dtype); `accumulate` is beta = 1 with C = D = out.
+//     Where cuBLASLt has no algorithm (the plan is cached as refused and logged once at debug), for
+//     K or N not multiples of 16, misaligned operands, or x not bf16 (f32 runs keep exact
+//     activations), the GEMV runs instead, 8 rows a pass (each pass rereads the weights).
+//
+// Scale layouts cuBLASLt reads (row pitches padded to 16 bytes, as Transformer Engine's "GEMM_READY"
+// block scales): BLK128x128 for an operand stored K-inner is [ceil(N/128)] rows of
+// round_up(ceil(K/128), 4) floats, the K blocks adjacent: the checkpoint's scale_inv
+// [ceil(N/128), ceil(K/128)] itself when ceil(K/128) % 4 == 0, else a padded copy made per call in the
+// scratch buffer. VEC128 is [ceil(K/128)] rows of round_up(M, 4) floats, tokens adjacent, which
+// quantize_fp8_rows writes.
+//
+// The scratch buffer (codes [M, K] e4m3, their scales, the padded weight scales) is never allocated
+// during a CUDA graph capture: it grows only outside one (a capture that would need it larger raises;
+// run the shape once first, as the runner's warm-up does). A buffer a capture has used is kept alive
+// when the buffer grows, since the graph replays with its pointers.
+#include <cublasLt.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
+#include "core/log_level.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cublaslt_context.cuh"
+#include "kernels/fp8_quantize.h"
 #include "kernels/linear_fp8.h"
+#include "runtime/buffer.h"
 
 namespace metrale::kernels::cuda {
 namespace {
@@ -75,7 +109,382 @@ void expect(bool condition, const std::string& what) {
   if (!condition) raise_message(ErrorCode::kInternal, "kernel linear_fp8: " + what);
 }
 
+// Rows [row0, m) of x through the GEMV, kRowsPerPass a launch.
+void launch_gemv_rows(const Tensor& x, const Tensor& weight, const Tensor& scale_inv, const Tensor& out,
+                      bool accumulate, int64_t row0, cudaStream_t stream) {
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  const bool aligned = reinterpret_cast<uintptr_t>(weight.data()) % 16 == 0;
+  const int k_vector = (k % kCodesPerLane == 0 && aligned) ? static_cast<int>(k) : 0;
+  const int blocks = ceil_div(n, kWarps);
+  METRALE_DISPATCH_FLOAT(x.dtype(), "linear_fp8 x", [&] {
+    using XT = scalar_t;
+    METRALE_DISPATCH_FLOAT(out.dtype(), "linear_fp8 out", [&] {
+      for (int64_t r0 = row0; r0 < m; r0 += kRowsPerPass) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, m - r0));
+        fp8_gemv_kernel<XT, scalar_t><<<blocks, kWarps * 32, 0, stream>>>(
+            x.data_as<const XT>() + r0 * x.stride(0), x.stride(0), rows, static_cast<const uint8_t*>(weight.data()),
+            scale_inv.data_as<const float>(), scale_inv.size(1), out.data_as<scalar_t>() + r0 * out.stride(0),
+            out.stride(0), static_cast<int>(n), static_cast<int>(k), k_vector, accumulate);
+      }
+    });
+  });
+  METRALE_CHECK_LAUNCH("fp8_gemv_kernel");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The FP8 GEMM through cuBLASLt.
+
+constexpr int64_t kMaxGemvRowsSetting = INT_MAX;
+
+std::atomic<int>& fp8_gemv_rows_setting() {
+  static std::atomic<int> rows = [] {
+    int value = kRowsPerPass;
+    if (const char* text = std::getenv("METRALE_FP8_GEMV_MAX_ROWS")) {
+      char* end = nullptr;
+      const long parsed = std::strtol(text, &end, 10);
+      if (end != text && *end == '\0' && parsed >= 0 && parsed <= kMaxGemvRowsSetting) value = static_cast<int>(parsed);
+    }
+    return value;
+  }();
+  return rows;
+}
+
+struct PathCounters {
+  std::atomic<uint64_t> gemv_calls{0}, gemm_calls{0}, gemm_with_gemv_tail{0}, refused_plans{0};
+};
+
+PathCounters& path_counters() {
+  static PathCounters counters;
+  return counters;
+}
+
+std::string& last_refusal_locked() {
+  static std::string text;
+  return text;
+}
+
+std::string status_text(cublasStatus_t status) {
+  return std::string(cublasLtGetStatusName(status)) + " (" + cublasLtGetStatusString(status) + ")";
+}
+
+void lt_check(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    raise_message(ErrorCode::kInternal, std::string("kernel linear_fp8: ") + what + " failed: " + status_text(status));
+  }
+}
+
+// The largest power of two (<= 256) dividing the address: what cuBLASLt may assume about it.
+uint32_t alignment_of(const void* pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  uint32_t alignment = 256;
+  while (alignment > 1 && (address % alignment) != 0) alignment >>= 1;
+  return alignment;
+}
+
+constexpr int64_t round_up(int64_t value, int64_t to) {
+  return (value + to - 1) / to * to;
+}
+constexpr size_t kScratchAlign = 256;
+size_t align_bytes(size_t bytes) {
+  return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+}
+
+// Where one call's pieces lie in the scratch buffer.
+struct ScratchLayout {
+  size_t codes = 0, act_scales = 0, weight_scales = 0, total = 0;  // byte offsets and the size
+  int64_t act_scale_pitch = 0;     // floats between the activation scales' rows (round_up(M, 4))
+  int64_t weight_scale_pitch = 0;  // floats between the weight's scale rows (round_up(K/128, 4))
+  bool pad_weight_scales = false;  // the checkpoint's scales are not that pitch (or 16-byte aligned): copy them
+};
+
+ScratchLayout scratch_layout(int64_t m, int64_t n, int64_t k, bool misaligned_weight_scales) {
+  ScratchLayout layout;
+  const int64_t k_blocks = fp8_scale_blocks(k);
+  layout.act_scales = align_bytes(static_cast<size_t>(m * k));
+  layout.act_scale_pitch = round_up(m, 4);
+  layout.weight_scales =
+      layout.act_scales + align_bytes(static_cast<size_t>(k_blocks * layout.act_scale_pitch) * sizeof(float));
+  layout.weight_scale_pitch = round_up(k_blocks, 4);
+  layout.pad_weight_scales = layout.weight_scale_pitch != k_blocks || misaligned_weight_scales;
+  layout.total = layout.weight_scales;
+  if (layout.pad_weight_scales) {
+    layout.total += align_bytes(static_cast<size_t>(fp8_scale_blocks(n) * layout.weight_scale_pitch) * sizeof(float));
+  }
+  return layout;
+}
+
+struct Fp8PlanKey {
+  int64_t m, n, k, ldc;
+  int out_dtype;
+  bool accumulate;
+  uint32_t align_w, align_out;
+  bool operator==(const Fp8PlanKey&) const = default;
+};
+
+struct Fp8PlanKeyHash {
+  size_t operator()(const Fp8PlanKey& key) const {
+    size_t h = 1469598103934665603ull;
+    const auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    mix(static_cast<uint64_t>(key.m));
+    mix(static_cast<uint64_t>(key.n));
+    mix(static_cast<uint64_t>(key.k));
+    mix(static_cast<uint64_t>(key.ldc));
+    mix(static_cast<uint64_t>(key.out_dtype) * 2 + (key.accumulate ? 1 : 0));
+    mix((static_cast<uint64_t>(key.align_w) << 16) ^ key.align_out);
+    return h;
+  }
+};
+
+// Descriptors and the chosen algorithm of one problem (host objects only). The scale pointers are
+// descriptor attributes: run() sets them for each call (layers of one shape share the plan).
+class Fp8Plan {
+ public:
+  Fp8Plan() = default;
+  Fp8Plan(const Fp8Plan&) = delete;
+  Fp8Plan& operator=(const Fp8Plan&) = delete;
+  ~Fp8Plan() {
+    if (preference_ != nullptr) cublasLtMatmulPreferenceDestroy(preference_);
+    if (c_ != nullptr) cublasLtMatrixLayoutDestroy(c_);
+    if (b_ != nullptr) cublasLtMatrixLayoutDestroy(b_);
+    if (a_ != nullptr) cublasLtMatrixLayoutDestroy(a_);
+    if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
+  }
+
+  // Empty when cuBLASLt has an algorithm for the problem, else why not (status names, for the logs).
+  std::string build(cublasLtHandle_t handle, const Fp8PlanKey& key, size_t workspace_bytes, const void* w_scales,
+                    const void* x_scales) {
+    const cudaDataType_t out_type = key.out_dtype == static_cast<int>(DType::kF32) ? CUDA_R_32F : CUDA_R_16BF;
+    lt_check(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+    const cublasOperation_t transpose = CUBLAS_OP_T, no_transpose = CUBLAS_OP_N;
+    lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
+             "set TRANSA");
+    lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &no_transpose, sizeof(no_transpose)),
+             "set TRANSB");
+    const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                  b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)),
+             "set A_SCALE_MODE");
+    lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)),
+             "set B_SCALE_MODE");
+    set_scales(w_scales, x_scales);
+    // Column-major: A = W stored [K, N] (ld K), B = x codes stored [K, M] (ld K), C = D = out [N, M].
+    lt_check(cublasLtMatrixLayoutCreate(&a_, CUDA_R_8F_E4M3, static_cast<uint64_t>(key.k), static_cast<uint64_t>(key.n),
+                                        key.k),
+             "layout A");
+    lt_check(cublasLtMatrixLayoutCreate(&b_, CUDA_R_8F_E4M3, static_cast<uint64_t>(key.k), static_cast<uint64_t>(key.m),
+                                        key.k),
+             "layout B");
+    lt_check(
+        cublasLtMatrixLayoutCreate(&c_, out_type, static_cast<uint64_t>(key.n), static_cast<uint64_t>(key.m), key.ldc),
+        "layout C");
+    lt_check(cublasLtMatmulPreferenceCreate(&preference_), "cublasLtMatmulPreferenceCreate");
+    const uint64_t workspace = workspace_bytes;
+    lt_check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                  sizeof(workspace)),
+             "set max workspace");
+    const uint32_t align_a = key.align_w, align_b = static_cast<uint32_t>(kScratchAlign), align_c = key.align_out;
+    lt_check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                                  sizeof(align_a)),
+             "set alignment A");
+    lt_check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                                  sizeof(align_b)),
+             "set alignment B");
+    lt_check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c,
+                                                  sizeof(align_c)),
+             "set alignment C");
+    lt_check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c,
+                                                  sizeof(align_c)),
+             "set alignment D");
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(handle, op_, a_, b_, c_, c_, preference_, 1, &result, &found);
+    if (status != CUBLAS_STATUS_SUCCESS) return "cublasLtMatmulAlgoGetHeuristic returned " + status_text(status);
+    if (found == 0) return "cublasLtMatmulAlgoGetHeuristic found no algorithm";
+    if (result.state != CUBLAS_STATUS_SUCCESS)
+      return "the heuristic's algorithm has state " + status_text(result.state);
+    algo_ = result.algo;
+    workspace_bytes_ = result.workspaceSize;
+    return {};
+  }
+
+  // Enqueues the matmul; returns its status (not-supported and invalid-value mean: take the GEMV).
+  cublasStatus_t run(cublasLtHandle_t handle, const void* w, const void* w_scales, const void* x_codes,
+                     const void* x_scales, void* out, bool accumulate, void* workspace, cudaStream_t stream) {
+    set_scales(w_scales, x_scales);
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    return cublasLtMatmul(handle, op_, &alpha, w, a_, x_codes, b_, &beta, out, c_, out, c_, &algo_, workspace,
+                          workspace_bytes_, stream);
+  }
+
+ private:
+  void set_scales(const void* w_scales, const void* x_scales) {
+    lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales, sizeof(w_scales)),
+             "set A_SCALE_POINTER");
+    lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales, sizeof(x_scales)),
+             "set B_SCALE_POINTER");
+  }
+
+  cublasLtMatmulDesc_t op_ = nullptr;
+  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, c_ = nullptr;
+  cublasLtMatmulPreference_t preference_ = nullptr;
+  cublasLtMatmulAlgo_t algo_{};
+  size_t workspace_bytes_ = 0;
+};
+
+// One device's FP8 GEMM state. Guarded by cublaslt_mutex().
+struct Fp8Device {
+  // Problems cuBLASLt has no algorithm for map to nullptr (they take the GEMV).
+  std::unordered_map<Fp8PlanKey, std::unique_ptr<Fp8Plan>, Fp8PlanKeyHash> plans;
+  Buffer scratch;
+  bool scratch_captured = false;  // a graph capture has used `scratch`: keep it alive if it is replaced
+  std::vector<Buffer> retired;    // earlier scratch buffers that captured graphs still point into
+};
+
+Fp8Device& fp8_device_locked(int index) {
+  static std::vector<std::unique_ptr<Fp8Device>> devices;
+  if (static_cast<int>(devices.size()) <= index) devices.resize(static_cast<size_t>(index) + 1);
+  std::unique_ptr<Fp8Device>& slot = devices[static_cast<size_t>(index)];
+  if (!slot) slot = std::make_unique<Fp8Device>();
+  return *slot;
+}
+
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  METRALE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+// The device's scratch buffer, at least `bytes` long. Grows only outside a graph capture.
+void* scratch_locked(Fp8Device& device, int index, size_t bytes, cudaStream_t stream) {
+  const bool capturing = is_capturing(stream);
+  if (device.scratch.size() < bytes) {
+    if (capturing) {
+      raise_message(ErrorCode::kInternal,
+                    "kernel linear_fp8: the FP8 GEMM's scratch buffer on cuda:" + std::to_string(index) +
+                        " would grow to " + std::to_string(bytes) +
+                        " bytes during CUDA graph capture; run the same shape once before capturing");
+    }
+    if (device.scratch_captured) {
+      device.retired.push_back(std::move(device.scratch));
+    } else {
+      device.scratch = Buffer();  // cudaFree waits for the kernels still reading it
+    }
+    device.scratch = Buffer(Device::cuda(index), bytes);
+    device.scratch_captured = false;
+  }
+  if (capturing) device.scratch_captured = true;
+  return device.scratch.data();
+}
+
+// out[0:m] = x[0:m] . dequant(W)^T (+ out) through the FP8 GEMM; false where cuBLASLt refuses it
+// (nothing was written then).
+bool run_fp8_gemm(const Tensor& x, const Tensor& weight, const Tensor& scale_inv, const Tensor& out, bool accumulate,
+                  cudaStream_t stream) {
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  const int index = out.device().index;
+  const Fp8PlanKey key{m,
+                       n,
+                       k,
+                       out.stride(0),
+                       static_cast<int>(out.dtype()),
+                       accumulate,
+                       alignment_of(weight.data()),
+                       alignment_of(out.data())};
+  const ScratchLayout layout = scratch_layout(m, n, k, alignment_of(scale_inv.data()) < 16);
+  std::lock_guard lock(cublaslt_mutex());
+  const CublasLtContext lt = cublaslt_context_locked(index, stream);
+  Fp8Device& device = fp8_device_locked(index);
+  auto it = device.plans.find(key);
+  if (it != device.plans.end() && !it->second) return false;
+  auto* scratch = static_cast<char*>(scratch_locked(device, index, layout.total, stream));
+  void* codes = scratch + layout.codes;
+  auto* x_scales = reinterpret_cast<float*>(scratch + layout.act_scales);
+  const void* w_scales = scale_inv.data();
+  if (layout.pad_weight_scales) {
+    void* padded = scratch + layout.weight_scales;
+    const size_t pitch = static_cast<size_t>(layout.weight_scale_pitch) * sizeof(float);
+    const size_t rows = static_cast<size_t>(scale_inv.size(0)), width = static_cast<size_t>(scale_inv.size(1)) * 4;
+    METRALE_CUDA_CHECK(cudaMemsetAsync(padded, 0, pitch * rows, stream));
+    METRALE_CUDA_CHECK(
+        cudaMemcpy2DAsync(padded, pitch, scale_inv.data(), width, width, rows, cudaMemcpyDeviceToDevice, stream));
+    w_scales = padded;
+  }
+  if (it == device.plans.end()) {
+    const auto start = std::chrono::steady_clock::now();
+    auto plan = std::make_unique<Fp8Plan>();
+    const std::string refusal = plan->build(lt.handle, key, lt.workspace_bytes, w_scales, x_scales);
+    const std::string shape = "m " + std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k) +
+                              " ldc " + std::to_string(key.ldc) + " out " + std::string(dtype_name(out.dtype())) +
+                              (accumulate ? " accumulate" : "");
+    if (!refusal.empty()) {
+      plan.reset();
+      path_counters().refused_plans.fetch_add(1, std::memory_order_relaxed);
+      last_refusal_locked() = shape + ": " + refusal;
+      log_write(LogLevel::kDebug, "linear_fp8: no cuBLASLt FP8 block-scaled GEMM for " + shape + " (" + refusal +
+                                      "); the GEMV runs instead");
+    } else if (log_level() <= LogLevel::kDebug) {
+      const double ms = 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      log_write(LogLevel::kDebug, "cuBLASLt FP8 plan for " + shape + ": " + std::to_string(ms) + " ms");
+    }
+    it = device.plans.emplace(key, std::move(plan)).first;
+    if (!it->second) return false;
+  }
+  const Tensor code_view(codes, DType::kF8E4M3, {m, k}, out.device());
+  const int64_t k_blocks = fp8_scale_blocks(k);
+  if (layout.act_scale_pitch != m) {
+    // Defined padding: cuBLASLt may read the scales of the tokens past M (their output is dropped).
+    METRALE_CUDA_CHECK(
+        cudaMemsetAsync(x_scales, 0, static_cast<size_t>(k_blocks * layout.act_scale_pitch) * 4, stream));
+  }
+  const Tensor scale_view(x_scales, DType::kF32, {k_blocks, m}, {layout.act_scale_pitch, 1}, out.device());
+  quantize_fp8_rows(x, code_view, scale_view);
+  const cublasStatus_t status = it->second->run(lt.handle, weight.data(), w_scales, codes, x_scales, out.data(),
+                                                accumulate, lt.workspace, stream);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
+    // Refused at launch (the matmul was not enqueued): forget the plan, the GEMV takes this shape from now on.
+    path_counters().refused_plans.fetch_add(1, std::memory_order_relaxed);
+    last_refusal_locked() = "m " + std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k) +
+                            ": cublasLtMatmul returned " + status_text(status);
+    log_write(LogLevel::kDebug, "linear_fp8: " + last_refusal_locked() + "; the GEMV runs instead");
+    it->second.reset();
+    return false;
+  }
+  lt_check(status, "cublasLtMatmul");
+  return true;
+}
+
+// The GEMM's preconditions apart from cuBLASLt's own choice: bf16 activations (f32 runs keep exact
+// ones), 16-byte rows of codes (K % 16) and 16-byte aligned weights and output rows.
+bool gemm_candidate(const Tensor& x, const Tensor& weight, const Tensor& out) {
+  const int64_t k = x.size(1), n = weight.size(0);
+  const auto out_row_bytes = static_cast<int64_t>(out.element_size()) * out.stride(0);
+  return x.dtype() == DType::kBF16 && (out.dtype() == DType::kBF16 || out.dtype() == DType::kF32) && k % 16 == 0 &&
+         n % 16 == 0 && out_row_bytes % 16 == 0 && alignment_of(weight.data()) >= 16 && alignment_of(out.data()) >= 16;
+}
+
 }  // namespace
+
+int fp8_gemv_max_rows() {
+  return fp8_gemv_rows_setting().load(std::memory_order_relaxed);
+}
+
+void set_fp8_gemv_max_rows(int rows) {
+  METRALE_EXPECT(rows >= 0, "fp8_gemv_max_rows must be >= 0");
+  fp8_gemv_rows_setting().store(rows, std::memory_order_relaxed);
+}
+
+LinearFp8PathCounts linear_fp8_path_counts() {
+  LinearFp8PathCounts counts;
+  PathCounters& counters = path_counters();
+  counts.gemv_calls = counters.gemv_calls.load(std::memory_order_relaxed);
+  counts.gemm_calls = counters.gemm_calls.load(std::memory_order_relaxed);
+  counts.gemm_with_gemv_tail = counters.gemm_with_gemv_tail.load(std::memory_order_relaxed);
+  counts.refused_plans = counters.refused_plans.load(std::memory_order_relaxed);
+  std::lock_guard lock(cublaslt_mutex());
+  counts.last_refusal = last_refusal_locked();
+  return counts;
+}
 
 void linear_fp8(const Tensor& x, const Tensor& weight, const Tensor& scale_inv, const Tensor& out, bool accumulate) {
   expect(x.ndim() == 2 && weight.ndim() == 2 && out.ndim() == 2 && scale_inv.ndim() == 2,
@@ -94,22 +503,30 @@ void linear_fp8(const Tensor& x, const Tensor& weight, const Tensor& scale_inv, 
   expect(m < (int64_t{1} << 31) && n < (int64_t{1} << 31) && k < (int64_t{1} << 31), "size over 2^31");
   if (m == 0 || n == 0) return;
   const cudaStream_t stream = stream_of(out);
-  const bool aligned = reinterpret_cast<uintptr_t>(weight.data()) % 16 == 0;
-  const int k_vector = (k % kCodesPerLane == 0 && aligned) ? static_cast<int>(k) : 0;
-  const int blocks = ceil_div(n, kWarps);
-  METRALE_DISPATCH_FLOAT(x.dtype(), "linear_fp8 x", [&] {
-    using XT = scalar_t;
-    METRALE_DISPATCH_FLOAT(out.dtype(), "linear_fp8 out", [&] {
-      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, m - r0));
-        fp8_gemv_kernel<XT, scalar_t><<<blocks, kWarps * 32, 0, stream>>>(
-            x.data_as<const XT>() + r0 * x.stride(0), x.stride(0), rows, static_cast<const uint8_t*>(weight.data()),
-            scale_inv.data_as<const float>(), scale_inv.size(1), out.data_as<scalar_t>() + r0 * out.stride(0),
-            out.stride(0), static_cast<int>(n), static_cast<int>(k), k_vector, accumulate);
+  int64_t gemm_rows = 0;
+  if (m > fp8_gemv_max_rows() && k > 0 && gemm_candidate(x, weight, out)) {
+    if (run_fp8_gemm(x, weight, scale_inv, out, accumulate, stream)) {
+      gemm_rows = m;
+    } else if (const int64_t aligned_rows = m / 16 * 16; aligned_rows != m && aligned_rows > fp8_gemv_max_rows()) {
+      // Should cuBLASLt refuse a token count that is not a multiple of 16, the GEMM takes the
+      // first M / 16 * 16 rows and the GEMV the rest.
+      if (run_fp8_gemm(x.slice(0, 0, aligned_rows), weight, scale_inv, out.slice(0, 0, aligned_rows), accumulate,
+                       stream)) {
+        gemm_rows = aligned_rows;
       }
-    });
-  });
-  METRALE_CHECK_LAUNCH("fp8_gemv_kernel");
+    }
+  }
+  PathCounters& counters = path_counters();
+  if (gemm_rows == m) {
+    counters.gemm_calls.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  if (gemm_rows > 0) {
+    counters.gemm_with_gemv_tail.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    counters.gemv_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  launch_gemv_rows(x, weight, scale_inv, out, accumulate, gemm_rows, stream);
 }
 
 }  // namespace metrale::kernels::cuda
