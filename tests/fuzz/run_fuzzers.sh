@@ -11,7 +11,7 @@ seconds=${2:?seconds per target}
 parallel=${3:-2}
 shift 3 2>/dev/null || shift $#
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(request safetensors config tokenizer chat_template reasoning sse)
+[[ ${#targets[@]} -gt 0 ]] || targets=(request responses safetensors config tokenizer chat_template reasoning sse)
 artifacts="$build_dir/fuzz-artifacts"
 # Symbolized reports when the LLVM tools are installed.
 for symbolizer in /usr/lib/llvm-16/bin/llvm-symbolizer /usr/bin/llvm-symbolizer-16 /usr/bin/llvm-symbolizer; do
