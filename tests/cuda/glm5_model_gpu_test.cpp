@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <map>
+#include <optional>
 
 #include "common/tiny_glm5_checkpoint.h"
 #include "engine/engine.h"
@@ -41,7 +42,7 @@ struct Generation {
 };
 
 Generation generate(const std::filesystem::path& dir, Device device, SpeculativeMethod method,
-                    const std::vector<std::vector<int32_t>>& prompts) {
+                    const std::vector<std::vector<int32_t>>& prompts, std::optional<DType> compute_dtype = {}) {
   EngineConfig config;
   config.scheduler.max_num_seqs = 4;
   config.scheduler.max_num_batched_tokens = 256;
@@ -52,7 +53,9 @@ Generation generate(const std::filesystem::path& dir, Device device, Speculative
     config.gpu_memory_utilization = 0.3;
     config.graph_batch_sizes = {1, 2, 4};
   }
-  Engine engine(load_model(dir, device), config);
+  LoadOptions options;
+  options.compute_dtype = compute_dtype;
+  Engine engine(load_model(dir, device, options), config);
   Generation run;
   std::vector<int64_t> ids;
   for (const auto& prompt : prompts) {
@@ -84,14 +87,23 @@ TEST(Glm5NextGpu, MatchesTheCpuAndSpeculationKeepsTheTokens) {
   const std::vector<std::vector<int32_t>> prompts = {long_prompt, {5, 9, 17, 3, 44}, {11, 12, 11, 12, 11, 12}};
   const Generation cpu = generate(dir.path(), Device::cpu(), SpeculativeMethod::kNone, prompts);
   const Generation gpu = generate(dir.path(), Device::cuda(0), SpeculativeMethod::kNone, prompts);
-  // The first sampled token's log-probability (one forward over the prompt) in bf16 against fp32.
+  // The first sampled token's log-probability (one forward over the prompt) in bf16 against fp32:
+  // glm5_next's bf16 error is as large as transformers' own (about 0.1 relative L2 on the goldens).
   for (const auto& [id, logprobs] : cpu.logprobs) {
     ASSERT_FALSE(gpu.logprobs.at(id).empty());
-    EXPECT_NEAR(gpu.logprobs.at(id)[0], logprobs[0], 0.1) << "request " << id;
+    EXPECT_NEAR(gpu.logprobs.at(id)[0], logprobs[0], 0.25) << "request " << id;
   }
+  // Speculation keeps the tokens of plain decoding. In f32 on the GPU: in bf16 the verify rows'
+  // kernels (MoE decode or grouped path, DSA splits) round differently from decode's, and the
+  // random model's near ties flip.
+  const Generation gpu_f32 = generate(dir.path(), Device::cuda(0), SpeculativeMethod::kNone, prompts, DType::kF32);
+  for (const auto& [id, logprobs] : cpu.logprobs) {
+    EXPECT_NEAR(gpu_f32.logprobs.at(id)[0], logprobs[0], 1e-3) << "f32, request " << id;
+  }
+  EXPECT_EQ(gpu_f32.tokens, cpu.tokens) << "f32 GPU against the CPU";
   for (const auto method : {SpeculativeMethod::kMtp, SpeculativeMethod::kNgram}) {
-    const Generation speculative = generate(dir.path(), Device::cuda(0), method, prompts);
-    EXPECT_EQ(speculative.tokens, gpu.tokens) << speculative_method_name(method);
+    const Generation speculative = generate(dir.path(), Device::cuda(0), method, prompts, DType::kF32);
+    EXPECT_EQ(speculative.tokens, gpu_f32.tokens) << speculative_method_name(method);
   }
 }
 

@@ -227,9 +227,11 @@ TEST(CudaLinearFp8Gemm, MatchesReferenceWithinActivationQuantisation) {
         }
         const bool gemm_ran = after.gemm_calls > before.gemm_calls;
         // The GEMM computes on the quantised activations; the GEMV (any row it took) on the exact ones.
-        // fp32 accumulation on FP8 tensor cores (promoted to fp32 every few k-steps) and, for bf16, the
-        // output's rounding.
-        const double output_rounding = out_dtype == DType::kF32 ? 2e-4 : testing::kBf16OutputTolerance + 2e-4;
+        // The FP8 tensor cores accumulate with fewer mantissa bits than fp32 between promotions to
+        // fp32 (2.3e-4 relative L2 at K 4096 on the H200), and a bf16 output adds its rounding.
+        const double accumulation = 5e-4;
+        const double output_rounding =
+            out_dtype == DType::kF32 ? accumulation : testing::kBf16OutputTolerance + accumulation;
         if (gemm_ran) {
           EXPECT_TRUE(testing::close_rel_l2(got_rows, quantised_ref, output_rounding))
               << "sampled rows against x_q . W^T on the host (activation quantisation error alone: "

@@ -1,7 +1,8 @@
 // linear_fp8 on the GPU, two paths by the number of input rows M:
 //   - M <= fp8_gemv_max_rows() (decode; default 8): a GEMV. One warp per weight row streams the
-//     row's e4m3 codes once (16 bytes a lane), dequantises them in registers with the row's 128x128
-//     block scale and dots them with up to kRowsPerPass input rows in fp32.
+//     row's e4m3 codes once (16 bytes a lane, several loads in flight), converts them in registers
+//     (cvt pairs), dots them with up to kRowsPerPass input rows in fp32 and applies the row's
+//     128x128 block scale once per 16-code chunk.
 //   - larger M (prefill): bf16 x is quantised per token and 128-wide K group to e4m3 (fp8_quantize.h)
 //     into a per-device scratch buffer, then one cuBLASLt FP8 matmul with block scaling (Hopper,
 //     cuBLASLt >= 12.9) computes out = x_q . W_q^T with fp32 accumulation: as in linear.cu, the
@@ -58,9 +59,84 @@ __device__ __forceinline__ float e4m3_to_f32(uint8_t code) {
   return static_cast<float>(value);
 }
 
+// 16 consecutive elements of x as fp32: two 16-byte loads of bf16, or four of f32 (kVectorX: x's
+// rows are 16-byte aligned), else element by element.
+template <bool kVectorX>
+__device__ __forceinline__ void load_x16(const __nv_bfloat16* p, float (&v)[kCodesPerLane]) {
+  if constexpr (kVectorX) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint4 packed = __ldg(reinterpret_cast<const uint4*>(p) + half);
+      const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(pairs[j]);
+        v[half * 8 + 2 * j] = f.x;
+        v[half * 8 + 2 * j + 1] = f.y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kCodesPerLane; ++j) v[j] = __bfloat162float(p[j]);
+  }
+}
+
+template <bool kVectorX>
+__device__ __forceinline__ void load_x16(const float* p, float (&v)[kCodesPerLane]) {
+  if constexpr (kVectorX) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 f = __ldg(reinterpret_cast<const float4*>(p) + q);
+      v[4 * q] = f.x;
+      v[4 * q + 1] = f.y;
+      v[4 * q + 2] = f.z;
+      v[4 * q + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kCodesPerLane; ++j) v[j] = p[j];
+  }
+}
+
+template <bool kVectorX>
+__device__ __forceinline__ void load_x16(const __half* p, float (&v)[kCodesPerLane]) {
+  if constexpr (kVectorX) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint4 packed = __ldg(reinterpret_cast<const uint4*>(p) + half);
+      const auto* pairs = reinterpret_cast<const __half2*>(&packed);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(pairs[j]);
+        v[half * 8 + 2 * j] = f.x;
+        v[half * 8 + 2 * j + 1] = f.y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kCodesPerLane; ++j) v[j] = __half2float(p[j]);
+  }
+}
+
+// 16 e4m3 codes to fp32, two at a time by the hardware conversion (sm_89+).
+__device__ __forceinline__ void codes_to_f32(const uint4& packed, float (&w)[kCodesPerLane]) {
+  const auto* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&packed);
+#pragma unroll
+  for (int j = 0; j < kCodesPerLane / 2; ++j) {
+    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pairs[j], __NV_E4M3));
+    const float2 f = __half22float2(h);
+    w[2 * j] = f.x;
+    w[2 * j + 1] = f.y;
+  }
+}
+
 // x [m <= kRowsPerPass, k] rows x_stride apart; w [n, k] codes; scales [ceil(n/128), scale_cols].
-// k_vector: the prefix of each row read 16 codes at a time (k when k % 16 == 0 and w is 16-byte aligned, else 0).
-template <typename XT, typename OutT>
+// k_vector: the prefix of each row read 16 codes at a time (k when k % 16 == 0 and w is 16-byte
+// aligned, else 0). Each lane dots its 16 codes (unscaled) with each input row, then applies the
+// chunk's block scale once: a 16-code chunk never crosses a scale block (128 is a multiple of 16
+// and chunks start at multiples of 16). The k loop is unrolled so that several 16-byte weight loads
+// are in flight per lane.
+template <typename XT, typename OutT, bool kVectorX>
 __global__ void __launch_bounds__(kWarps * 32)
     fp8_gemv_kernel(const XT* __restrict__ x, int64_t x_stride, int m, const uint8_t* __restrict__ w,
                     const float* __restrict__ scales, int64_t scale_cols, OutT* out, int64_t out_stride, int n, int k,
@@ -71,20 +147,21 @@ __global__ void __launch_bounds__(kWarps * 32)
   const uint8_t* w_row = w + static_cast<int64_t>(row) * k;
   const float* row_scales = scales + static_cast<int64_t>(row / kFp8Block) * scale_cols;
   float acc[kRowsPerPass] = {};
-  // A 16-code chunk never crosses a scale block: 128 is a multiple of 16 and chunks start at multiples of 16.
+#pragma unroll 4
   for (int k0 = lane * kCodesPerLane; k0 < k_vector; k0 += 32 * kCodesPerLane) {
-    const uint4 packed = *reinterpret_cast<const uint4*>(w_row + k0);
-    const uint8_t* codes = reinterpret_cast<const uint8_t*>(&packed);
-    const float scale = row_scales[k0 / kFp8Block];
+    const uint4 packed = __ldg(reinterpret_cast<const uint4*>(w_row + k0));
+    const float scale = __ldg(row_scales + k0 / kFp8Block);
     float wv[kCodesPerLane];
-#pragma unroll
-    for (int j = 0; j < kCodesPerLane; ++j) wv[j] = e4m3_to_f32(codes[j]) * scale;
+    codes_to_f32(packed, wv);
 #pragma unroll
     for (int r = 0; r < kRowsPerPass; ++r) {
       if (r < m) {
-        const XT* xr = x + r * x_stride + k0;
+        float xv[kCodesPerLane];
+        load_x16<kVectorX>(x + r * x_stride + k0, xv);
+        float dot = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kCodesPerLane; ++j) acc[r] = fmaf(to_f32(xr[j]), wv[j], acc[r]);
+        for (int j = 0; j < kCodesPerLane; ++j) dot = fmaf(xv[j], wv[j], dot);
+        acc[r] = fmaf(dot, scale, acc[r]);
       }
     }
   }
@@ -119,9 +196,13 @@ void launch_gemv_rows(const Tensor& x, const Tensor& weight, const Tensor& scale
   METRALE_DISPATCH_FLOAT(x.dtype(), "linear_fp8 x", [&] {
     using XT = scalar_t;
     METRALE_DISPATCH_FLOAT(out.dtype(), "linear_fp8 out", [&] {
+      // Vector loads of x: 16-byte aligned rows (k_vector > 0 keeps them inside the row).
+      const bool vector_x = k_vector > 0 && reinterpret_cast<uintptr_t>(x.data()) % 16 == 0 &&
+                            (x.stride(0) * static_cast<int64_t>(sizeof(XT))) % 16 == 0;
+      const auto kernel = vector_x ? fp8_gemv_kernel<XT, scalar_t, true> : fp8_gemv_kernel<XT, scalar_t, false>;
       for (int64_t r0 = row0; r0 < m; r0 += kRowsPerPass) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, m - r0));
-        fp8_gemv_kernel<XT, scalar_t><<<blocks, kWarps * 32, 0, stream>>>(
+        kernel<<<blocks, kWarps * 32, 0, stream>>>(
             x.data_as<const XT>() + r0 * x.stride(0), x.stride(0), rows, static_cast<const uint8_t*>(weight.data()),
             scale_inv.data_as<const float>(), scale_inv.size(1), out.data_as<scalar_t>() + r0 * out.stride(0),
             out.stride(0), static_cast<int>(n), static_cast<int>(k), k_vector, accumulate);
