@@ -158,7 +158,7 @@ void bench_crossover(Timer& timer, int64_t n, int64_t k) {
               static_cast<double>(n * k) / 1e6);
   const Fp8Weight w = random_fp8_weight(n, k, 5);
   const int saved = kernels::cuda::fp8_gemv_max_rows();
-  for (const int64_t m : {4, 8, 16, 32, 64, 128}) {
+  for (const int64_t m : {1, 2, 4, 8, 16, 32, 64, 128}) {
     const OwnedTensor x = random_device(DType::kBF16, {m, k}, static_cast<uint64_t>(m));
     const OwnedTensor out(DType::kBF16, {m, n}, Device::cuda());
     kernels::cuda::set_fp8_gemv_max_rows(INT_MAX);

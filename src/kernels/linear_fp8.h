@@ -18,8 +18,8 @@ constexpr int64_t fp8_scale_blocks(int64_t extent) { return (extent + kFp8Block 
 // weight [N, K] f8e4m3, contiguous rows; scale_inv [ceil(N/128), ceil(K/128)] f32, contiguous;
 // out [M, N] f32|bf16 (row stride >= N). Accumulates in fp32. With `accumulate`, adds into out.
 //
-// CUDA: M <= cuda::fp8_gemv_max_rows() (decode; default 8) runs a GEMV that streams each weight row
-// once and dequantises it in registers. Larger M with bf16 x (prefill) quantises x to e4m3 per token
+// CUDA: M <= cuda::fp8_gemv_max_rows() (decode; default 2) runs a GEMV that streams each weight row
+// once and dequantises it in registers. Larger M with bf16 x (prefill, decode batches) quantises x to e4m3 per token
 // and 128-wide K group (fp8_quantize.h) and runs one cuBLASLt FP8 GEMM with block scaling (fp32
 // accumulation, out bf16 or f32); the result then carries the activation quantisation error
 // (~2-4e-2 relative L2 on random data). f32 x, K or N not multiples of 16, misaligned operands, or a
@@ -34,8 +34,8 @@ inline void linear_fp8(const Tensor& x, const Tensor& weight, const Tensor& scal
 
 #if METRALE_WITH_CUDA
 namespace cuda {
-// The crossover between the FP8 GEMV and the FP8 GEMM: M <= this runs the GEMV. The default is 8
-// (one GEMV pass); the environment variable METRALE_FP8_GEMV_MAX_ROWS sets it at start-up, and
+// The crossover between the FP8 GEMV and the FP8 GEMM: M <= this runs the GEMV. The default is 2
+// (measured: the GEMM wins from M = 4); the environment variable METRALE_FP8_GEMV_MAX_ROWS sets it at start-up, and
 // benchmarks and tests may change it (not while other threads run linear_fp8).
 int fp8_gemv_max_rows();
 void set_fp8_gemv_max_rows(int rows);

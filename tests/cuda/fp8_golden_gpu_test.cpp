@@ -22,9 +22,12 @@ namespace {
 
 using testing::GoldenCase;
 
-// Provisional: e4m3 activations (3 mantissa bits, one scale per 128 values) compounded over a golden
-// model's few layers; to be tightened once measured on the H200.
-constexpr double kActivationQuantisationAllowance = 8e-2;
+// e4m3 activations (3 mantissa bits, one scale per 128 values, each row of these tiny models a single
+// partial group) compounded over a golden model's layers: measured 2.9e-2 (qwen4_exp_dense_start)
+// to 2.03e-1 (qwen3_5, glm5_next) relative L2 on the H200 against the CPU model with exact
+// activations. The bound catches a wrong scale layout or operand order (errors near 1), not accuracy:
+// that is judged on the demo model's perplexity.
+constexpr double kActivationQuantisationAllowance = 2.5e-1;
 
 // Sets the FP8 GEMV/GEMM crossover for a scope.
 class Fp8GemvRows {

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <climits>
+
 #include <vector>
 
 #include "cuda/cuda_test_helpers.h"
@@ -33,6 +35,12 @@ OwnedTensor random_codes(int64_t n, int64_t k, Random& rng) {
 
 TEST(CudaLinearFp8, GemvMatchesCpuTwin) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  // The GEMV at every M here (the GEMM, on quantised activations, has its own test).
+  struct GemvEverywhere {
+    int saved = kernels::cuda::fp8_gemv_max_rows();
+    GemvEverywhere() { kernels::cuda::set_fp8_gemv_max_rows(INT_MAX); }
+    ~GemvEverywhere() { kernels::cuda::set_fp8_gemv_max_rows(saved); }
+  } gemv_everywhere;
   Random rng(9101);
   const int64_t ms[] = {1, 3, 8, 9, 17};
   const std::pair<int64_t, int64_t> nks[] = {{1, 16}, {5, 19}, {67, 136}, {130, 200}, {257, 1000}, {96, 4104}};
