@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <mutex>
 
 namespace metrale::kernels::cuda {
@@ -21,5 +22,41 @@ std::mutex& cublaslt_mutex();
 // The device's handle and workspace, created on first use (see linear_prepare); raises instead of
 // allocating when `stream` (may be null) is capturing a CUDA graph. Caller holds cublaslt_mutex().
 CublasLtContext cublaslt_context_locked(int device_index, cudaStream_t stream);
+
+// The descriptors of one cached matmul plan (host objects), destroyed with it; plans derive from
+// this and fill the handles in their build().
+class LtPlanDescriptors {
+ public:
+  LtPlanDescriptors() = default;
+  LtPlanDescriptors(const LtPlanDescriptors&) = delete;
+  LtPlanDescriptors& operator=(const LtPlanDescriptors&) = delete;
+  ~LtPlanDescriptors() {
+    if (preference_ != nullptr) cublasLtMatmulPreferenceDestroy(preference_);
+    if (c_ != nullptr) cublasLtMatrixLayoutDestroy(c_);
+    if (b_ != nullptr) cublasLtMatrixLayoutDestroy(b_);
+    if (a_ != nullptr) cublasLtMatrixLayoutDestroy(a_);
+    if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
+  }
+
+ protected:
+  cublasLtMatmulDesc_t op_ = nullptr;
+  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, c_ = nullptr;
+  cublasLtMatmulPreference_t preference_ = nullptr;
+  cublasLtMatmulAlgo_t algo_{};
+  size_t workspace_bytes_ = 0;
+};
+
+// FNV-1a over 64-bit words: the plan caches' key hash.
+class PlanKeyHasher {
+ public:
+  PlanKeyHasher& mix(uint64_t value) {
+    hash_ = (hash_ ^ value) * 1099511628211ull;
+    return *this;
+  }
+  size_t value() const { return static_cast<size_t>(hash_); }
+
+ private:
+  uint64_t hash_ = 1469598103934665603ull;
+};
 
 }  // namespace metrale::kernels::cuda

@@ -188,33 +188,22 @@ struct LtPlanKey {
 
 struct LtPlanKeyHash {
   size_t operator()(const LtPlanKey& key) const {
-    size_t h = 1469598103934665603ull;
-    const auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
-    mix(static_cast<uint64_t>(key.m));
-    mix(static_cast<uint64_t>(key.n));
-    mix(static_cast<uint64_t>(key.k));
-    mix(static_cast<uint64_t>(key.lda));
-    mix(static_cast<uint64_t>(key.ldc));
-    mix(static_cast<uint64_t>(key.in_dtype) * 64 + static_cast<uint64_t>(key.out_dtype) * 2 + (key.accumulate ? 1 : 0));
-    mix((static_cast<uint64_t>(key.align_x) << 32) ^ (static_cast<uint64_t>(key.align_w) << 16) ^ key.align_out);
-    return h;
+    return PlanKeyHasher()
+        .mix(static_cast<uint64_t>(key.m))
+        .mix(static_cast<uint64_t>(key.n))
+        .mix(static_cast<uint64_t>(key.k))
+        .mix(static_cast<uint64_t>(key.lda))
+        .mix(static_cast<uint64_t>(key.ldc))
+        .mix(static_cast<uint64_t>(key.in_dtype) * 64 + static_cast<uint64_t>(key.out_dtype) * 2 +
+             (key.accumulate ? 1 : 0))
+        .mix((static_cast<uint64_t>(key.align_x) << 32) ^ (static_cast<uint64_t>(key.align_w) << 16) ^ key.align_out)
+        .value();
   }
 };
 
 // Descriptors and the chosen algorithm of one problem (host objects only).
-class LtPlan {
+class LtPlan : public LtPlanDescriptors {
  public:
-  LtPlan() = default;
-  LtPlan(const LtPlan&) = delete;
-  LtPlan& operator=(const LtPlan&) = delete;
-  ~LtPlan() {
-    if (preference_ != nullptr) cublasLtMatmulPreferenceDestroy(preference_);
-    if (c_ != nullptr) cublasLtMatrixLayoutDestroy(c_);
-    if (b_ != nullptr) cublasLtMatrixLayoutDestroy(b_);
-    if (a_ != nullptr) cublasLtMatrixLayoutDestroy(a_);
-    if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
-  }
-
   // Returns false when cuBLASLt has no algorithm for the problem.
   bool build(cublasLtHandle_t handle, const LtPlanKey& key) {
     const cudaDataType_t out_type = key.out_dtype == static_cast<int>(DType::kF32) ? CUDA_R_32F : CUDA_R_16BF;
@@ -271,13 +260,6 @@ class LtPlan {
                             workspace_bytes_, stream),
              "cublasLtMatmul");
   }
-
- private:
-  cublasLtMatmulDesc_t op_ = nullptr;
-  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, c_ = nullptr;
-  cublasLtMatmulPreference_t preference_ = nullptr;
-  cublasLtMatmulAlgo_t algo_{};
-  size_t workspace_bytes_ = 0;
 };
 
 struct LtDevice {

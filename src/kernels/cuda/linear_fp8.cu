@@ -313,33 +313,21 @@ struct Fp8PlanKey {
 
 struct Fp8PlanKeyHash {
   size_t operator()(const Fp8PlanKey& key) const {
-    size_t h = 1469598103934665603ull;
-    const auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
-    mix(static_cast<uint64_t>(key.m));
-    mix(static_cast<uint64_t>(key.n));
-    mix(static_cast<uint64_t>(key.k));
-    mix(static_cast<uint64_t>(key.ldc));
-    mix(static_cast<uint64_t>(key.out_dtype) * 2 + (key.accumulate ? 1 : 0));
-    mix((static_cast<uint64_t>(key.align_w) << 16) ^ key.align_out);
-    return h;
+    return PlanKeyHasher()
+        .mix(static_cast<uint64_t>(key.m))
+        .mix(static_cast<uint64_t>(key.n))
+        .mix(static_cast<uint64_t>(key.k))
+        .mix(static_cast<uint64_t>(key.ldc))
+        .mix(static_cast<uint64_t>(key.out_dtype) * 2 + (key.accumulate ? 1 : 0))
+        .mix((static_cast<uint64_t>(key.align_w) << 16) ^ key.align_out)
+        .value();
   }
 };
 
 // Descriptors and the chosen algorithm of one problem (host objects only). The scale pointers are
 // descriptor attributes: run() sets them for each call (layers of one shape share the plan).
-class Fp8Plan {
+class Fp8Plan : public LtPlanDescriptors {
  public:
-  Fp8Plan() = default;
-  Fp8Plan(const Fp8Plan&) = delete;
-  Fp8Plan& operator=(const Fp8Plan&) = delete;
-  ~Fp8Plan() {
-    if (preference_ != nullptr) cublasLtMatmulPreferenceDestroy(preference_);
-    if (c_ != nullptr) cublasLtMatrixLayoutDestroy(c_);
-    if (b_ != nullptr) cublasLtMatrixLayoutDestroy(b_);
-    if (a_ != nullptr) cublasLtMatrixLayoutDestroy(a_);
-    if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
-  }
-
   // Empty when cuBLASLt has an algorithm for the problem, else why not (status names, for the logs).
   std::string build(cublasLtHandle_t handle, const Fp8PlanKey& key, size_t workspace_bytes, const void* w_scales,
                     const void* x_scales) {
@@ -414,12 +402,6 @@ class Fp8Plan {
     lt_check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales, sizeof(x_scales)),
              "set B_SCALE_POINTER");
   }
-
-  cublasLtMatmulDesc_t op_ = nullptr;
-  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, c_ = nullptr;
-  cublasLtMatmulPreference_t preference_ = nullptr;
-  cublasLtMatmulAlgo_t algo_{};
-  size_t workspace_bytes_ = 0;
 };
 
 // One device's FP8 GEMM state. Guarded by cublaslt_mutex().
