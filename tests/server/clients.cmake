@@ -15,5 +15,5 @@ foreach(client openai ai-sdk langchain)
              COMMAND sh -c "echo '${client} client test: node or the metrale target not found: run scripts/install-deps.sh' >&2; exit 1")
   endif()
   # 400 s: the sanitizer build serves the demo model several times slower (45 s in Release).
-  set_tests_properties(${test_name} PROPERTIES LABELS "server;oracle" TIMEOUT 400)
+  set_tests_properties(${test_name} PROPERTIES LABELS "server;oracle;client_sdk" TIMEOUT 400)
 endforeach()

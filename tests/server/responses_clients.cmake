@@ -14,5 +14,5 @@ foreach(client responses agents)
     add_test(NAME ${test_name}
              COMMAND sh -c "echo '${client} client test: node or the metrale target not found: run scripts/install-deps.sh' >&2; exit 1")
   endif()
-  set_tests_properties(${test_name} PROPERTIES LABELS "server;oracle" TIMEOUT 400)
+  set_tests_properties(${test_name} PROPERTIES LABELS "server;oracle;client_sdk" TIMEOUT 400)
 endforeach()
