@@ -10,7 +10,7 @@ namespace metrale::kernels {
 // Accumulates in fp32. With `accumulate`, adds into out instead of overwriting it.
 //
 // CUDA: the fast paths take bf16 x and bf16 weights, with out bf16 or f32:
-//   M <= gemv_max_rows() (default 8): a hand-written GEMV that streams each weight row once;
+//   M <= gemv_max_rows() (default 2): a hand-written GEMV that streams each weight row once;
 //   larger M: cuBLASLt (fp32 accumulation), plans cached per shape.
 // f32 x, weight and out (f32 runs) take cuBLASLt at every M with CUBLAS_COMPUTE_32F (no TF32).
 // Other dtypes, K not a multiple of 8 or misaligned pointers take a simple, slower kernel.
@@ -27,8 +27,8 @@ namespace cuda {
 // allocating). Idempotent and thread-safe.
 void linear_prepare(int device_index);
 // The crossover between the GEMV and cuBLASLt: M <= this runs the GEMV (at most 16). The default
-// is 8; the environment variable METRALE_GEMV_MAX_ROWS sets it at start-up, and benchmarks and
-// tests may change it (not while other threads run linear).
+// is 2 (the GEMV crossover table in docs/perf.md); the environment variable METRALE_GEMV_MAX_ROWS
+// sets it at start-up, and benchmarks and tests may change it (not while other threads run linear).
 int gemv_max_rows();
 void set_gemv_max_rows(int rows);
 }  // namespace cuda
