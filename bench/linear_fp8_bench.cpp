@@ -6,7 +6,8 @@
 //
 // Timing as bench/glm5_kernel_bench.cpp: an L2 flush of 256 MB before every repetition, CUDA events
 // around the call, the median.
-// Usage: metrale_linear_fp8_bench [--reps N] [--no-gemv]
+// Then the decode GEMVs (M = 1, 2) of both dtypes against the copy bandwidth, first.
+// Usage: metrale_linear_fp8_bench [--reps N] [--no-gemv] [--decode-only]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -172,16 +173,53 @@ void bench_crossover(Timer& timer, int64_t n, int64_t k) {
   kernels::cuda::set_fp8_gemv_max_rows(saved);
 }
 
+// Device-to-device copy bandwidth (read + write bytes per second) of 1 GiB: the practical HBM limit.
+double copy_bandwidth(Timer& timer) {
+  constexpr int64_t kBytes = int64_t{1} << 30;
+  const OwnedTensor src(DType::kU8, {kBytes}, Device::cuda()), dst(DType::kU8, {kBytes}, Device::cuda());
+  const double ms = timer.time([&] { copy_tensor(*dst, *src); });
+  return 2.0 * static_cast<double>(kBytes) / (ms * 1e-3);
+}
+
+// Decode (M = 1, 2): the FP8 GEMV against the bf16 GEMV of kernels::linear on the projection shapes
+// of Qwen3-8B and Qwen3-Next-80B-A3B, as bytes of weights read per second and as a fraction of the
+// copy bandwidth measured in the same run.
+void bench_decode(Timer& timer) {
+  const double copy = copy_bandwidth(timer);
+  std::printf("decode GEMV (copy bandwidth %.0f GB/s)\n", copy / 1e9);
+  const int64_t shapes[][2] = {{4096, 4096},  {12288, 4096}, {4096, 12288}, {24576, 4096},
+                               {12288, 2048}, {2048, 4096},  {151936, 4096}};
+  for (const auto& [n, k] : shapes) {
+    const Fp8Weight w = random_fp8_weight(n, k, static_cast<uint64_t>(n + k));
+    const OwnedTensor w_bf16 = random_device(DType::kBF16, {n, k}, 23);
+    for (const int64_t m : {1, 2}) {
+      const OwnedTensor x = random_device(DType::kBF16, {m, k}, static_cast<uint64_t>(m));
+      const OwnedTensor out(DType::kBF16, {m, n}, Device::cuda());
+      const double bf16_ms = timer.time([&] { kernels::linear(*x, *w_bf16, *out); });
+      const double fp8_ms = timer.time([&] { kernels::linear_fp8(*x, *w.codes, *w.scales, *out); });
+      const double bytes = static_cast<double>(n * k);
+      std::printf(
+          "  N %6lld x K %5lld M %lld: bf16 %7.1f us %5.0f GB/s (%4.1f%%) | fp8 %7.1f us %5.0f GB/s (%4.1f%%)\n",
+          static_cast<long long>(n), static_cast<long long>(k), static_cast<long long>(m), bf16_ms * 1e3,
+          2 * bytes / (bf16_ms * 1e-3) / 1e9, 100.0 * 2 * bytes / (bf16_ms * 1e-3) / copy, fp8_ms * 1e3,
+          bytes / (fp8_ms * 1e-3) / 1e9, 100.0 * bytes / (fp8_ms * 1e-3) / copy);
+      std::fflush(stdout);
+    }
+  }
+}
+
 int run(int argc, char** argv) {
   int reps = 20;
-  bool with_gemv = true;
+  bool with_gemv = true, decode_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
       reps = std::max(1, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--no-gemv") == 0) {
       with_gemv = false;
+    } else if (std::strcmp(argv[i], "--decode-only") == 0) {
+      decode_only = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--no-gemv]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--no-gemv] [--decode-only]\n", argv[0]);
       return 2;
     }
   }
@@ -191,6 +229,8 @@ int run(int argc, char** argv) {
   }
   kernels::linear_prepare(Device::cuda());
   Timer timer(reps);
+  bench_decode(timer);
+  if (decode_only) return 0;
   bench_shape(timer, 4096, 4096, with_gemv);
   bench_shape(timer, 12288, 4096, with_gemv);
   bench_crossover(timer, 4096, 4096);

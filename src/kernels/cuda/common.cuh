@@ -8,7 +8,10 @@
 
 #include <cstdint>
 
+#include <mutex>
+#include <set>
 #include <string>
+#include <utility>
 
 #include "core/error_base.h"
 #include "runtime/cuda/cuda_check.h"
@@ -20,6 +23,19 @@ namespace metrale::kernels::cuda {
 inline cudaStream_t stream_of(const Tensor& t) { return static_cast<cudaStream_t>(current_stream(t.device())); }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Raises `kernel`'s dynamic shared-memory limit to `bytes` on the current device, once per
+// (kernel, device, bytes). cudaFuncSetAttribute is not a stream operation, so this is also safe
+// during graph capture.
+inline void allow_dynamic_smem(const void* kernel, int bytes) {
+  static std::mutex mutex;
+  static std::set<std::pair<std::pair<const void*, int>, int>> done;
+  int device = 0;
+  METRALE_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lock(mutex);
+  if (!done.insert({{kernel, device}, bytes}).second) return;
+  METRALE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
 
 // Scalar loads and stores of the storage dtypes as fp32.
 template <typename T>

@@ -17,7 +17,6 @@
 // f32 expert weights (f32 runs) take CUDA-core kernels on both paths, one warp per output element,
 // fp32 throughout (correct, not fast).
 #include <algorithm>
-#include <mutex>
 #include <string>
 
 #include "kernels/cuda/common.cuh"
@@ -616,28 +615,13 @@ void check_fused(const MoeExpertWeights& experts, const char* op) {
   expect(e >= 1 && e * 2 * i * h < (int64_t{1} << 62) && h < (1 << 30) && i < (1 << 30), op, "expert sizes");
 }
 
-// Raises the kernel's dynamic shared-memory limit on the current device, once per (kernel, device).
-// cudaFuncSetAttribute is not a stream operation, so this is also safe during graph capture.
-template <grouped::Epilogue kEpilogue, bool kFp8B>
-void allow_grouped_smem() {
-  static std::mutex mutex;
-  static uint64_t done_devices = 0;  // bit d: set on device d
-  int device = 0;
-  METRALE_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard lock(mutex);
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-  if (bit != 0 && (done_devices & bit) != 0) return;
-  METRALE_CUDA_CHECK(cudaFuncSetAttribute(grouped::grouped_gemm_kernel<kEpilogue, kFp8B>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, grouped::kSmemBytes));
-  done_devices |= bit;
-}
-
 template <grouped::Epilogue kEpilogue, bool kFp8B>
 void launch_grouped_as(const grouped::Params& params, int64_t slots, int64_t experts, cudaStream_t stream) {
   const int64_t max_m_tiles = slots / grouped::kBlockM + std::min(experts, slots);
   const int64_t blocks = max_m_tiles * params.n_tiles;
   METRALE_EXPECT(blocks < (int64_t{1} << 31), "grouped GEMM grid too large");
-  allow_grouped_smem<kEpilogue, kFp8B>();
+  allow_dynamic_smem(reinterpret_cast<const void*>(grouped::grouped_gemm_kernel<kEpilogue, kFp8B>),
+                     grouped::kSmemBytes);
   grouped::grouped_gemm_kernel<kEpilogue, kFp8B>
       <<<static_cast<unsigned>(blocks), grouped::kThreads, grouped::kSmemBytes, stream>>>(params);
   METRALE_CHECK_LAUNCH("grouped_gemm_kernel");

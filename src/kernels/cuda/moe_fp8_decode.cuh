@@ -1,60 +1,27 @@
 // The MoE decode path over FP8 experts (kernels/moe.h: moe_decode_gate_up / moe_decode_down with
 // MoeExpertWeights::is_fp8): e4m3 codes [E, 2I, H] / [E, H, I] with fp32 128x128 block scales,
 // dequantised in registers. Per (slot, rows) a 4-warp block; each warp streams its weight rows of
-// the slot's expert 16 codes a lane (one 16-byte load per row per step, half the bytes of the bf16
-// kernels), multiplies each chunk by its block's scale and dots it with the slot's input in fp32.
-// A 16-code chunk never crosses a 128-column scale block. Needs H % 16 == 0 and I % 16 == 0.
+// the slot's expert through fp8_gemv::warp_dot_partial (16 codes a lane per load, every row's loads
+// of a step in flight together, each chunk's block scale applied once) and dots them with the slot's
+// input in fp32. Needs H % 16 == 0, I % 16 == 0 and 16-byte aligned input rows.
 #pragma once
-
-#include <cuda_fp8.h>
 
 #include <cstdint>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_gemv.cuh"
 #include "kernels/linear_fp8.h"
 
 namespace metrale::kernels::cuda::moe_fp8 {
 
 constexpr int kWarps = 4;
-constexpr int kGateUpRows = 2;  // intermediate rows per warp (2 gate + 2 up weight rows)
-constexpr int kDownRows = 4;    // down rows per warp
-constexpr int kCodes = 16;      // codes per lane per load
+constexpr int kGateUpRows = 2;   // intermediate rows per warp (2 gate + 2 up weight rows)
+constexpr int kGateUpLoads = 4;  // chunks per row in flight per lane (H = 2048: all of a lane's)
+constexpr int kDownRows = 8;     // down rows per warp (I = 512 is one chunk a lane: depth comes from rows)
+constexpr int kDownLoads = 1;
 
 __device__ __forceinline__ float silu(float g) {
   return g / (1.0f + expf(-g));
-}
-
-// 16 codes (one uint4) times `scale`.
-__device__ __forceinline__ void dequantise16(const uint4& packed, float scale, float (&w)[kCodes]) {
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(&packed);
-#pragma unroll
-  for (int j = 0; j < kCodes; ++j) {
-    __nv_fp8_e4m3 value;
-    value.__x = codes[j];
-    w[j] = static_cast<float>(value) * scale;
-  }
-}
-
-// acc[r] += dot(rows[r], x) over k in [0, k_total) for kRows weight rows of codes; scales[r] points
-// at row r's block-scale row. Lane-partial sums (the caller reduces across the warp).
-template <int kRows, typename XT>
-__device__ __forceinline__ void warp_dot_fp8(const uint8_t* const (&rows)[kRows], const float* const (&scales)[kRows],
-                                             const XT* __restrict__ x, int k_total, int lane, float (&acc)[kRows]) {
-  for (int k0 = lane * kCodes; k0 < k_total; k0 += 32 * kCodes) {
-    float xv[kCodes];
-#pragma unroll
-    for (int j = 0; j < kCodes; ++j) xv[j] = to_f32(x[k0 + j]);
-    uint4 packed[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) packed[r] = *reinterpret_cast<const uint4*>(rows[r] + k0);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float w[kCodes];
-      dequantise16(packed[r], scales[r][k0 / kFp8Block], w);
-#pragma unroll
-      for (int j = 0; j < kCodes; ++j) acc[r] = fmaf(xv[j], w[j], acc[r]);
-    }
-  }
 }
 
 // grid (ceil(I / (kWarps * kGateUpRows)), slots). h [slots, I] f32. gate_up_scale
@@ -83,12 +50,13 @@ __global__ void __launch_bounds__(kWarps * 32)
     scales[r] = expert_scales + static_cast<int64_t>(i / kFp8Block) * hidden_blocks;
     scales[R + r] = expert_scales + static_cast<int64_t>(inter_blocks + i / kFp8Block) * hidden_blocks;
   }
-  float acc[2 * R] = {};
-  warp_dot_fp8<2 * R>(rows, scales, x + static_cast<int64_t>(slot / top_k) * x_stride, hidden, lane, acc);
+  float acc[2 * R][1] = {};
+  const XT* const x_rows[1] = {x + static_cast<int64_t>(slot / top_k) * x_stride};
+  fp8_gemv::warp_dot_partial<2 * R, 1, kGateUpLoads>(rows, scales, x_rows, 1, hidden / fp8_gemv::kChunk, lane, acc);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    float gate = warp_sum(acc[r]);
-    float up = warp_sum(acc[R + r]);
+    float gate = warp_sum(acc[r][0]);
+    float up = warp_sum(acc[R + r][0]);
     if (limit > 0.0f) {  // clamped SwiGLU
       gate = fminf(gate, limit);
       up = fminf(fmaxf(up, -limit), limit);
@@ -119,11 +87,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     rows[r] = expert + static_cast<int64_t>(row) * inter;
     scales[r] = expert_scales + static_cast<int64_t>(row / kFp8Block) * inter_blocks;
   }
-  float acc[R] = {};
-  warp_dot_fp8<R>(rows, scales, h + static_cast<int64_t>(slot) * inter, inter, lane, acc);
+  float acc[R][1] = {};
+  const float* const h_rows[1] = {h + static_cast<int64_t>(slot) * inter};
+  fp8_gemv::warp_dot_partial<R, 1, kDownLoads>(rows, scales, h_rows, 1, inter / fp8_gemv::kChunk, lane, acc);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const float total = warp_sum(acc[r]);
+    const float total = warp_sum(acc[r][0]);
     if (lane == r && row0 + r < hidden) slot_out[static_cast<int64_t>(slot) * out_stride + row0 + r] = total;
   }
 }
