@@ -2,6 +2,9 @@
 // FP8 block-scaled one with its scales; linear() runs whichever it is.
 #pragma once
 
+#include <string>
+
+#include "core/error_base.h"
 #include "kernels/linear.h"
 #include "kernels/linear_fp8.h"
 
@@ -21,6 +24,15 @@ struct LinearWeight {
   int64_t out_features() const { return weight.size(0); }
   int64_t in_features() const { return weight.size(1); }
   int64_t size(int dim) const { return weight.size(dim); }
+  // Output rows [begin, end): for an FP8 weight `begin` must start a 128-row scale block.
+  LinearWeight rows(int64_t begin, int64_t end) const {
+    if (!is_fp8()) return LinearWeight(weight.slice(0, begin, end));
+    if (begin % kFp8Block != 0) {
+      raise_message(ErrorCode::kInternal,
+                    "FP8 weight rows from " + std::to_string(begin) + ": not the start of a 128-row scale block");
+    }
+    return LinearWeight(weight.slice(0, begin, end), scale_inv.slice(0, begin / kFp8Block, fp8_scale_blocks(end)));
+  }
 };
 
 // x [M, K] -> out [M, N] as linear() / linear_fp8() (overwritten, or added to with `accumulate`).

@@ -450,6 +450,46 @@ kernels::LinearWeight Weights::get_linear(const std::string& key, const Shape& s
   return quantize(view);
 }
 
+kernels::LinearWeight Weights::get_fused_linear(std::span<const std::string> keys, std::span<const int64_t> rows,
+                                                int64_t in_features) {
+  METRALE_CHECK(!keys.empty() && keys.size() == rows.size(), "get_fused_linear: {} keys for {} row counts", keys.size(),
+                rows.size());
+  if (!device_.is_cuda()) return {};
+  int64_t total = 0;
+  size_t fp8_parts = 0;
+  bool whole_blocks = true;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    total += rows[i];
+    if (linear_is_fp8(keys[i])) ++fp8_parts;
+    if (rows[i] % kernels::kFp8Block != 0) whole_blocks = false;
+  }
+  if (fp8_parts == 0) {
+    const DType dtype = compute_dtype();
+    Buffer buffer(device_, static_cast<size_t>(total * in_features) * dtype_size(dtype));
+    const Tensor fused(buffer.data(), dtype, {total, in_features}, device_);
+    for (size_t i = 0, row = 0; i < keys.size(); row += static_cast<size_t>(rows[i]), ++i) {
+      load_into(keys[i], fused.slice(0, static_cast<int64_t>(row), static_cast<int64_t>(row) + rows[i]));
+    }
+    buffers_.push_back(std::move(buffer));
+    return fused;
+  }
+  if (fp8_parts != keys.size() || !whole_blocks) return {};
+  const int64_t column_blocks = kernels::fp8_scale_blocks(in_features);
+  Buffer code_buffer(device_, static_cast<size_t>(total * in_features));
+  Buffer scale_buffer(device_, static_cast<size_t>(total / kernels::kFp8Block * column_blocks) * sizeof(float));
+  const kernels::LinearWeight fused(
+      Tensor(code_buffer.data(), DType::kF8E4M3, {total, in_features}, device_),
+      Tensor(scale_buffer.data(), DType::kF32, {total / kernels::kFp8Block, column_blocks}, device_));
+  for (size_t i = 0, row = 0; i < keys.size(); row += static_cast<size_t>(rows[i]), ++i) {
+    const auto begin = static_cast<int64_t>(row), end = begin + rows[i];
+    load_fp8_into(keys[i], fused.weight.slice(0, begin, end),
+                  fused.scale_inv.slice(0, begin / kernels::kFp8Block, end / kernels::kFp8Block));
+  }
+  buffers_.push_back(std::move(code_buffer));
+  buffers_.push_back(std::move(scale_buffer));
+  return fused;
+}
+
 bool Weights::linear_is_fp8(const std::string& key) const {
   if (quantization_ == WeightQuantization::kFp8) return true;
   if (!store_) return false;

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -91,6 +92,12 @@ class Weights {
   // and block-quantised (a permutation need not keep 128-row blocks whole).
   kernels::LinearWeight get_linear_permuted(const std::string& key, const Shape& shape,
                                             const std::function<int64_t(int64_t)>& destination_row);
+  // The projections `prefix + keys[i]` (rows[i] x in_features each) stacked by rows into one weight
+  // on the GPU, so that one launch runs them all: in the compute dtype when no part is FP8, in FP8
+  // when every part is and each part's rows are a multiple of 128 (the parts' scale blocks then stack
+  // whole). Empty on the CPU or when neither holds (the block then keeps its parts).
+  kernels::LinearWeight get_fused_linear(std::span<const std::string> keys, std::span<const int64_t> rows,
+                                         int64_t in_features);
   // get() for a weight that blocks use as plain matrices (e.g. absorbed into attention): an f8e4m3
   // one is dequantised with its scales (f32 on the CPU, bf16 on the GPU).
   Tensor get_dequantized(const std::string& key, const Shape& shape);
@@ -107,7 +114,7 @@ class Weights {
                      int64_t row_begin = 0);
   // FP8 weights: read from the checkpoint (its config.json declares them) and/or quantised at load.
   void set_fp8(bool checkpoint_fp8, WeightQuantization quantization);
-  // Whether get_linear() may return FP8 weights (blocks then keep their projections unfused).
+  // Whether get_linear() may return FP8 weights.
   bool fp8_linears() const { return checkpoint_fp8_ || quantization_ == WeightQuantization::kFp8; }
   // The dtype the model computes its activations in: f32 on the CPU; on the GPU bf16, or f32 when
   // set_compute_dtype() asks for it (exact comparisons against an fp32 reference).

@@ -17,15 +17,13 @@ Attention::Attention(const AttentionConfig& config, Weights& weights, const std:
       kv_scales_(weights, prefix, config.num_kv_heads) {
   const int64_t h = config.hidden_size, d = config.head_dim;
   const int64_t q_rows = config.num_heads * d * (config.output_gate ? 2 : 1), kv_rows = config.num_kv_heads * d;
-  if (weights.device().is_cuda() && !weights.fp8_linears()) {
-    qkv_proj_ = OwnedTensor(weights.compute_dtype(), {q_rows + 2 * kv_rows, h}, weights.device());
-    weights.load_into(prefix + "q_proj.weight", qkv_proj_.tensor.slice(0, 0, q_rows));
-    weights.load_into(prefix + "k_proj.weight", qkv_proj_.tensor.slice(0, q_rows, q_rows + kv_rows));
-    weights.load_into(prefix + "v_proj.weight", qkv_proj_.tensor.slice(0, q_rows + kv_rows, q_rows + 2 * kv_rows));
-  } else {
-    q_proj_ = weights.get_linear(prefix + "q_proj.weight", {q_rows, h});
-    k_proj_ = weights.get_linear(prefix + "k_proj.weight", {kv_rows, h});
-    v_proj_ = weights.get_linear(prefix + "v_proj.weight", {kv_rows, h});
+  const std::string keys[] = {prefix + "q_proj.weight", prefix + "k_proj.weight", prefix + "v_proj.weight"};
+  const int64_t rows[] = {q_rows, kv_rows, kv_rows};
+  qkv_proj_ = weights.get_fused_linear(keys, rows, h);
+  if (qkv_proj_.empty()) {
+    q_proj_ = weights.get_linear(keys[0], {q_rows, h});
+    k_proj_ = weights.get_linear(keys[1], {kv_rows, h});
+    v_proj_ = weights.get_linear(keys[2], {kv_rows, h});
   }
   o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, config.num_heads * d});
   if (config.qk_norm) {
@@ -55,8 +53,8 @@ void Attention::forward(const StepContext& step, const BlockCache& cache, const 
   const DType act = step.activation_dtype;
   // [T, Q + 2 nKV * D]: q, k and v side by side; the per-head views below are strided into it.
   const Tensor qkv = step.workspace.alloc(act, {tokens, q_rows + 2 * kv_rows});
-  if (!qkv_proj_.tensor.empty()) {
-    kernels::linear(x, qkv_proj_.tensor, qkv);
+  if (!qkv_proj_.empty()) {
+    kernels::linear(x, qkv_proj_, qkv);
   } else {
     kernels::linear(x, q_proj_, qkv.slice(1, 0, q_rows));
     kernels::linear(x, k_proj_, qkv.slice(1, q_rows, q_rows + kv_rows));
@@ -93,8 +91,8 @@ void Attention::write_keys(const StepContext& step, const BlockCache& cache, con
   const int64_t q_rows = config_.num_heads * d * (config_.output_gate ? 2 : 1), kv_rows = config_.num_kv_heads * d;
   const DType act = step.activation_dtype;
   const Tensor kv = step.workspace.alloc(act, {tokens, 2 * kv_rows});  // [T, 2 nKV * D]: k then v
-  if (!qkv_proj_.tensor.empty()) {
-    kernels::linear(x, qkv_proj_.tensor.slice(0, q_rows, q_rows + 2 * kv_rows), kv);
+  if (!qkv_proj_.empty()) {
+    kernels::linear(x, qkv_proj_.rows(q_rows, q_rows + 2 * kv_rows), kv);
   } else {
     kernels::linear(x, k_proj_, kv.slice(1, 0, kv_rows));
     kernels::linear(x, v_proj_, kv.slice(1, kv_rows, 2 * kv_rows));

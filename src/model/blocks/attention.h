@@ -56,11 +56,11 @@ class Attention : public Mixer {
   static constexpr size_t kKeys = 0, kValues = 1;  // BlockCache::tensors
 
   AttentionConfig config_;
-  // On the GPU q, k and v are one fused projection (compute dtype) [(Q + 2 nKV * D), H] (one weight read per
-  // step); on the CPU, and with FP8 weights, they stay three weights (views into the mapped
-  // checkpoint when plain). Q = nH * D, or 2 nH * D with the output gate (query and gate interleaved
-  // per head).
-  OwnedTensor qkv_proj_;
+  // On the GPU q, k and v are one fused projection [(Q + 2 nKV * D), H] (one launch per step; compute
+  // dtype, or FP8 when all three are, Weights::get_fused_linear); on the CPU, and where they cannot
+  // be fused, they stay three weights (views into the mapped checkpoint when plain). Q = nH * D, or
+  // 2 nH * D with the output gate (query and gate interleaved per head).
+  kernels::LinearWeight qkv_proj_;
   kernels::LinearWeight q_proj_, k_proj_, v_proj_, o_proj_;  // [Q, H], [nKV*D, H], [nKV*D, H], [H, nH*D]
   std::optional<RmsNorm> q_norm_, k_norm_;    // [D]
   std::shared_ptr<const RotaryEmbedding> rope_;

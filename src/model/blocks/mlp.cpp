@@ -25,14 +25,12 @@ void SwiGluWeights::run(const StepContext& step, const Tensor& x, const Tensor& 
 Mlp::Mlp(Weights& weights, const std::string& prefix, int64_t hidden_size, int64_t intermediate_size,
          float swiglu_limit) {
   weights_.limit = swiglu_limit;
-  if (weights.device().is_cuda() && !weights.fp8_linears()) {
-    fused_gate_up_ = OwnedTensor(weights.compute_dtype(), {2 * intermediate_size, hidden_size}, weights.device());
-    weights.load_into(prefix + "gate_proj.weight", fused_gate_up_.tensor.slice(0, 0, intermediate_size));
-    weights.load_into(prefix + "up_proj.weight", fused_gate_up_.tensor.slice(0, intermediate_size, 2 * intermediate_size));
-    weights_.gate_up = fused_gate_up_.tensor;
-  } else {
-    weights_.gate = weights.get_linear(prefix + "gate_proj.weight", {intermediate_size, hidden_size});
-    weights_.up = weights.get_linear(prefix + "up_proj.weight", {intermediate_size, hidden_size});
+  const std::string keys[] = {prefix + "gate_proj.weight", prefix + "up_proj.weight"};
+  const int64_t rows[] = {intermediate_size, intermediate_size};
+  weights_.gate_up = weights.get_fused_linear(keys, rows, hidden_size);
+  if (weights_.gate_up.empty()) {
+    weights_.gate = weights.get_linear(keys[0], {intermediate_size, hidden_size});
+    weights_.up = weights.get_linear(keys[1], {intermediate_size, hidden_size});
   }
   weights_.down = weights.get_linear(prefix + "down_proj.weight", {hidden_size, intermediate_size});
 }

@@ -29,7 +29,6 @@ class Mlp : public FeedForward {
   void forward(const StepContext& step, const Tensor& x, const Tensor& out) override;
 
  private:
-  OwnedTensor fused_gate_up_;  // GPU without FP8 weights: gate and up in one [2I, H] weight
   SwiGluWeights weights_;
 };
 
