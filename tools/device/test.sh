@@ -15,7 +15,7 @@ if [[ $mode == build ]]; then
   # The GPU machine's image lacks some Debian libraries the binaries use: they travel with bin/.
   mkdir -p "$build_dir/bin/lib"
   for binary in "$build_dir/bin/metrale" "$build_dir/bin/metrale_cuda_tests" "$build_dir/bin/metrale_engine_tests"; do
-    ldd "$binary" | awk '/=> \/(usr\/)?lib\/x86_64-linux-gnu\/lib(fmt|onig|utf8proc|cpp-httplib|brotli|ssl|crypto)/ {print $3}'
+    ldd "$binary" | awk '/=> \/(usr\/)?lib\/x86_64-linux-gnu\/lib(fmt|onig|utf8proc|cpp-httplib|brotli|ssl|crypto|xxhash)/ {print $3}'
   done | sort -u | xargs -r cp -L -t "$build_dir/bin/lib"
   exit 0
 fi

@@ -1205,8 +1205,6 @@ __global__ void __launch_bounds__(kGenericThreads)
   const int position = kv_len - q_len + (row - args.cu_q[sequence]);
   const int first_key = args.window > 0 ? max(0, position - args.window + 1) : 0;
   const int kv_head = head / args.group;
-  const T* k_cache = reinterpret_cast<const T*>(args.kv.k_cache);
-  const T* v_cache = reinterpret_cast<const T*>(args.kv.v_cache);
   const T* q = reinterpret_cast<const T*>(args.q) + static_cast<int64_t>(row) * args.q_token_stride +
                static_cast<int64_t>(head) * args.q_head_stride;
   for (int d = threadIdx.x; d < head_dim; d += kGenericThreads) q_shared[d] = to_f32(q[d]);
