@@ -44,8 +44,14 @@ asan: deps $(ASAN_DIR)/CMakeCache.txt
 # Agents clients) check the protocol, which the Release run covers; under the sanitizers they would
 # spend minutes serving the demo model again. The server's own code stays sanitized through
 # metrale_server_tests, server.openai_client, the hostile clients and the fault injection.
+# ASAN_SKIP: demo-model runs that check accuracy or token equality over many steps (FP8 KV greedy
+# agreement, FP8 held-out perplexity, fault containment with the MTP head, n-gram and MTP against
+# plain tokens). The Release run checks them; under the sanitizers they took 15 of the 30 minutes of
+# test time, and the code they run stays sanitized through the shorter demo, MTP, FP8 KV and fault
+# containment tests.
+ASAN_SKIP ?= Fp8KvEngine\.DemoModelAgreesWithBf16KvGreedily|Fp8Accuracy\.DemoHeldOutPerplexity|FaultContainment\..*/demo_mtp|SpeculativeDemo\.NgramAndMtpGiveThePlainTokens
 test-asan: asan
-	cd $(ASAN_DIR) && ctest --output-on-failure -j $(JOBS) -LE client_sdk
+	cd $(ASAN_DIR) && ctest --output-on-failure -j $(JOBS) -LE client_sdk -E '$(ASAN_SKIP)'
 
 # libFuzzer targets (clang, ASan + UBSan): tests/fuzz/.
 $(FUZZ_DIR)/CMakeCache.txt:
