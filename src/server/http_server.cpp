@@ -21,9 +21,10 @@
 #include "text/chat_template.h"
 
 namespace metrale::server {
-namespace {
 
 using json = nlohmann::ordered_json;
+
+namespace {
 
 
 

@@ -1,4 +1,5 @@
 #include "server/openai_protocol.h"
+#include "server/request_fields.h"
 
 #include <algorithm>
 #include <charconv>
@@ -59,74 +60,13 @@ json parse_json_body(std::string_view body, const ProtocolLimits& limits) {
 
 namespace {
 
-const char* type_name(const json& value) {
-  switch (value.type()) {
-    case json::value_t::null: return "null";
-    case json::value_t::boolean: return "boolean";
-    case json::value_t::string: return "string";
-    case json::value_t::array: return "array";
-    case json::value_t::object: return "object";
-    case json::value_t::number_float: return "number";
-    case json::value_t::number_integer:
-    case json::value_t::number_unsigned: return "integer";
-    default: return "value";
-  }
-}
-
-ApiError wrong_type(const std::string& key, const char* expected, const json& got) {
-  return invalid_request(fmt::format("'{}' must be {}, got {}", key, expected, type_name(got)), key);
-}
-
-// A field that is absent or null reads as nullopt; any other type than the one asked is a 400.
-const json* field(const json& body, const std::string& key) {
-  const auto it = body.find(key);
-  if (it == body.end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
-std::optional<bool> get_bool(const json& body, const std::string& key) {
-  const json* value = field(body, key);
-  if (value == nullptr) return std::nullopt;
-  if (!value->is_boolean()) throw wrong_type(key, "a boolean", *value);
-  return value->get<bool>();
-}
-
-std::optional<double> get_number(const json& body, const std::string& key) {
-  const json* value = field(body, key);
-  if (value == nullptr) return std::nullopt;
-  if (!value->is_number()) throw wrong_type(key, "a number", *value);
-  return value->get<double>();
-}
-
-int64_t as_integer(const json& value, const std::string& key) {
-  if (value.is_number_integer()) return value.get<int64_t>();
-  if (value.is_number_unsigned()) {
-    const auto unsigned_value = value.get<uint64_t>();
-    if (unsigned_value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      throw invalid_request(fmt::format("'{}' is too large", key), key);
-    return static_cast<int64_t>(unsigned_value);
-  }
-  if (value.is_number_float()) {
-    const double number = value.get<double>();
-    // 2.0 is accepted as 2 (some clients send every number as a float); 2.5 is not an integer.
-    if (std::isfinite(number) && std::floor(number) == number && std::fabs(number) < 9.0e15)
-      return static_cast<int64_t>(number);
-  }
-  throw wrong_type(key, "an integer", value);
-}
-
-std::optional<int64_t> get_integer(const json& body, const std::string& key) {
-  const json* value = field(body, key);
-  if (value == nullptr) return std::nullopt;
-  return as_integer(*value, key);
-}
-
-std::optional<std::string> get_string(const json& body, const std::string& key) {
-  const json* value = field(body, key);
-  if (value == nullptr) return std::nullopt;
-  if (!value->is_string()) throw wrong_type(key, "a string", *value);
-  return value->get<std::string>();
-}
+using request_fields::as_integer;
+using request_fields::field;
+using request_fields::get_bool;
+using request_fields::get_integer;
+using request_fields::get_number;
+using request_fields::get_string;
+using request_fields::wrong_type;
 
 void check_range(bool ok, const std::string& key, const std::string& range, double got) {
   if (!ok) throw invalid_request(fmt::format("'{}' must be {}, got {}", key, range, got), key);

@@ -5,9 +5,10 @@
 #include <ctime>
 
 namespace metrale::server {
-namespace {
 
 using json = nlohmann::ordered_json;
+
+namespace {
 
 json or_null(const std::optional<std::string>& value) {
   return value ? json(*value) : json(nullptr);

@@ -7,86 +7,29 @@
 #include <set>
 #include <string_view>
 
+#include "server/request_fields.h"
+
 namespace metrale::server {
-namespace {
 
 using json = nlohmann::ordered_json;
 
-const char* type_name(const json& value) {
-  switch (value.type()) {
-    case json::value_t::null:
-      return "null";
-    case json::value_t::boolean:
-      return "boolean";
-    case json::value_t::string:
-      return "string";
-    case json::value_t::array:
-      return "array";
-    case json::value_t::object:
-      return "object";
-    case json::value_t::number_float:
-      return "number";
-    case json::value_t::number_integer:
-    case json::value_t::number_unsigned:
-      return "integer";
-    default:
-      return "value";
-  }
-}
+namespace {
 
-ApiError wrong_type(const std::string& key, const char* expected, const json& got) {
-  return invalid_request(fmt::format("'{}' must be {}, got {}", key, expected, type_name(got)), key);
-}
+using request_fields::field;
+using request_fields::get_bool;
+using request_fields::get_integer;
+using request_fields::get_number;
+using request_fields::get_string;
+using request_fields::wrong_type;
 
 ApiError unsupported(const std::string& key, const std::string& what) {
   return invalid_request(fmt::format("'{}': {} is not supported by this server", key, what), key);
-}
-
-// A field that is absent or null reads as nullptr.
-const json* field(const json& object, const std::string& key) {
-  const auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
-std::optional<std::string> get_string(const json& object, const std::string& key, const std::string& param) {
-  const json* value = field(object, key);
-  if (value == nullptr) return std::nullopt;
-  if (!value->is_string()) throw wrong_type(param, "a string", *value);
-  return value->get<std::string>();
 }
 
 std::string required_string(const json& object, const std::string& key, const std::string& param) {
   std::optional<std::string> value = get_string(object, key, param);
   if (!value) throw invalid_request(fmt::format("'{}' is required", param), param);
   return *value;
-}
-
-std::optional<bool> get_bool(const json& object, const std::string& key) {
-  const json* value = field(object, key);
-  if (value == nullptr) return std::nullopt;
-  if (!value->is_boolean()) throw wrong_type(key, "a boolean", *value);
-  return value->get<bool>();
-}
-
-std::optional<double> get_number(const json& object, const std::string& key) {
-  const json* value = field(object, key);
-  if (value == nullptr) return std::nullopt;
-  if (!value->is_number()) throw wrong_type(key, "a number", *value);
-  return value->get<double>();
-}
-
-std::optional<int64_t> get_integer(const json& object, const std::string& key) {
-  const json* value = field(object, key);
-  if (value == nullptr) return std::nullopt;
-  if (value->is_number_integer()) return value->get<int64_t>();
-  if (value->is_number_unsigned()) return std::numeric_limits<int64_t>::max();
-  if (value->is_number_float()) {
-    const double number = value->get<double>();
-    if (std::isfinite(number) && std::floor(number) == number && std::fabs(number) < 9.0e15)
-      return static_cast<int64_t>(number);
-  }
-  throw wrong_type(key, "an integer", *value);
 }
 
 // Fields of the Responses API this server does not implement: present with a value other than the

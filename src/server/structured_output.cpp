@@ -7,9 +7,10 @@
 #include "text/grammar/tool_call_grammar.h"
 
 namespace metrale::server {
-namespace {
 
 using json = nlohmann::ordered_json;
+
+namespace {
 
 bool forces_tool_call(const ToolChoice& choice) {
   return choice.mode == ToolChoiceMode::kRequired || choice.mode == ToolChoiceMode::kFunction;

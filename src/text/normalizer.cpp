@@ -31,11 +31,6 @@ namespace metrale::text {
 
 namespace {
 
-struct CodePointRange {
-  char32_t first;
-  char32_t end;  // one past the last
-};
-
 #include "text/unicode9_normalization.inc"
 
 bool in_ranges(std::span<const CodePointRange> ranges, char32_t cp) {

@@ -10,6 +10,12 @@
 
 namespace metrale::text {
 
+// A half-open range of code points, the element of the generated Unicode tables (*.inc).
+struct CodePointRange {
+  char32_t first;
+  char32_t end;  // one past the last
+};
+
 inline constexpr std::string_view kReplacementCharacter = "\xEF\xBF\xBD";  // U+FFFD
 
 // What the bytes at the front of a buffer hold.

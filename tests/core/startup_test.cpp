@@ -70,25 +70,25 @@ TEST_F(StartupTest, LinesInBothFormats) {
 }
 
 TEST_F(StartupTest, NothingWhileReportingIsOff) {
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   report_startup("x", "hidden");
   {
     StageProgress progress("weights", "loading weights", "loaded weights", "tensors", 2, 100);
     progress.advance(2, 100);
   }
-  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
 }
 
 TEST_F(StartupTest, CountedStageWritesABeginAndAnEndLineOffATerminal) {
   set_startup_reporting(true);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   {
     StageProgress progress("weights", "loading weights from d", "loaded weights", "tensors", 3, 3u << 20);
     for (int i = 0; i < 3; ++i) progress.advance(1, 1u << 20);
     EXPECT_EQ(progress.items(), 3);
     EXPECT_EQ(progress.bytes(), 3u << 20);
   }
-  const std::vector<std::string> lines = lines_of(testing::internal::GetCapturedStderr());
+  const std::vector<std::string> lines = lines_of(::testing::internal::GetCapturedStderr());
   ASSERT_EQ(lines.size(), 2u);
   EXPECT_EQ(lines[0], "[metrale] loading weights from d: 3 tensors, 3.00 MiB");
   EXPECT_EQ(lines[1].rfind("[metrale] loaded weights: 3 tensors, 3.00 MiB in ", 0), 0u) << lines[1];
@@ -98,14 +98,14 @@ TEST_F(StartupTest, CountedStageWritesABeginAndAnEndLineOffATerminal) {
 TEST_F(StartupTest, CountedStageInJson) {
   set_startup_reporting(true);
   set_log_format(LogFormat::kJson);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   {
     StageProgress progress("weights", "loading weights", "loaded weights", "tensors", 2, 10);
     progress.advance(1, 4);
     progress.finish();
     progress.advance(1, 6);  // after the end: counted, not shown
   }
-  const std::vector<std::string> lines = lines_of(testing::internal::GetCapturedStderr());
+  const std::vector<std::string> lines = lines_of(::testing::internal::GetCapturedStderr());
   ASSERT_EQ(lines.size(), 2u);
   EXPECT_NE(lines[0].find("\"event\":\"weights_start\""), std::string::npos) << lines[0];
   EXPECT_NE(lines[0].find("\"tensors_total\":2,\"bytes_total\":10}"), std::string::npos) << lines[0];
@@ -122,9 +122,9 @@ TEST_F(StartupTest, ProgressTexts) {
 
 TEST_F(StartupTest, JsonLogFormatAppliesToLogLines) {
   set_log_format(LogFormat::kJson);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   METRALE_LOG_ERROR("disk {} is \"full\"", 3);
-  const std::string text = testing::internal::GetCapturedStderr();
+  const std::string text = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(text.rfind("{\"ts\":\"", 0), 0u) << text;
   EXPECT_NE(text.find("\"level\":\"error\",\"msg\":\"disk 3 is \\\"full\\\"\"}\n"), std::string::npos) << text;
 }

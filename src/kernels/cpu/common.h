@@ -1,6 +1,7 @@
 // Helpers shared by the CPU kernels: row conversion to fp32 and a vectorisable dot product.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -39,6 +40,22 @@ inline float round_as(DType dtype, float value) {
     default: return value;
   }
 }
+
+// One head row of a [T, heads, dim] view as fp32: `dst` gets t[token, head, :].
+inline void load_head(const Tensor& t, int64_t token, int64_t head, float* dst) {
+  const char* at = static_cast<const char*>(t.data()) +
+                   (token * t.stride(0) + head * t.stride(1)) * static_cast<int64_t>(t.element_size());
+  convert_to_f32(t.dtype(), at, dst, static_cast<size_t>(t.size(2)));
+}
+
+// A whole (small) weight tensor as fp32, e.g. a norm's [dim] weight.
+inline std::vector<float> weights_f32(const Tensor& weight) {
+  std::vector<float> w(static_cast<size_t>(weight.numel()));
+  convert_to_f32(weight.dtype(), weight.data(), w.data(), w.size());
+  return w;
+}
+
+inline float sigmoid_f32(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 // Dot product with 16 independent fp32 accumulators: the compiler can keep them in SIMD lanes
 // without reassociating (no -ffast-math needed), and the summation order is fixed.

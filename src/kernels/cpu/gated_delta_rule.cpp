@@ -77,13 +77,6 @@ DeltaRuleBatch check_delta_rule(const char* op, const Tensor& q, const Tensor& k
   return b;
 }
 
-// One head row of a [T, heads, dim] view as fp32.
-void load_head(const Tensor& t, int64_t token, int64_t head, float* dst) {
-  const char* at = static_cast<const char*>(t.data()) +
-                   (token * t.stride(0) + head * t.stride(1)) * static_cast<int64_t>(t.element_size());
-  convert_to_f32(t.dtype(), at, dst, static_cast<size_t>(t.size(2)));
-}
-
 // x <- x * rsqrt(sum(x^2) + 1e-6) (transformers' l2norm, eps inside the root of the sum), then * scale.
 void l2norm_scale(float* x, int64_t n, bool normalize, float scale) {
   if (normalize) {

@@ -17,7 +17,6 @@ char* element_mut(const Tensor& x, int64_t row, int64_t col) {
   return static_cast<char*>(row_ptr_mut(x, row)) + col * static_cast<int64_t>(x.element_size());
 }
 
-float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 void check_rows(const Tensor& t, int64_t rows, int64_t width, const char* what) {
   METRALE_CHECK(t.ndim() == 2 && t.size(0) == rows && t.size(1) == width && (width <= 1 || t.stride(1) == 1),
@@ -102,13 +101,13 @@ void hc_gates(const Tensor& down, const Tensor& inject, const Tensor& act_out, c
       convert_to_f32(down.dtype(), element(down, t, 0), row, static_cast<size_t>(rank));
       for (int64_t i = 0; i < rank; ++i) {
         const float scaled = round_as(act, row[i] / n);
-        row[i] = scaled * sigmoid(scaled);
+        row[i] = scaled * sigmoid_f32(scaled);
       }
       store_f32(act, row, element_mut(act_out, t, 0), rank);
       if (!with_beta) continue;
       float* b = row + rank;
       convert_to_f32(inject.dtype(), element(inject, t, 0), b, static_cast<size_t>(streams));
-      for (int64_t i = 0; i < streams; ++i) b[i] = 2.0f * round_as(act, sigmoid(round_as(act, b[i] / n)));
+      for (int64_t i = 0; i < streams; ++i) b[i] = 2.0f * round_as(act, sigmoid_f32(round_as(act, b[i] / n)));
       store_f32(beta.dtype(), b, element_mut(beta, t, 0), streams);
     }
   });
@@ -132,7 +131,7 @@ void hc_mix(const Tensor& up, const Tensor& normed, const Tensor& x, const HcPar
       for (int64_t n = 0; n < streams; ++n) {
         convert_to_f32(up.dtype(), element(up, t, n * hidden), m, static_cast<size_t>(hidden));
         convert_to_f32(normed.dtype(), element(normed, t, n * hidden), r, static_cast<size_t>(hidden));
-        for (int64_t c = 0; c < hidden; ++c) sum[c] += round_as(act, round_as(act, sigmoid(m[c])) * r[c]);
+        for (int64_t c = 0; c < hidden; ++c) sum[c] += round_as(act, round_as(act, sigmoid_f32(m[c])) * r[c]);
       }
       for (int64_t c = 0; c < hidden; ++c) sum[c] /= static_cast<float>(streams);
       store_f32(act, sum, element_mut(x, t, 0), hidden);

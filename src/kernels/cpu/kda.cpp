@@ -14,7 +14,7 @@
 namespace metrale::kernels::cpu {
 namespace {
 
-constexpr int64_t kChunk = 64;  // transformers' chunk_kimi_delta_attention chunk size
+constexpr int64_t kKdaChunk = 64;  // transformers' chunk_kimi_delta_attention chunk size
 
 struct KdaBatch {
   int64_t tokens = 0, num_seqs = 0, heads = 0, dk = 0, dv = 0, num_slots = 0;
@@ -119,13 +119,6 @@ float beta_of(const Tensor& b, int64_t t, int64_t head) {
   return round_as(b.dtype(), 1.0f / (1.0f + std::exp(-logit)));
 }
 
-// One head row of a [T, heads, dim] view as fp32.
-void load_head(const Tensor& t, int64_t token, int64_t head, float* dst) {
-  const char* at = static_cast<const char*>(t.data()) +
-                   (token * t.stride(0) + head * t.stride(1)) * static_cast<int64_t>(t.element_size());
-  convert_to_f32(t.dtype(), at, dst, static_cast<size_t>(t.size(2)));
-}
-
 void store_head(const Tensor& t, int64_t token, int64_t head, const float* src) {
   char* at = static_cast<char*>(t.data()) +
              (token * t.stride(0) + head * t.stride(1)) * static_cast<int64_t>(t.element_size());
@@ -171,20 +164,20 @@ void vec_mat(const float* x, const float* M, int64_t rows, int64_t dv, float* y)
 }
 
 // Per-thread scratch of the chunked form.
-struct ChunkScratch {
+struct KdaChunkScratch {
   std::vector<float> q, k, v, G, u, w, akk, aqk, beta, S, tmp, decay;
   void reserve(int64_t dk, int64_t dv) {
-    for (auto* rows_dk : {&q, &k, &G, &w}) rows_dk->resize(static_cast<size_t>(kChunk * dk));
-    for (auto* rows_dv : {&v, &u}) rows_dv->resize(static_cast<size_t>(kChunk * dv));
-    akk.resize(static_cast<size_t>(kChunk * kChunk));
-    aqk.resize(static_cast<size_t>(kChunk * kChunk));
-    beta.resize(static_cast<size_t>(kChunk));
+    for (auto* rows_dk : {&q, &k, &G, &w}) rows_dk->resize(static_cast<size_t>(kKdaChunk * dk));
+    for (auto* rows_dv : {&v, &u}) rows_dv->resize(static_cast<size_t>(kKdaChunk * dv));
+    akk.resize(static_cast<size_t>(kKdaChunk * kKdaChunk));
+    aqk.resize(static_cast<size_t>(kKdaChunk * kKdaChunk));
+    beta.resize(static_cast<size_t>(kKdaChunk));
     S.resize(static_cast<size_t>(dk * dv));
     tmp.resize(static_cast<size_t>(std::max(dk, dv)));
     decay.resize(static_cast<size_t>(dk));
   }
 };
-thread_local ChunkScratch tls_chunk;
+thread_local KdaChunkScratch tls_kda_chunk;
 
 // One (sequence, head) through the chunked form, chunks starting at the sequence's first row of this
 // call. The last chunk is shorter rather than zero-padded: padded rows (beta = g = 0, k = 0) add exact
@@ -194,12 +187,12 @@ void chunked_head(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
                   const KdaParams& params, int64_t s, int64_t head) {
   const int64_t dk = batch.dk, dv = batch.dv;
   const int64_t first = batch.cu[s], q_len = batch.cu[s + 1] - batch.cu[s];
-  ChunkScratch& sc = tls_chunk;
+  KdaChunkScratch& sc = tls_kda_chunk;
   sc.reserve(dk, dv);
   float* S = sc.S.data();
   load_state(state, batch, s, head, S);
-  for (int64_t c0 = 0; c0 < q_len; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, q_len - c0);
+  for (int64_t c0 = 0; c0 < q_len; c0 += kKdaChunk) {
+    const int64_t n = std::min(kKdaChunk, q_len - c0);
     float *Q = sc.q.data(), *K = sc.k.data(), *V = sc.v.data(), *G = sc.G.data(), *U = sc.u.data(),
           *W = sc.w.data();
     float *Akk = sc.akk.data(), *Aqk = sc.aqk.data(), *bt = sc.beta.data(), *tmp = sc.tmp.data();
@@ -225,8 +218,8 @@ void chunked_head(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
           kk += K[i * dk + d] * K[j * dk + d] * decay;
           qk += Q[i * dk + d] * K[j * dk + d] * decay;
         }
-        Akk[i * kChunk + j] = j < i ? bt[i] * kk : 0.0f;
-        Aqk[i * kChunk + j] = qk;
+        Akk[i * kKdaChunk + j] = j < i ? bt[i] * kk : 0.0f;
+        Aqk[i * kKdaChunk + j] = qk;
       }
     }
     // Forward substitution with (I + Akk): U = (I + Akk)^-1 (beta V), W = (I + Akk)^-1 (beta K exp(G)).
@@ -236,7 +229,7 @@ void chunked_head(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
       for (int64_t c = 0; c < dv; ++c) u[c] = V[i * dv + c] * bt[i];
       for (int64_t d = 0; d < dk; ++d) w[d] = K[i * dk + d] * bt[i] * std::exp(G[i * dk + d]);
       for (int64_t j = 0; j < i; ++j) {
-        const float aij = Akk[i * kChunk + j];
+        const float aij = Akk[i * kKdaChunk + j];
         const float* uj = U + j * dv;
         const float* wj = W + j * dk;
         for (int64_t c = 0; c < dv; ++c) u[c] -= aij * uj[c];
@@ -253,7 +246,7 @@ void chunked_head(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
       for (int64_t d = 0; d < dk; ++d) Q[i * dk + d] *= std::exp(G[i * dk + d]);
       vec_mat(Q + i * dk, S, dk, dv, tmp);
       for (int64_t j = 0; j <= i; ++j) {
-        const float weight = Aqk[i * kChunk + j];
+        const float weight = Aqk[i * kKdaChunk + j];
         const float* vj = U + j * dv;
         for (int64_t c = 0; c < dv; ++c) tmp[c] += weight * vj[c];
       }

@@ -25,7 +25,6 @@ const char* token_ptr(const Tensor& t, int64_t token) {
   return static_cast<const char*>(t.data()) + token * t.stride(0) * static_cast<int64_t>(t.element_size());
 }
 
-float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 }  // namespace
 
@@ -62,8 +61,8 @@ void mhc_pre(const Tensor& X, const Tensor& fn, const Tensor& base, const Tensor
       for (int64_t i = 0; i < mix; ++i) m[i] = dot_f32(rho.data(), weights.data() + i * flat, flat);
       float* post_t = post.data_as<float>() + t * n;
       for (int64_t j = 0; j < n; ++j) {
-        pre[j] = sigmoid(m[j] * scales[0] + bias[static_cast<size_t>(j)]) + eps;
-        post_t[j] = 2.0f * sigmoid(m[n + j] * scales[1] + bias[static_cast<size_t>(n + j)]);
+        pre[j] = sigmoid_f32(m[j] * scales[0] + bias[static_cast<size_t>(j)]) + eps;
+        post_t[j] = 2.0f * sigmoid_f32(m[n + j] * scales[1] + bias[static_cast<size_t>(n + j)]);
       }
       for (int64_t a = 0; a < n; ++a) {
         float* row = M + a * n;

@@ -17,12 +17,6 @@ float inverse_rms(const float* x, int64_t width, float eps) {
   return 1.0f / std::sqrt(static_cast<float>(sum / static_cast<double>(width)) + eps);
 }
 
-std::vector<float> weights_f32(const Tensor& weight) {
-  std::vector<float> w(static_cast<size_t>(weight.numel()));
-  convert_to_f32(weight.dtype(), weight.data(), w.data(), w.size());
-  return w;
-}
-
 }  // namespace
 
 void ple_gate(const Tensor& key, const Tensor& value, const Tensor& residual, const Tensor& key_norm_weight,

@@ -59,12 +59,6 @@ QsaBatch make_batch(const Tensor& cu_q, const Tensor& kv_lens, const Tensor& blo
   return b;
 }
 
-std::vector<float> weights_f32(const Tensor& weight) {
-  std::vector<float> w(static_cast<size_t>(weight.numel()));
-  convert_to_f32(weight.dtype(), weight.data(), w.data(), w.size());
-  return w;
-}
-
 // row <- D(zc(row; w)) (zero-centred RMSNorm, fp64 sum of squares as cpu::rms_norm).
 void zc_norm(float* row, const float* w, int64_t width, float eps, DType act) {
   double sum = 0.0;

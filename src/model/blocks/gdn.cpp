@@ -136,21 +136,12 @@ size_t GatedDeltaNet::scratch_bytes(const ForwardBatch& batch, Device device) co
                                                    config_.head_k_dim, config_.head_v_dim);
 }
 
-namespace {
-
-constexpr size_t kKeptAlignment = 256;  // each kept tensor starts on a 256-byte boundary
-
-size_t aligned(size_t bytes) {
-  return (bytes + kKeptAlignment - 1) / kKeptAlignment * kKeptAlignment;
-}
-
-}  // namespace
-
 size_t GatedDeltaNet::verify_scratch_bytes(int64_t num_tokens, int64_t /*num_seqs*/, DType activation) const {
   const auto rows = static_cast<size_t>(num_tokens);
   const auto projected = static_cast<size_t>(config_.conv_dim() + config_.value_dim());
   const auto heads = static_cast<size_t>(config_.num_v_heads);
-  return aligned(rows * projected * dtype_size(activation)) + 2 * aligned(rows * heads * sizeof(float));
+  return verify_scratch_aligned(rows * projected * dtype_size(activation)) +
+         2 * verify_scratch_aligned(rows * heads * sizeof(float));
 }
 
 GatedDeltaNet::KeptInputs GatedDeltaNet::kept_inputs(const StepContext& step) const {
@@ -162,9 +153,9 @@ GatedDeltaNet::KeptInputs GatedDeltaNet::kept_inputs(const StepContext& step) co
   const Device device = step.verify_scratch.device();
   KeptInputs kept;
   kept.projected = Tensor(base, step.activation_dtype, {tokens, config_.conv_dim() + config_.value_dim()}, device);
-  base += aligned(kept.projected.nbytes());
+  base += verify_scratch_aligned(kept.projected.nbytes());
   kept.g = Tensor(base, DType::kF32, {tokens, hv}, device);
-  base += aligned(kept.g.nbytes());
+  base += verify_scratch_aligned(kept.g.nbytes());
   kept.beta = Tensor(base, DType::kF32, {tokens, hv}, device);
   return kept;
 }

@@ -9,14 +9,6 @@
 #include "kernels/linear_weight.h"
 
 namespace metrale {
-namespace {
-
-constexpr size_t kKeptAlignment = 256;  // each kept tensor starts on a 256-byte boundary
-
-size_t aligned(size_t bytes) { return (bytes + kKeptAlignment - 1) / kKeptAlignment * kKeptAlignment; }
-
-}  // namespace
-
 Tensor KdaMixer::load_f32(Weights& weights, const std::string& key, const Shape& shape) {
   OwnedTensor placed(DType::kF32, shape, weights.device());
   weights.load_into(key, *placed);
@@ -82,8 +74,8 @@ size_t KdaMixer::scratch_bytes(const ForwardBatch& batch, Device device) const {
 size_t KdaMixer::verify_scratch_bytes(int64_t num_tokens, int64_t /*num_seqs*/, DType activation) const {
   const auto rows = static_cast<size_t>(num_tokens), p = static_cast<size_t>(config_.projection_dim());
   const size_t element = dtype_size(activation);
-  return aligned(rows * 3 * p * element) + aligned(rows * p * element) +
-         aligned(rows * static_cast<size_t>(config_.num_heads) * element);
+  return verify_scratch_aligned(rows * 3 * p * element) + verify_scratch_aligned(rows * p * element) +
+         verify_scratch_aligned(rows * static_cast<size_t>(config_.num_heads) * element);
 }
 
 KdaMixer::RowInputs KdaMixer::kept_inputs(const StepContext& step) const {
@@ -96,9 +88,9 @@ KdaMixer::RowInputs KdaMixer::kept_inputs(const StepContext& step) const {
   const DType act = step.activation_dtype;
   RowInputs kept;
   kept.projected = Tensor(base, act, {tokens, 3 * p}, device);
-  base += aligned(kept.projected.nbytes());
+  base += verify_scratch_aligned(kept.projected.nbytes());
   kept.f = Tensor(base, act, {tokens, p}, device);
-  base += aligned(kept.f.nbytes());
+  base += verify_scratch_aligned(kept.f.nbytes());
   kept.b = Tensor(base, act, {tokens, config_.num_heads}, device);
   return kept;
 }

@@ -42,6 +42,13 @@ struct BlockCapabilities {
   bool supports_verify = true;  // a verify forward followed by commit() leaves its cache exactly right
 };
 
+// A block carves its StepContext::verify_scratch into tensors that each start on a 256-byte
+// boundary: verify_scratch_bytes sums the sizes rounded up by this, and the carving advances by it.
+inline size_t verify_scratch_aligned(size_t bytes) {
+  constexpr size_t kAlignment = 256;
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
 // Any block that keeps state between steps. Its cache is what cache_spec() declares; the model hands
 // its forward and commit the matching BlockCache. Paged tensors of a verify step's rejected rows are
 // dropped by the engine truncating the sequence; per-slot tensors are the block's to get right: a

@@ -334,7 +334,7 @@ namespace {
 
 // Byte automata of encoded text: state 0 is between characters (and accepting); the others are inside
 // a character (UTF-8 continuation bytes, or an escape of a JSON string).
-enum TextState : int32_t { kBoundary, kOne, kTwo, kThree, kE0, kED, kF0, kF4, kEscape, kHex4, kHex3, kHex2, kHex1 };
+enum TextState : int32_t { kTextBoundary, kOne, kTwo, kThree, kE0, kED, kF0, kF4, kEscape, kHex4, kHex3, kHex2, kHex1 };
 
 bool is_hex(uint8_t b) {
   return (b >= '0' && b <= '9') || (b >= 'a' && b <= 'f') || (b >= 'A' && b <= 'F');
@@ -343,12 +343,12 @@ bool is_hex(uint8_t b) {
 int32_t text_next(int32_t state, uint8_t b, StringEncoding encoding) {
   const bool cont = b >= 0x80 && b <= 0xBF;
   switch (state) {
-    case kBoundary:
+    case kTextBoundary:
       if (encoding == StringEncoding::kJson) {
         if (b == '\\') return kEscape;
         if (b < 0x20 || b == '"') return -1;
       }
-      if (b >= 0x01 && b <= 0x7F) return kBoundary;
+      if (b >= 0x01 && b <= 0x7F) return kTextBoundary;
       if (b >= 0xC2 && b <= 0xDF) return kOne;
       if (b == 0xE0) return kE0;
       if (b == 0xED) return kED;
@@ -358,7 +358,7 @@ int32_t text_next(int32_t state, uint8_t b, StringEncoding encoding) {
       if (b == 0xF4) return kF4;
       return -1;
     case kOne:
-      return cont ? kBoundary : -1;
+      return cont ? kTextBoundary : -1;
     case kTwo:
       return cont ? kOne : -1;
     case kThree:
@@ -373,7 +373,7 @@ int32_t text_next(int32_t state, uint8_t b, StringEncoding encoding) {
       return b >= 0x80 && b <= 0x8F ? kTwo : -1;
     case kEscape:
       if (b == 'u') return kHex4;
-      return std::string_view("\"\\/bfnrt").find(static_cast<char>(b)) != std::string_view::npos ? kBoundary : -1;
+      return std::string_view("\"\\/bfnrt").find(static_cast<char>(b)) != std::string_view::npos ? kTextBoundary : -1;
     case kHex4:
       return is_hex(b) ? kHex3 : -1;
     case kHex3:
@@ -381,7 +381,7 @@ int32_t text_next(int32_t state, uint8_t b, StringEncoding encoding) {
     case kHex2:
       return is_hex(b) ? kHex1 : -1;
     case kHex1:
-      return is_hex(b) ? kBoundary : -1;
+      return is_hex(b) ? kTextBoundary : -1;
     default:
       return -1;
   }
@@ -444,12 +444,12 @@ ExprId text_avoiding(Grammar& grammar, const std::vector<std::string_view>& forb
     if (inserted) states.emplace_back(a, t);
     return it->second;
   };
-  id_of(0, kBoundary);
+  id_of(0, kTextBoundary);
   std::vector<GraphEdge> edges;
   std::vector<int32_t> finals;
   for (size_t s = 0; s < states.size(); ++s) {
     const auto [a, t] = states[s];
-    if (t == kBoundary) finals.push_back(static_cast<int32_t>(s));
+    if (t == kTextBoundary) finals.push_back(static_cast<int32_t>(s));
     std::map<int32_t, ByteSet> by_target;
     for (int b = 0; b < 256; ++b) {
       const int32_t tn = text_next(t, static_cast<uint8_t>(b), encoding);
