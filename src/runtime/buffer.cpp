@@ -109,7 +109,8 @@ PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
 void PinnedBuffer::release() noexcept {
   if (data_ == nullptr) return;
   if (pinned_) {
-    cuda_hooks()->release_pinned(data_);
+    // pinned_ implies the CUDA hooks that pinned the buffer exist.
+    if (DeviceHooks* hooks = cuda_hooks()) hooks->release_pinned(data_);
   } else {
     std::free(data_);
   }

@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "text/utf8.h"
 
@@ -370,15 +372,15 @@ std::string_view format_pattern(std::string_view format) {
   static constexpr std::string_view kTime =
       R"(([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d))";
   if (format == "date") {
-    static const std::string pattern = "^" + std::string(kDate) + "$";
+    static const std::string pattern = fmt::format("^{}$", kDate);
     return pattern;
   }
   if (format == "time") {
-    static const std::string pattern = "^" + std::string(kTime) + "$";
+    static const std::string pattern = fmt::format("^{}$", kTime);
     return pattern;
   }
   if (format == "date-time") {
-    static const std::string pattern = "^" + std::string(kDate) + "[Tt]" + std::string(kTime) + "$";
+    static const std::string pattern = fmt::format("^{}[Tt]{}$", kDate, kTime);
     return pattern;
   }
   if (format == "uuid") return R"(^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$)";
