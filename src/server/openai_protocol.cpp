@@ -68,6 +68,12 @@ using request_fields::get_number;
 using request_fields::get_string;
 using request_fields::wrong_type;
 
+// The string at `key`, "" when it is absent or not a string (the caller's check then fails).
+std::string string_field_or_empty(const json& object, const char* key) {
+  const auto it = object.find(key);
+  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
 void check_range(bool ok, const std::string& key, const std::string& range, double got) {
   if (!ok) throw invalid_request(fmt::format("'{}' must be {}, got {}", key, range, got), key);
 }
@@ -205,7 +211,7 @@ json normalize_content(const json& content, size_t message_index) {
   if (!content.is_array()) throw wrong_type(param, "a string or a list of content parts", content);
   std::string text;
   for (const json& part : content) {
-    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+    if (!part.is_object() || string_field_or_empty(part, "type") != "text" || !part.contains("text") || !part["text"].is_string())
       throw invalid_request(fmt::format("'{}' may hold only text parts ({{\"type\": \"text\", \"text\": ...}})", param),
                             param);
     text += part["text"].get<std::string>();
@@ -251,7 +257,7 @@ ToolChoice parse_tool_choice(const json& value, const std::vector<ToolDefinition
     }
   } else if (value.is_object()) {
     const json* function = field(value, "function");
-    if (value.value("type", "") != "function" || function == nullptr || !function->is_object() ||
+    if (string_field_or_empty(value, "type") != "function" || function == nullptr || !function->is_object() ||
         !function->contains("name") || !(*function)["name"].is_string())
       throw invalid_request("'tool_choice' must name a function as {\"type\": \"function\", \"function\": {\"name\": ...}}",
                             "tool_choice");
