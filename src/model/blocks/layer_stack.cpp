@@ -127,7 +127,14 @@ StepContext LayerStack::block_step(const StepContext& step, size_t b, std::span<
                                                          static_cast<int64_t>(verify_offsets[b + 1]));
   }
   const size_t first = block_first_input_[b], count = block_first_input_[b + 1] - first;
-  own.step_inputs = count == 0 ? std::span<const Tensor>() : step.batch.step_inputs.subspan(first, count);
+  // A commit's batch carries no step inputs (commit reads only its verify scratch): the block sees none.
+  if (count == 0 || step.batch.step_inputs.empty()) {
+    own.step_inputs = {};
+  } else {
+    METRALE_CHECK(first + count <= step.batch.step_inputs.size(), "{} step inputs for block {} (needs {})",
+                  step.batch.step_inputs.size(), b, first + count);
+    own.step_inputs = step.batch.step_inputs.subspan(first, count);
+  }
   return own;
 }
 
