@@ -7,7 +7,7 @@
 #   also a libFuzzer executable, fuzz_<target>, and the code the targets exercise (the core, runtime
 #   and text floors and the fuzz support library) carries libFuzzer's coverage instrumentation. The
 #   ASan runtime supplies no-op coverage callbacks, so the test suites link the same libraries.
-# - replay_main.cpp is compiled once, into metrale_fuzz_support's object library.
+# - replay_main.cpp is compiled once, as the object library metrale_fuzz_replay_main.
 set(METRALE_FUZZ_DIR ${PROJECT_SOURCE_DIR}/tests/fuzz)
 set(METRALE_FUZZ_TARGETS request responses safetensors config tokenizer chat_template reasoning sse)
 
