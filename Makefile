@@ -17,8 +17,13 @@ all: build
 deps:
 	@scripts/install-deps.sh
 
+# Both builds are unity builds (batches of 8 sources per translation unit): most of a test's or
+# server source's compile time is the same template instantiations (gtest, nlohmann::json, fmt),
+# compiled once per batch instead of once per file. A fresh build takes about two thirds of the
+# time; for edit-compile loops configure a plain build with cmake (-DCMAKE_UNITY_BUILD=OFF).
+UNITY ?= -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=8
 $(BUILD_DIR)/CMakeCache.txt:
-	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(UNITY) $(CMAKE_FLAGS)
 
 build: deps $(BUILD_DIR)/CMakeCache.txt
 	cmake --build $(BUILD_DIR) -j $(JOBS)
@@ -33,11 +38,6 @@ test: build
 # already compiles every kernel and benchmark, so nvcc and the benchmarks would spend CI's time for
 # nothing here. It is clang's, so the project builds under both compilers, and it holds the
 # libFuzzer targets as well (one sanitized build for the tests and the fuzzers).
-# It is a unity build (batches of 8 sources per translation unit): most of a test's or server
-# source's compile time is the same template instantiations (gtest, nlohmann::json, fmt), compiled
-# once per batch instead of once per file. (GCC's flow warnings see through the merged files and
-# report false positives in libstdc++ and nlohmann::json, so the GCC Release build is not one.)
-UNITY ?= -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=8
 $(ASAN_DIR)/CMakeCache.txt:
 	cmake -S . -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++-16 -DMETRALE_SANITIZE=ON \
 	  -DMETRALE_FUZZ=ON -DMETRALE_CUDA=OFF -DMETRALE_BUILD_BENCH=OFF $(UNITY) $(CMAKE_FLAGS)
@@ -45,16 +45,25 @@ $(ASAN_DIR)/CMakeCache.txt:
 asan: deps $(ASAN_DIR)/CMakeCache.txt
 	cmake --build $(ASAN_DIR) -j $(JOBS)
 
-# The agent-framework client tests (label client_sdk: openai tools, AI SDK, LangChain, Responses and
-# Agents clients) check the protocol, which the Release run covers; under the sanitizers they would
-# spend minutes serving the demo model again. The server's own code stays sanitized through
-# metrale_server_tests, server.openai_client, the hostile clients and the fault injection.
-# ASAN_SKIP: demo-model runs that check accuracy or token equality over many steps (FP8 KV greedy
-# agreement, FP8 held-out perplexity, fault containment with the MTP head, n-gram and MTP against
-# plain tokens). The Release run checks them; under the sanitizers they took 15 of the 30 minutes of
-# test time, and the code they run stays sanitized through the shorter demo, MTP, FP8 KV and fault
-# containment tests.
-ASAN_SKIP ?= Fp8KvEngine\.DemoModelAgreesWithBf16KvGreedily|Fp8Accuracy\.DemoHeldOutPerplexity|FaultContainment\..*/demo_mtp|SpeculativeDemo\.NgramAndMtpGiveThePlainTokens
+# The sanitizer run covers every library's unit tests and one end-to-end server run under the
+# sanitizers (server.hostile_clients: malformed and disconnecting clients against `metrale serve`).
+# Left to the Release run (label client_sdk and ASAN_SKIP), because under the sanitizers each costs
+# minutes of the same demo-model serving or stepping and checks results the Release run checks:
+# - the agent-framework clients (client_sdk), server.openai_client and server.fault_injection: the
+#   protocol and the HTTP error paths; the server's code stays sanitized through
+#   metrale_server_tests and the hostile clients, the engine's fault paths through FaultContainment;
+# - accuracy and statistics over many steps: FP8 KV greedy agreement, FP8 held-out perplexity, the
+#   sampled-distribution checks of speculation, the tokenizer oracle's corpus (the tokenizer stays
+#   sanitized through its unit tests and fuzz target), the FP8 benchmark presets;
+# - speculation end to end on the demo model, and n-gram greedy equality on the architectures whose
+#   rollback paths other kept cases already run (qwen3_untied, qwen3_moe, qwen3_5, qwen3_5_moe).
+ASAN_SKIP_CASES := Fp8KvEngine\.DemoModelAgreesWithBf16KvGreedily Fp8Accuracy\.DemoHeldOutPerplexity \
+  FaultContainment\..*/demo_mtp SpeculativeDemo\. SpeculativeSampling\.NgramKeepsTheSampledDistribution \
+  BenchFp8\. server\.fault_injection server\.openai_client text\.tokenizer_oracle \
+  NgramGivesThePlainTokens/"(qwen3_untied|qwen3_moe|qwen3_5|qwen3_5_moe)"
+empty :=
+space := $(empty) $(empty)
+ASAN_SKIP ?= $(subst $(space),|,$(strip $(ASAN_SKIP_CASES)))
 test-asan: asan
 	cd $(ASAN_DIR) && ctest --output-on-failure -j $(JOBS) -LE client_sdk -E '$(ASAN_SKIP)'
 
