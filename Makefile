@@ -52,13 +52,14 @@ asan: deps $(ASAN_DIR)/CMakeCache.txt
 # - the agent-framework clients (client_sdk), server.openai_client and server.fault_injection: the
 #   protocol and the HTTP error paths; the server's code stays sanitized through
 #   metrale_server_tests and the hostile clients, the engine's fault paths through FaultContainment;
-# - accuracy and statistics over many steps: FP8 KV greedy agreement, FP8 held-out perplexity, the
-#   sampled-distribution checks of speculation, the tokenizer oracle's corpus (the tokenizer stays
+# - accuracy and statistics over many steps: FP8 KV greedy agreement, the demo model's held-out
+#   perplexity (bf16 and FP8 weights and KV: 9-18 minutes each under the sanitizers), the
+#   sampled-distribution checks of speculation (13 minutes for the MTP one), the tokenizer oracle's corpus (the tokenizer stays
 #   sanitized through its unit tests and fuzz target), the FP8 benchmark presets;
 # - speculation end to end on the demo model, and n-gram greedy equality on the architectures whose
 #   rollback paths other kept cases already run (qwen3_untied, qwen3_moe, qwen3_5, qwen3_5_moe).
 ASAN_SKIP_CASES := Fp8KvEngine\.DemoModelAgreesWithBf16KvGreedily Fp8Accuracy\.DemoHeldOutPerplexity \
-  FaultContainment\..*/demo_mtp SpeculativeDemo\. SpeculativeSampling\.NgramKeepsTheSampledDistribution \
+  DemoModel\.HeldOutPerplexity FaultContainment\..*/demo_mtp SpeculativeDemo\. SpeculativeSampling\. \
   BenchFp8\. server\.fault_injection server\.openai_client text\.tokenizer_oracle \
   NgramGivesThePlainTokens/"(qwen3_untied|qwen3_moe|qwen3_5|qwen3_5_moe)"
 empty :=
