@@ -11,6 +11,8 @@
 
 #include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
+#include "kernels/rms_norm.h"
+#include "runtime/stream.h"
 #include "runtime/device.h"
 
 namespace metrale {
@@ -71,6 +73,37 @@ TEST(CudaLinearFp8, GemvMatchesCpuTwin) {
         }
       }
     }
+  }
+}
+
+
+// As CudaLinear.GemvReadsItsInputOnlyAfterAnOverlappedProducer, for the FP8 GEMV (pdl.cuh): a long
+// RMSNorm that lets dependents launch at its start writes the GEMV's input row last; inputs alternate
+// between two tensors, so a GEMV that read early would see the previous iteration's row.
+TEST(CudaLinearFp8, GemvReadsItsInputOnlyAfterAnOverlappedProducer) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(9102);
+  const int64_t rows = 16384, d = 4096, n = 4096;
+  const OwnedTensor sources[2] = {to_device(*testing::random_tensor(DType::kBF16, {rows, d}, rng)),
+                                  to_device(*testing::random_tensor(DType::kBF16, {rows, d}, rng))};
+  const OwnedTensor norm_weight = to_device(*testing::random_tensor(DType::kBF16, {d}, rng));
+  const OwnedTensor codes = to_device(*random_codes(n, d, rng));
+  const OwnedTensor scales = to_device(*testing::random_tensor(
+      DType::kF32, {kernels::fp8_scale_blocks(n), kernels::fp8_scale_blocks(d)}, rng, 1e-3f, 4e-3f));
+  const OwnedTensor normed(DType::kBF16, {rows, d}, Device::cuda());
+  const Tensor last_row = normed->slice(0, rows - 1, rows);
+  const OwnedTensor out(DType::kF32, {1, n}, Device::cuda());
+  std::vector<std::vector<uint8_t>> expected;
+  for (int source = 0; source < 2; ++source) {
+    kernels::rms_norm(*sources[source], *norm_weight, *normed, {});
+    synchronize(Device::cuda());
+    kernels::linear_fp8(last_row, *codes, *scales, *out, false);
+    expected.push_back(testing::element_bytes(*to_host(*out)));
+  }
+  for (int i = 0; i < 16; ++i) {
+    kernels::rms_norm(*sources[i % 2], *norm_weight, *normed, {});
+    kernels::linear_fp8(last_row, *codes, *scales, *out, false);
+    EXPECT_EQ(testing::element_bytes(*to_host(*out)), expected[i % 2]) << "iteration " << i;
   }
 }
 

@@ -14,6 +14,7 @@
 #include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
 #include "kernels/linear.h"
+#include "kernels/rms_norm.h"
 #include "runtime/cuda/cuda_graph.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
@@ -177,6 +178,50 @@ TEST(CudaLinear, ReplaysInsideCudaGraph) {
     graph.launch(stream);
     const OwnedTensor got = to_host(*out_device);
     EXPECT_TRUE(testing::close_rel_l2(*got, testing::to_doubles(*expected), 2e-5));
+  }
+}
+
+// The GEMV is launched to overlap its producer (pdl.cuh): it stages weights before the producer has
+// finished and must read its input only after. A long RMSNorm that lets dependents launch at its
+// start writes the GEMV's input row last; inputs alternate between two tensors, so a GEMV that read
+// early would see the previous iteration's row. Eagerly and replayed in a CUDA graph.
+TEST(CudaLinear, GemvReadsItsInputOnlyAfterAnOverlappedProducer) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  kernels::linear_prepare(Device::cuda());
+  Random rng(9005);
+  const auto stream = static_cast<cudaStream_t>(current_stream(Device::cuda()));
+  const int64_t rows = 16384, d = 4096, n = 4096;
+  const OwnedTensor sources[2] = {to_device(*testing::random_tensor(DType::kBF16, {rows, d}, rng)),
+                                  to_device(*testing::random_tensor(DType::kBF16, {rows, d}, rng))};
+  const OwnedTensor norm_weight = to_device(*testing::random_tensor(DType::kBF16, {d}, rng));
+  const OwnedTensor w = to_device(*testing::random_tensor(DType::kBF16, {n, d}, rng));
+  const OwnedTensor normed(DType::kBF16, {rows, d}, Device::cuda());
+  const Tensor last_row = normed->slice(0, rows - 1, rows);
+  const OwnedTensor out(DType::kF32, {1, n}, Device::cuda());
+  const auto step = [&](int source) {
+    kernels::rms_norm(*sources[source], *norm_weight, *normed, {});
+    kernels::linear(last_row, *w, *out);
+  };
+  std::vector<std::vector<uint8_t>> expected;
+  for (int source = 0; source < 2; ++source) {
+    kernels::rms_norm(*sources[source], *norm_weight, *normed, {});
+    synchronize(Device::cuda());
+    kernels::linear(last_row, *w, *out);
+    expected.push_back(testing::element_bytes(*to_host(*out)));
+  }
+  for (int i = 0; i < 16; ++i) {
+    step(i % 2);
+    EXPECT_EQ(testing::element_bytes(*to_host(*out)), expected[i % 2]) << "eager iteration " << i;
+  }
+  CudaGraph graphs[2];
+  for (int source = 0; source < 2; ++source) {
+    graphs[source].begin_capture(stream);
+    step(source);
+    graphs[source].end_capture(stream);
+  }
+  for (int i = 0; i < 16; ++i) {
+    graphs[i % 2].launch(stream);
+    EXPECT_EQ(testing::element_bytes(*to_host(*out)), expected[i % 2]) << "graph replay " << i;
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include "kernels/activation.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace metrale::kernels::cuda {
 namespace {
@@ -15,10 +16,10 @@ constexpr int kThreads = 256;
 constexpr int kMaxGridRows = 65535;
 
 template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) silu_mul_kernel(const T* __restrict__ gate, int64_t gate_stride,
-                                                            const T* __restrict__ up, int64_t up_stride,
-                                                            T* __restrict__ out, int64_t out_stride, int64_t rows,
-                                                            int vectors, float limit) {
+__global__ void __launch_bounds__(kThreads) silu_mul_kernel(const T* gate, int64_t gate_stride, const T* up,
+                                                            int64_t up_stride, T* out, int64_t out_stride,
+                                                            int64_t rows, int vectors, float limit) {
+  pdl::wait_then_allow_dependents();  // launched through pdl::launch; the down GEMV stages meanwhile
   using V = Vec<T, N>;
   const int j = blockIdx.x * kThreads + threadIdx.x;
   if (j >= vectors) return;
@@ -47,9 +48,10 @@ void launch(const Tensor& gate, const Tensor& up, const Tensor& out, float limit
   const int vectors = static_cast<int>(out.size(1) / N);
   const dim3 grid(static_cast<unsigned int>(ceil_div(vectors, kThreads)),
                   static_cast<unsigned int>(std::min<int64_t>(rows, kMaxGridRows)));
-  silu_mul_kernel<T, N><<<grid, kThreads, 0, stream_of(out)>>>(gate.data_as<const T>(), gate.stride(0),
-                                                                up.data_as<const T>(), up.stride(0), out.data_as<T>(),
-                                                                out.stride(0), rows, vectors, limit);
+  // Inputs without __restrict__: a kernel launched through pdl::launch must not read its producer's
+  // output through the non-coherent path (pdl.cuh).
+  pdl::launch(silu_mul_kernel<T, N>, grid, dim3(kThreads), 0, stream_of(out), gate.data_as<const T>(), gate.stride(0),
+              up.data_as<const T>(), up.stride(0), out.data_as<T>(), out.stride(0), rows, vectors, limit);
   METRALE_CHECK_LAUNCH("silu_mul_kernel");
 }
 

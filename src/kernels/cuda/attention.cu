@@ -39,6 +39,7 @@
 #include "kernels/cuda/attention_mma.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8_kv.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace metrale::kernels {
 namespace cuda {
@@ -581,6 +582,7 @@ struct SplitConfig {
 
 template <int kHeadDim, int kMinBlocks, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_split_kernel(const AttentionArgs a) {
+  pdl::allow_dependents();  // without a merge, the output-projection GEMV comes next
   using Config = SplitConfig<kHeadDim, kFp8>;
   constexpr int kDimTiles = kHeadDim / 8;
   constexpr int kKeysPerWarp = kSplitKeysPerTile / kWarps;
@@ -790,6 +792,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_split_kernel(const
 // 128 threads: 8 per row, 16 rows.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const AttentionArgs a) {
+  pdl::allow_dependents();  // the output-projection GEMV may stage its weights meanwhile
   const int chunk = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
   const int row0 = chunk * kSplitRows;
   const TileGeometry g = tile_geometry(a, seq, row0, kSplitRows);

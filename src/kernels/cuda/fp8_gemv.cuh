@@ -18,6 +18,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemm_gemv.cuh"
@@ -39,87 +40,107 @@ __device__ __forceinline__ void codes_to_f32(const uint4& packed, float (&w)[kCh
   }
 }
 
-// 16 consecutive input elements (16-byte aligned) as fp32.
-__device__ __forceinline__ void load_x16(const __nv_bfloat16* p, float (&v)[kChunk]) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float f[8];
-    gemv::unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p) + half), f);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[half * 8 + j] = f[j];
-  }
-}
+// 16 consecutive input elements (16-byte aligned), as loaded; converted to fp32 at use, so a step's
+// input loads can issue together with its weight loads.
+template <typename XT>
+struct InputChunk16 {
+  static constexpr int kLoads = kChunk * static_cast<int>(sizeof(XT)) / 16;  // 16-byte loads
+  uint4 raw[kLoads];
 
-__device__ __forceinline__ void load_x16(const __half* p, float (&v)[kChunk]) {
+  __device__ __forceinline__ void load(const XT* p) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint4 packed = __ldg(reinterpret_cast<const uint4*>(p) + half);
-    const auto* pairs = reinterpret_cast<const __half2*>(&packed);
+    for (int i = 0; i < kLoads; ++i) raw[i] = reinterpret_cast<const uint4*>(p)[i];  // coherent: see InputChunk
+  }
+
+  __device__ __forceinline__ void to_f32(float (&v)[kChunk]) const {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __half22float2(pairs[j]);
-      v[half * 8 + 2 * j] = f.x;
-      v[half * 8 + 2 * j + 1] = f.y;
+    for (int i = 0; i < kLoads; ++i) {
+      if constexpr (sizeof(XT) == 4) {
+        v[4 * i] = __uint_as_float(raw[i].x);
+        v[4 * i + 1] = __uint_as_float(raw[i].y);
+        v[4 * i + 2] = __uint_as_float(raw[i].z);
+        v[4 * i + 3] = __uint_as_float(raw[i].w);
+      } else if constexpr (std::is_same_v<XT, __half>) {
+        const auto* pairs = reinterpret_cast<const __half2*>(&raw[i]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __half22float2(pairs[j]);
+          v[8 * i + 2 * j] = f.x;
+          v[8 * i + 2 * j + 1] = f.y;
+        }
+      } else {
+        float f[8];
+        gemv::unpack_bf16x8(raw[i], f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[8 * i + j] = f[j];
+      }
     }
   }
-}
-
-__device__ __forceinline__ void load_x16(const float* p, float (&v)[kChunk]) {
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float4 f = __ldg(reinterpret_cast<const float4*>(p) + q);
-    v[4 * q] = f.x;
-    v[4 * q + 1] = f.y;
-    v[4 * q + 2] = f.z;
-    v[4 * q + 3] = f.w;
-  }
-}
+};
 
 // acc[r][m] += this lane's share of dot(dequant(w[r][0:16*chunks]), x[m][0:16*chunks]); scales[r]
 // points at row r's block-scale row ([ceil(K/128)] f32). Rows m >= m_valid are not read. Lanes may
-// finish at different iterations; nothing here synchronises the warp.
-template <int R, int M, int U, typename XT>
+// finish at different iterations; nothing here synchronises the warp. A step issues its weight,
+// scale and input loads before the first conversion; before_inputs() runs once per lane between the
+// first step's weight and scale loads and its first input load (also in a lane with no chunk).
+template <int R, int M, int U, typename XT, typename BeforeInputs = gemv::NoInputWait>
 __device__ __forceinline__ void warp_dot_partial(const uint8_t* const (&w)[R], const float* const (&scales)[R],
                                                  const XT* const (&x)[M], int m_valid, int chunks, int lane,
-                                                 float (&acc)[R][M]) {
+                                                 float (&acc)[R][M], BeforeInputs before_inputs = {}) {
+  bool inputs_ready = false;
   for (int base = lane; base < chunks; base += 32 * U) {
-    // Every weight load of the step issues before the first conversion.
     uint4 wv[U][R];
+    float scale[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = base + u * 32;
       if (c < chunks) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) wv[u][r] = gemv::load_streaming_16(w[r] + static_cast<int64_t>(c) * kChunk);
+        for (int r = 0; r < R; ++r) {
+          wv[u][r] = gemv::load_streaming_16(w[r] + static_cast<int64_t>(c) * kChunk);
+          scale[u][r] = __ldg(scales[r] + c / kChunksPerScale);
+        }
+      }
+    }
+    if (!inputs_ready) {
+      before_inputs();
+      inputs_ready = true;
+    }
+    InputChunk16<XT> xv[U][M];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + u * 32;
+      if (c < chunks) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          if (M == 1 || m < m_valid) xv[u][m].load(x[m] + static_cast<int64_t>(c) * kChunk);
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = base + u * 32;
-      if (c < chunks) {
-        float scale[R], wf[R][kChunk];
+      if (base + u * 32 < chunks) {
+        float wf[R][kChunk];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          scale[r] = __ldg(scales[r] + c / kChunksPerScale);
-          codes_to_f32(wv[u][r], wf[r]);
-        }
+        for (int r = 0; r < R; ++r) codes_to_f32(wv[u][r], wf[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           if (M == 1 || m < m_valid) {
             float xf[kChunk];
-            load_x16(x[m] + static_cast<int64_t>(c) * kChunk, xf);
+            xv[u][m].to_f32(xf);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
               float dot = 0.0f;
 #pragma unroll
               for (int j = 0; j < kChunk; ++j) dot = fmaf(wf[r][j], xf[j], dot);
-              acc[r][m] = fmaf(dot, scale[r], acc[r][m]);
+              acc[r][m] = fmaf(dot, scale[u][r], acc[r][m]);
             }
           }
         }
       }
     }
   }
+  if (!inputs_ready) before_inputs();
 }
 
 }  // namespace metrale::kernels::cuda::fp8_gemv

@@ -41,7 +41,11 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&f)[8]) {
   f[7] = __uint_as_float(v.w & 0xffff0000u);
 }
 
-// One 8-element chunk of an input row, as loaded (converted to fp32 at use).
+// One 8-element chunk of an input row, as loaded (converted to fp32 at use). Inputs are read with
+// coherent loads, never through the non-coherent path (ld.global.nc): a kernel launched through
+// pdl::launch reads inputs its producer wrote while it was already running, which .nc does not allow.
+// The kernels keep input pointers free of __restrict__ for the same reason (const + restrict lets
+// the compiler pick .nc on its own).
 template <typename XT>
 struct InputChunk;
 
@@ -67,12 +71,21 @@ struct InputChunk<float> {
   }
 };
 
+// What runs between the first weight loads and the first input loads: nothing, or the wait for the
+// kernel that produced the inputs (pdl.cuh), so the first loads overlap that kernel's tail.
+struct NoInputWait {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // acc[r][m] += this lane's share of dot(w[r][0:8*chunks], x[m][0:8*chunks]). Rows m >= m_valid are
 // loaded (their pointers must still be valid) but not accumulated. Lanes may finish at different
-// iterations; nothing here synchronises the warp.
-template <int R, int M, int U, typename XT>
+// iterations; nothing here synchronises the warp. before_inputs() runs once per lane, after the
+// first step's weight loads are issued and before any input is read (also in a lane with no chunk).
+template <int R, int M, int U, typename XT, typename BeforeInputs = NoInputWait>
 __device__ __forceinline__ void warp_dot_partial(const __nv_bfloat16* const (&w)[R], const XT* const (&x)[M],
-                                                 int m_valid, int chunks, int lane, float (&acc)[R][M]) {
+                                                 int m_valid, int chunks, int lane, float (&acc)[R][M],
+                                                 BeforeInputs before_inputs = {}) {
+  bool inputs_ready = false;
   for (int base = lane; base < chunks; base += 32 * U) {
     // Loads and their uses sit under the same predicate and nothing selects on loaded data, so all
     // R * U weight loads of a step issue before the first use.
@@ -84,6 +97,16 @@ __device__ __forceinline__ void warp_dot_partial(const __nv_bfloat16* const (&w)
       if (c < chunks) {
 #pragma unroll
         for (int r = 0; r < R; ++r) wv[u][r] = load_streaming_16(w[r] + static_cast<int64_t>(c) * kChunk);
+      }
+    }
+    if (!inputs_ready) {
+      before_inputs();
+      inputs_ready = true;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + u * 32;
+      if (c < chunks) {
 #pragma unroll
         for (int m = 0; m < M; ++m) xv[u][m].load(x[m] + static_cast<int64_t>(c) * kChunk);
       }
@@ -109,6 +132,7 @@ __device__ __forceinline__ void warp_dot_partial(const __nv_bfloat16* const (&w)
       }
     }
   }
+  if (!inputs_ready) before_inputs();
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }

@@ -32,6 +32,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cublaslt_context.cuh"
 #include "kernels/cuda/gemm_gemv.cuh"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/linear.h"
 
 namespace metrale::kernels::cuda {
@@ -73,8 +74,8 @@ constexpr int kGemvWarps = 4;
 
 template <int R, int M, int U, typename OutT>
 __global__ void __launch_bounds__(kGemvWarps * 32)
-    gemv_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, int m, const __nv_bfloat16* __restrict__ w,
-                int n, int k, OutT* __restrict__ out, int64_t out_stride, bool accumulate) {
+    gemv_kernel(const __nv_bfloat16* x, int64_t x_stride, int m, const __nv_bfloat16* __restrict__ w,
+                int n, int k, OutT* out, int64_t out_stride, bool accumulate) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kGemvWarps + warp) * R;
   if (row0 >= n) return;
@@ -90,7 +91,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
   }
-  gemv::warp_dot_partial<R, M, U>(w_rows, x_rows, m, k / gemv::kChunk, lane, acc);
+  gemv::warp_dot_partial<R, M, U>(w_rows, x_rows, m, k / gemv::kChunk, lane, acc, pdl::WaitForInputs{});
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -109,9 +110,9 @@ template <int R, int M, int U, typename OutT>
 void launch_gemv_shape(const Tensor& x, const Tensor& weight, const Tensor& out, bool accumulate, cudaStream_t stream) {
   const int m = static_cast<int>(x.size(0)), n = static_cast<int>(weight.size(0)), k = static_cast<int>(x.size(1));
   const int blocks = ceil_div(n, static_cast<int64_t>(R) * kGemvWarps);
-  gemv_kernel<R, M, U, OutT><<<blocks, kGemvWarps * 32, 0, stream>>>(
-      x.data_as<const __nv_bfloat16>(), x.stride(0), m, weight.data_as<const __nv_bfloat16>(), n, k,
-      out.data_as<OutT>(), out.stride(0), accumulate);
+  pdl::launch(gemv_kernel<R, M, U, OutT>, dim3(blocks), dim3(kGemvWarps * 32), 0, stream,
+              x.data_as<const __nv_bfloat16>(), x.stride(0), m, weight.data_as<const __nv_bfloat16>(), n, k,
+              out.data_as<OutT>(), out.stride(0), accumulate);
   METRALE_CHECK_LAUNCH("gemv_kernel");
 }
 

@@ -43,6 +43,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cublaslt_context.cuh"
 #include "kernels/cuda/fp8_gemv.cuh"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/fp8_quantize.h"
 #include "kernels/linear_fp8.h"
 #include "runtime/buffer.h"
@@ -65,7 +66,7 @@ __device__ __forceinline__ float e4m3_to_f32(uint8_t code) {
 // codes; scales [ceil(n/128), scale_cols].
 template <int R, int M, int U, typename XT, typename OutT>
 __global__ void __launch_bounds__(kGemvWarps * 32)
-    fp8_gemv_kernel(const XT* __restrict__ x, int64_t x_stride, int m, const uint8_t* __restrict__ w,
+    fp8_gemv_kernel(const XT* x, int64_t x_stride, int m, const uint8_t* __restrict__ w,
                     const float* __restrict__ scales, int64_t scale_cols, OutT* out, int64_t out_stride, int n, int k,
                     bool accumulate) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -88,7 +89,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
   }
-  fp8_gemv::warp_dot_partial<R, M, U>(w_rows, scale_rows, x_rows, m, k / fp8_gemv::kChunk, lane, acc);
+  fp8_gemv::warp_dot_partial<R, M, U>(w_rows, scale_rows, x_rows, m, k / fp8_gemv::kChunk, lane, acc,
+                                      pdl::WaitForInputs{});
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -141,9 +143,9 @@ template <int R, int M, int U, typename XT, typename OutT>
 void launch_vector_gemv(const XT* x, int64_t x_stride, int m, const Tensor& weight, const Tensor& scale_inv, OutT* out,
                         int64_t out_stride, bool accumulate, cudaStream_t stream) {
   const int n = static_cast<int>(weight.size(0)), k = static_cast<int>(weight.size(1));
-  fp8_gemv_kernel<R, M, U, XT, OutT><<<ceil_div(n, static_cast<int64_t>(R) * kGemvWarps), kGemvWarps * 32, 0, stream>>>(
-      x, x_stride, m, static_cast<const uint8_t*>(weight.data()), scale_inv.data_as<const float>(), scale_inv.size(1),
-      out, out_stride, n, k, accumulate);
+  pdl::launch(fp8_gemv_kernel<R, M, U, XT, OutT>, dim3(ceil_div(n, static_cast<int64_t>(R) * kGemvWarps)),
+              dim3(kGemvWarps * 32), 0, stream, x, x_stride, m, static_cast<const uint8_t*>(weight.data()),
+              scale_inv.data_as<const float>(), scale_inv.size(1), out, out_stride, n, k, accumulate);
 }
 
 // Per-M configurations: rows per warp R and chunks in flight per row U (R * U 16-byte loads in flight

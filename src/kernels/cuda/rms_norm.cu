@@ -14,6 +14,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/rms_norm.h"
 
 namespace metrale::kernels::cuda {
@@ -139,6 +140,7 @@ __device__ __forceinline__ void normalize_row(const NormArgs& a, int64_t row, in
 
 template <typename T, int N, bool kAdd>
 __global__ void __launch_bounds__(32 * kWarpRowsPerBlock) rms_norm_warp_kernel(NormArgs a) {
+  pdl::wait_then_allow_dependents();  // launched through pdl::launch; the next GEMV stages meanwhile
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / 32;
   if (row >= a.rows) return;  // whole warps leave together
   normalize_row<T, N, kCachedVectors, kAdd>(a, row, threadIdx.x & 31, 32, WarpReduce{});
@@ -146,6 +148,7 @@ __global__ void __launch_bounds__(32 * kWarpRowsPerBlock) rms_norm_warp_kernel(N
 
 template <typename T, int N, int K, bool kAdd>
 __global__ void __launch_bounds__(1024) rms_norm_block_kernel(NormArgs a) {
+  pdl::wait_then_allow_dependents();  // launched through pdl::launch; the next GEMV stages meanwhile
   __shared__ float scratch[32];
   normalize_row<T, N, K, kAdd>(a, blockIdx.x, threadIdx.x, blockDim.x, BlockReduce{scratch});
 }
@@ -181,13 +184,15 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const int vectors = a.width / N;
   if (vectors <= 32 * kCachedVectors) {
     const auto grid = static_cast<unsigned int>((a.rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock);
-    rms_norm_warp_kernel<T, N, kAdd><<<grid, 32 * kWarpRowsPerBlock, 0, stream>>>(a);
+    pdl::launch(rms_norm_warp_kernel<T, N, kAdd>, dim3(grid), dim3(32 * kWarpRowsPerBlock), 0, stream, a);
   } else if (vectors <= 1024 * kCachedVectors) {
     // About two vectors per thread (never more than kCachedVectors).
     const int threads = std::min(1024, std::max(64, (vectors / 2 + 31) / 32 * 32));
-    rms_norm_block_kernel<T, N, kCachedVectors, kAdd><<<static_cast<unsigned int>(a.rows), threads, 0, stream>>>(a);
+    pdl::launch(rms_norm_block_kernel<T, N, kCachedVectors, kAdd>, dim3(static_cast<unsigned int>(a.rows)),
+                dim3(threads), 0, stream, a);
   } else {
-    rms_norm_block_kernel<T, N, 0, kAdd><<<static_cast<unsigned int>(a.rows), 1024, 0, stream>>>(a);
+    pdl::launch(rms_norm_block_kernel<T, N, 0, kAdd>, dim3(static_cast<unsigned int>(a.rows)), dim3(1024), 0, stream,
+                a);
   }
 }
 
