@@ -66,6 +66,17 @@ METRALE_DECLARE_OP_IMPLS(paged_attention, (const Tensor& q, const Tensor& k_cach
                                            const Tensor& cu_q, const Tensor& kv_lens, const Tensor& block_tables,
                                            const Tensor& out, const AttentionParams& params))
 
+#if METRALE_WITH_CUDA
+namespace cuda {
+// Where split-KV attention merges the partials of a split key range: in the last split CTA of each
+// chunk to finish (the default, for plans of 8 splits and more: one kernel), or in a separate merge
+// kernel (fewer splits, or METRALE_SPLIT_MERGE_KERNEL=1 at start-up). Tests and benchmarks may switch
+// it (not while other threads run attention).
+bool split_merge_in_kernel();
+void set_split_merge_in_kernel(bool in_kernel);
+}  // namespace cuda
+#endif
+
 inline void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping, const Tensor& k_cache,
                            const Tensor& v_cache, const KvScales& scales = {}) {
   METRALE_KERNEL_DISPATCH(kv_cache_write, k_cache.device(), k, v, slot_mapping, k_cache, v_cache, scales);

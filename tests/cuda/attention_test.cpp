@@ -26,6 +26,7 @@
 #include "core/dtype.h"
 #include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
+#include "runtime/cuda/cuda_graph.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
 #include "runtime/tensor.h"
@@ -296,6 +297,57 @@ TEST(CudaPagedAttention, DecodeBoundsAndWorkspaceVariants) {
   RunOptions no_workspace;
   no_workspace.workspace = false;  // one split per chunk
   check(g, decode_batch({6000}), 303, no_workspace);
+}
+
+// Split decode merges its partials in the last split CTA of each chunk (arrival counters the kernel
+// resets) or in a separate merge kernel: both agree with the CPU twin, agree bit for bit with each
+// other, and the in-kernel merge gives the same bits on every launch and on every graph replay (a
+// counter left non-zero would merge early or never).
+TEST(CudaPagedAttention, SplitMergeInKernelMatchesTheMergeKernel) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  struct Restore {
+    bool saved = kernels::cuda::split_merge_in_kernel();
+    ~Restore() { kernels::cuda::set_split_merge_in_kernel(saved); }
+  } restore;
+  const Geometry g{128, 4, 128, 16};  // G 32: two 16-row chunks per KV head
+  const std::vector<SeqSpec> seqs = decode_batch({5000, 3, 1500, 777});
+  for (const bool in_kernel : {true, false}) {
+    kernels::cuda::set_split_merge_in_kernel(in_kernel);
+    check(g, seqs, 310, {});
+  }
+  HostBatch b = make_batch(g, seqs, 311);
+  kernels::AttentionParams params;
+  params.scale = 1.0f / std::sqrt(128.0f);
+  params.max_q_len = b.max_q;
+  params.max_kv_len = b.max_kv;
+  const size_t workspace_bytes =
+      kernels::paged_attention_workspace_bytes(b.num_seqs(), b.tokens, g.heads, g.head_dim, params.max_kv_len);
+  ASSERT_GT(workspace_bytes, 0u);
+  const OwnedTensor workspace(DType::kU8, {static_cast<int64_t>(workspace_bytes)}, Device::cuda());
+  params.workspace = *workspace;
+  const OwnedTensor q = to_device(b.q_tensor()), k_cache = to_device(b.k_tensor()), v_cache = to_device(b.v_tensor());
+  const OwnedTensor cu_q = to_device(b.cu_tensor()), kv_lens = to_device(b.lens_tensor());
+  const OwnedTensor tables = to_device(b.tables_tensor());
+  const OwnedTensor out(DType::kBF16, {b.tokens, g.heads, g.head_dim}, Device::cuda());
+  const auto run = [&] { kernels::paged_attention(*q, *k_cache, *v_cache, *cu_q, *kv_lens, *tables, *out, params); };
+  const auto result = [&] { return download_bf16(*out); };
+  kernels::cuda::set_split_merge_in_kernel(false);
+  run();
+  const std::vector<uint16_t> merged_by_kernel = result();
+  kernels::cuda::set_split_merge_in_kernel(true);
+  for (int i = 0; i < 4; ++i) {
+    run();
+    ASSERT_EQ(result(), merged_by_kernel) << "launch " << i;
+  }
+  const auto stream = static_cast<cudaStream_t>(current_stream(Device::cuda()));
+  CudaGraph graph;
+  graph.begin_capture(stream);
+  run();
+  graph.end_capture(stream);
+  for (int i = 0; i < 4; ++i) {
+    graph.launch(stream);
+    ASSERT_EQ(result(), merged_by_kernel) << "graph replay " << i;
+  }
 }
 
 TEST(CudaPagedAttention, WorkspaceBytesSufficeForEverySplitPlan) {

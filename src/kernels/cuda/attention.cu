@@ -9,7 +9,8 @@
 //  * split-KV kernel ("flash-decoding"): tiles of 16 packed rows (one m16 tensor-core fragment),
 //    4 warps that each take 16 keys of every 64-key K/V tile, a 3-stage cp.async pipeline, and
 //    optionally a split of the key range over several CTAs whose fp32 partial results (normalised
-//    output + log2-sum-exp) go to the workspace and are combined by a small merge kernel. Used for
+//    output + log2-sum-exp) go to the workspace and are combined by the last CTA of the chunk to
+//    finish (a per-chunk arrival counter), or by a small merge kernel when no counters exist. Used for
 //    decode (q_len 1) and for short query blocks (speculative verify) where the tiles alone would
 //    not fill the GPU.
 //  * prefill kernel (flash-attention 2): tiles of 64 or 128 packed rows, 4 warps of 16 or 32 rows,
@@ -26,9 +27,11 @@
 // into the score scale and the value scale into the output normalisation, both fp32.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -67,6 +70,10 @@ constexpr int kSplitRows = 16;         // packed rows per CTA: one m16 fragment
 constexpr int kSplitKeysPerTile = 64;  // keys per pipeline stage; each warp takes 16 of them
 constexpr int kSplitStages = 3;
 constexpr int kMinKeysPerSplit = 256;  // a split below this spends more on its prologue than it saves
+// The last split CTA merges (rather than a merge kernel) from this many splits up. Measured on the
+// H200 (Qwen3-8B decode, batch 1): 5 splits at a 1K context, in-kernel 1.3% slower; 17 splits at 4K,
+// 2.2% faster.
+constexpr int kMinSplitsForInKernelMerge = 8;
 constexpr int kCtasPerSmTarget = 2;    // split until S * n_kv * chunks * splits reaches this many waves
 
 // ---- the paged cache and the batch as the kernels see them ----
@@ -102,6 +109,9 @@ struct AttentionArgs {
   int num_splits;      // CTAs sharing the key range of one chunk
   float* partial_out;  // [ctas, 16, head_dim] f32, normalised partial outputs (num_splits > 1)
   float* partial_lse;  // [ctas, 16] f32, log2-sum-exp of each partial (-inf: no key)
+  // [S * n_kv * row_chunks] zero-initialised arrival counters (num_splits > 1): the last split CTA of
+  // a chunk merges and resets its counter to 0. Null: merge_splits_kernel merges.
+  int* split_counters;
 };
 
 // The dequantisation scales of one KV head's keys and values (1 for bf16 caches).
@@ -580,6 +590,97 @@ struct SplitConfig {
                 "the combine buffer fits in the K/V tiles and stages");
 };
 
+// The combine of the split kernel's 4 warps for packed row `row` (8 threads per row, this one `part`):
+// the final bf16 output (one split) or the split's normalised fp32 partial and its log2-sum-exp.
+template <int kHeadDim>
+__device__ __forceinline__ void combine_warps(const AttentionArgs& a, const TileGeometry& g, int seq, int kv_head,
+                                              int chunk, int split, int row, int part, const float* combine_acc,
+                                              const float* combine_max, const float* combine_sum,
+                                              int combine_stride) {
+  float overall_max = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) overall_max = fmaxf(overall_max, combine_max[w * kSplitRows + row]);
+  float weight[kWarps], total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    weight[w] = overall_max == -INFINITY ? 0.0f : fast_exp2(combine_max[w * kSplitRows + row] - overall_max);
+    total += weight[w] * combine_sum[w * kSplitRows + row];
+  }
+  const float inv = total > 0.0f ? value_scale(a.kv, kv_head) / total : 0.0f;
+  const int packed = chunk * kSplitRows + row;
+  const int64_t token = g.q_begin + packed / a.group;
+  const int head = kv_head * a.group + packed % a.group;
+  const int64_t cta =
+      ((static_cast<int64_t>(seq) * a.kv.num_kv_heads + kv_head) * a.row_chunks + chunk) * a.num_splits + split;
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 32; ++j) {
+    const int d = j * 32 + part * 4;
+    float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float4 piece = *reinterpret_cast<const float4*>(combine_acc + (w * kSplitRows + row) * combine_stride + d);
+      value.x += weight[w] * piece.x;
+      value.y += weight[w] * piece.y;
+      value.z += weight[w] * piece.z;
+      value.w += weight[w] * piece.w;
+    }
+    value.x *= inv;
+    value.y *= inv;
+    value.z *= inv;
+    value.w *= inv;
+    if (a.num_splits == 1) {
+      store_bf16x4(a.out + token * a.out_token_stride + head * a.out_head_stride + d, value, a.out_vectorized);
+    } else {
+      *reinterpret_cast<float4*>(a.partial_out + (cta * kSplitRows + row) * kHeadDim + d) = value;
+    }
+  }
+  if (a.num_splits > 1 && part == 0)
+    a.partial_lse[cta * kSplitRows + row] = total > 0.0f ? overall_max + attn::fast_log2(total) : -INFINITY;
+}
+
+// Combines the num_splits partials of packed row `row` of (seq, kv_head, chunk) into the output (8
+// threads per row, this one `part`). The partials are read from L2 (__ldcg): in the split kernel's
+// own merge, other CTAs of the same grid wrote them.
+template <int kHeadDim>
+__device__ __forceinline__ void merge_row(const AttentionArgs& a, const TileGeometry& g, int seq, int kv_head,
+                                          int chunk, int row, int part) {
+  const int row0 = chunk * kSplitRows;
+  const int64_t first_cta =
+      ((static_cast<int64_t>(seq) * a.kv.num_kv_heads + kv_head) * a.row_chunks + chunk) * a.num_splits;
+  float overall_max = -INFINITY;
+  for (int s = 0; s < a.num_splits; ++s)
+    overall_max = fmaxf(overall_max, __ldcg(a.partial_lse + (first_cta + s) * kSplitRows + row));
+  float4 sum[kHeadDim / 32];
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 32; ++j) sum[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float total = 0.0f;
+  for (int s = 0; s < a.num_splits; ++s) {
+    const float lse = __ldcg(a.partial_lse + (first_cta + s) * kSplitRows + row);
+    if (lse == -INFINITY) continue;  // no key of this row in that split (its partial is zero)
+    const float weight = fast_exp2(lse - overall_max);
+    total += weight;
+    const float* partial = a.partial_out + ((first_cta + s) * kSplitRows + row) * kHeadDim + part * 4;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 32; ++j) {
+      const float4 piece = __ldcg(reinterpret_cast<const float4*>(partial + j * 32));
+      sum[j].x += weight * piece.x;
+      sum[j].y += weight * piece.y;
+      sum[j].z += weight * piece.z;
+      sum[j].w += weight * piece.w;
+    }
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  const int packed = row0 + row;
+  const int64_t token = g.q_begin + packed / a.group;
+  const int head = kv_head * a.group + packed % a.group;
+  bf16* out = a.out + token * a.out_token_stride + head * a.out_head_stride + part * 4;
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 32; ++j) {
+    store_bf16x4(out + j * 32, make_float4(sum[j].x * inv, sum[j].y * inv, sum[j].z * inv, sum[j].w * inv),
+                 a.out_vectorized);
+  }
+}
+
 template <int kHeadDim, int kMinBlocks, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_split_kernel(const AttentionArgs a) {
   pdl::allow_dependents();  // without a merge, the output-projection GEMV comes next
@@ -745,93 +846,36 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_split_kernel(const
 
   // 8 threads per row, each 4 consecutive dims of every 32.
   const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
-  if (row >= g.rows) return;
-  float overall_max = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) overall_max = fmaxf(overall_max, combine_max[w * kSplitRows + row]);
-  float weight[kWarps], total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    weight[w] = overall_max == -INFINITY ? 0.0f : fast_exp2(combine_max[w * kSplitRows + row] - overall_max);
-    total += weight[w] * combine_sum[w * kSplitRows + row];
+  if (row < g.rows) combine_warps<kHeadDim>(a, g, seq, kv_head, chunk, split, row, part, combine_acc, combine_max,
+                                            combine_sum, Config::kCombineStride);
+  if (a.num_splits == 1 || a.split_counters == nullptr) return;
+
+  // The last CTA of the chunk to arrive merges every split's partial (the other CTAs fenced their
+  // partials before counting themselves), then leaves the counter at 0 for the next launch.
+  __shared__ bool merges;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter =
+        a.split_counters + (static_cast<int64_t>(seq) * a.kv.num_kv_heads + kv_head) * a.row_chunks + chunk;
+    merges = atomicAdd(counter, 1) == a.num_splits - 1;
+    if (merges) *counter = 0;
   }
-  const float inv = total > 0.0f ? value_scale(a.kv, kv_head) / total : 0.0f;
-  const int packed = row0 + row;
-  const int64_t token = g.q_begin + packed / a.group;
-  const int head = kv_head * a.group + packed % a.group;
-  const int64_t cta =
-      ((static_cast<int64_t>(seq) * a.kv.num_kv_heads + kv_head) * a.row_chunks + chunk) * a.num_splits + split;
-#pragma unroll
-  for (int j = 0; j < kHeadDim / 32; ++j) {
-    const int d = j * 32 + part * 4;
-    float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float4 piece =
-          *reinterpret_cast<const float4*>(combine_acc + (w * kSplitRows + row) * Config::kCombineStride + d);
-      value.x += weight[w] * piece.x;
-      value.y += weight[w] * piece.y;
-      value.z += weight[w] * piece.z;
-      value.w += weight[w] * piece.w;
-    }
-    value.x *= inv;
-    value.y *= inv;
-    value.z *= inv;
-    value.w *= inv;
-    if (a.num_splits == 1) {
-      store_bf16x4(a.out + token * a.out_token_stride + head * a.out_head_stride + d, value, a.out_vectorized);
-    } else {
-      *reinterpret_cast<float4*>(a.partial_out + (cta * kSplitRows + row) * kHeadDim + d) = value;
-    }
-  }
-  if (a.num_splits > 1 && part == 0)
-    a.partial_lse[cta * kSplitRows + row] = total > 0.0f ? overall_max + attn::fast_log2(total) : -INFINITY;
+  __syncthreads();
+  if (!merges) return;
+  __threadfence();
+  if (row < g.rows) merge_row<kHeadDim>(a, g, seq, kv_head, chunk, row, part);
 }
 
-// Combines the num_splits partials of every valid packed row. Grid (row_chunks, n_kv_heads, S),
-// 128 threads: 8 per row, 16 rows.
+// Combines the num_splits partials of every valid packed row when the split kernel has no counters.
+// Grid (row_chunks, n_kv_heads, S), 128 threads: 8 per row, 16 rows.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const AttentionArgs a) {
   pdl::allow_dependents();  // the output-projection GEMV may stage its weights meanwhile
   const int chunk = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
-  const int row0 = chunk * kSplitRows;
-  const TileGeometry g = tile_geometry(a, seq, row0, kSplitRows);
+  const TileGeometry g = tile_geometry(a, seq, chunk * kSplitRows, kSplitRows);
   const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
-  if (row >= g.rows) return;
-  const int64_t first_cta =
-      ((static_cast<int64_t>(seq) * a.kv.num_kv_heads + kv_head) * a.row_chunks + chunk) * a.num_splits;
-  float overall_max = -INFINITY;
-  for (int s = 0; s < a.num_splits; ++s)
-    overall_max = fmaxf(overall_max, a.partial_lse[(first_cta + s) * kSplitRows + row]);
-  float4 sum[kHeadDim / 32];
-#pragma unroll
-  for (int j = 0; j < kHeadDim / 32; ++j) sum[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float total = 0.0f;
-  for (int s = 0; s < a.num_splits; ++s) {
-    const float lse = a.partial_lse[(first_cta + s) * kSplitRows + row];
-    if (lse == -INFINITY) continue;  // no key of this row in that split (its partial is zero)
-    const float weight = fast_exp2(lse - overall_max);
-    total += weight;
-    const float* partial = a.partial_out + ((first_cta + s) * kSplitRows + row) * kHeadDim + part * 4;
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 32; ++j) {
-      const float4 piece = *reinterpret_cast<const float4*>(partial + j * 32);
-      sum[j].x += weight * piece.x;
-      sum[j].y += weight * piece.y;
-      sum[j].z += weight * piece.z;
-      sum[j].w += weight * piece.w;
-    }
-  }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  const int packed = row0 + row;
-  const int64_t token = g.q_begin + packed / a.group;
-  const int head = kv_head * a.group + packed % a.group;
-  bf16* out = a.out + token * a.out_token_stride + head * a.out_head_stride + part * 4;
-#pragma unroll
-  for (int j = 0; j < kHeadDim / 32; ++j) {
-    store_bf16x4(out + j * 32, make_float4(sum[j].x * inv, sum[j].y * inv, sum[j].z * inv, sum[j].w * inv),
-                 a.out_vectorized);
-  }
+  if (row < g.rows) merge_row<kHeadDim>(a, g, seq, kv_head, chunk, row, part);
 }
 
 // ================================================================================================
@@ -983,6 +1027,44 @@ SplitPlan plan_splits(int64_t num_seqs, int64_t kv_heads, int64_t group, int64_t
   return plan;
 }
 
+std::atomic<bool>& split_merge_in_kernel_setting() {
+  static std::atomic<bool> in_kernel = [] {
+    const char* text = std::getenv("METRALE_SPLIT_MERGE_KERNEL");
+    return !(text != nullptr && std::string(text) == "1");
+  }();
+  return in_kernel;
+}
+
+// Arrival counters of the split kernel's own merge, one per (sequence, KV head, row chunk) of a
+// split batch: plan_splits splits only while S * n_kv * chunks < kCtasPerSmTarget * SMs, so that many
+// suffice. Allocated and zeroed on a device's first split launch outside a graph capture (the engine's
+// warm-up step); a launch before that (inside a capture) gets null and uses the merge kernel. The
+// kernel leaves them at 0. Attention kernels of one device run in one stream order: the counters are
+// never shared by two launches in flight.
+int* split_counters(int device, int64_t groups, int num_sms, cudaStream_t stream) {
+  struct Counters {
+    int* data = nullptr;
+    int64_t capacity = 0;
+  };
+  static std::mutex mutex;
+  static std::array<Counters, 64> per_device;
+  if (device < 0 || device >= static_cast<int>(per_device.size())) return nullptr;
+  std::lock_guard lock(mutex);
+  Counters& counters = per_device[static_cast<size_t>(device)];
+  if (counters.data == nullptr) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    METRALE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) return nullptr;
+    const int64_t capacity = static_cast<int64_t>(kCtasPerSmTarget) * num_sms;
+    void* data = nullptr;
+    METRALE_CUDA_CHECK(cudaMalloc(&data, static_cast<size_t>(capacity) * sizeof(int)));
+    METRALE_CUDA_CHECK(cudaMemsetAsync(data, 0, static_cast<size_t>(capacity) * sizeof(int), stream));
+    counters.data = static_cast<int*>(data);  // process lifetime: never freed
+    counters.capacity = capacity;
+  }
+  return groups <= counters.capacity ? counters.data : nullptr;
+}
+
 size_t split_workspace_bytes(int64_t ctas, int64_t head_dim) {
   return static_cast<size_t>(ctas) * kSplitRows * static_cast<size_t>(head_dim + 1) * sizeof(float);
 }
@@ -1002,7 +1084,7 @@ void launch_split(const AttentionArgs& args, const SplitPlan& plan, int64_t num_
                   static_cast<unsigned>(num_seqs));
   launch_kernel(kernel, grid, dim3(kThreads), smem, stream, args);
   METRALE_CHECK_LAUNCH("paged_split_kernel");
-  if (plan.num_splits > 1) {
+  if (plan.num_splits > 1 && args.split_counters == nullptr) {
     const dim3 merge_grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(kv_heads),
                           static_cast<unsigned>(num_seqs));
     launch_kernel(merge_splits_kernel<kHeadDim>, merge_grid, dim3(kThreads), 0, stream, args);
@@ -1387,6 +1469,11 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
         }
         args.partial_out = static_cast<float*>(params.workspace.data());
         args.partial_lse = args.partial_out + ctas * kSplitRows * head_dim;
+        if (split_merge_in_kernel_setting().load(std::memory_order_relaxed) &&
+            plan.num_splits >= kMinSplitsForInKernelMerge) {
+          args.split_counters =
+              split_counters(device_index, num_seqs * kv_heads * plan.row_chunks, props.num_sms, stream);
+        }
       }
     }
     args.row_chunks = plan.row_chunks;
@@ -1395,6 +1482,12 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
     return;
   }
   launch_prefill_for_cache(args, fp8, small_tiles, max_q, head_dim, num_seqs, kv_heads, device_index, stream);
+}
+
+bool split_merge_in_kernel() { return split_merge_in_kernel_setting().load(std::memory_order_relaxed); }
+
+void set_split_merge_in_kernel(bool in_kernel) {
+  split_merge_in_kernel_setting().store(in_kernel, std::memory_order_relaxed);
 }
 
 }  // namespace cuda
