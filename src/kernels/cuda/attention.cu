@@ -597,16 +597,8 @@ __device__ __forceinline__ void combine_warps(const AttentionArgs& a, const Tile
                                               int chunk, int split, int row, int part, const float* combine_acc,
                                               const float* combine_max, const float* combine_sum,
                                               int combine_stride) {
-  float overall_max = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) overall_max = fmaxf(overall_max, combine_max[w * kSplitRows + row]);
-  float weight[kWarps], total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    weight[w] = overall_max == -INFINITY ? 0.0f : fast_exp2(combine_max[w * kSplitRows + row] - overall_max);
-    total += weight[w] * combine_sum[w * kSplitRows + row];
-  }
-  const float inv = total > 0.0f ? value_scale(a.kv, kv_head) / total : 0.0f;
+  const attn::WarpWeights<kWarps> c = attn::combine_warp_weights<kWarps, kSplitRows>(combine_max, combine_sum, row);
+  const float inv = c.total > 0.0f ? value_scale(a.kv, kv_head) / c.total : 0.0f;
   const int packed = chunk * kSplitRows + row;
   const int64_t token = g.q_begin + packed / a.group;
   const int head = kv_head * a.group + packed % a.group;
@@ -615,19 +607,7 @@ __device__ __forceinline__ void combine_warps(const AttentionArgs& a, const Tile
 #pragma unroll
   for (int j = 0; j < kHeadDim / 32; ++j) {
     const int d = j * 32 + part * 4;
-    float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float4 piece = *reinterpret_cast<const float4*>(combine_acc + (w * kSplitRows + row) * combine_stride + d);
-      value.x += weight[w] * piece.x;
-      value.y += weight[w] * piece.y;
-      value.z += weight[w] * piece.z;
-      value.w += weight[w] * piece.w;
-    }
-    value.x *= inv;
-    value.y *= inv;
-    value.z *= inv;
-    value.w *= inv;
+    const float4 value = attn::combine_warp_acc<kWarps, kSplitRows>(combine_acc, combine_stride, row, d, c, inv);
     if (a.num_splits == 1) {
       store_bf16x4(a.out + token * a.out_token_stride + head * a.out_head_stride + d, value, a.out_vectorized);
     } else {
@@ -635,7 +615,7 @@ __device__ __forceinline__ void combine_warps(const AttentionArgs& a, const Tile
     }
   }
   if (a.num_splits > 1 && part == 0)
-    a.partial_lse[cta * kSplitRows + row] = total > 0.0f ? overall_max + attn::fast_log2(total) : -INFINITY;
+    a.partial_lse[cta * kSplitRows + row] = c.total > 0.0f ? c.max + attn::fast_log2(c.total) : -INFINITY;
 }
 
 // Combines the num_splits partials of packed row `row` of (seq, kv_head, chunk) into the output (8

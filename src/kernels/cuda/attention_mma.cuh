@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace metrale::kernels::cuda::attn {
@@ -90,6 +91,49 @@ __device__ __forceinline__ float quad_max(float value) {
 __device__ __forceinline__ float quad_sum(float value) {
   value += __shfl_xor_sync(0xffffffffu, value, 1);
   return value + __shfl_xor_sync(0xffffffffu, value, 2);
+}
+
+// The cross-warp combine at the end of a split-KV CTA: each of kWarps warps holds an online-softmax
+// state (row max and sum in the log2 domain, unnormalised accumulator) of the same kRows rows over
+// its own keys, staged in shared memory as max[w * kRows + r], sum[w * kRows + r] and
+// acc[(w * kRows + r) * stride + d]. For row r: each warp's weight, the weighted sum and the overall
+// max (-inf and a zero total when no warp saw a key).
+template <int kWarps>
+struct WarpWeights {
+  float weight[kWarps];
+  float total;
+  float max;
+};
+
+template <int kWarps, int kRows>
+__device__ __forceinline__ WarpWeights<kWarps> combine_warp_weights(const float* max, const float* sum, int row) {
+  WarpWeights<kWarps> c;
+  c.max = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) c.max = fmaxf(c.max, max[w * kRows + row]);
+  c.total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    c.weight[w] = c.max == -INFINITY ? 0.0f : fast_exp2(max[w * kRows + row] - c.max);
+    c.total += c.weight[w] * sum[w * kRows + row];
+  }
+  return c;
+}
+
+// sum_w weight[w] * acc[w][row][d, d + 4), scaled by `scale`.
+template <int kWarps, int kRows>
+__device__ __forceinline__ float4 combine_warp_acc(const float* acc, int stride, int row, int d,
+                                                   const WarpWeights<kWarps>& c, float scale) {
+  float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float4 piece = *reinterpret_cast<const float4*>(acc + (w * kRows + row) * stride + d);
+    value.x += c.weight[w] * piece.x;
+    value.y += c.weight[w] * piece.y;
+    value.z += c.weight[w] * piece.z;
+    value.w += c.weight[w] * piece.w;
+  }
+  return make_float4(value.x * scale, value.y * scale, value.z * scale, value.w * scale);
 }
 
 // Launches `kernel` on `stream`. (A function rather than the <<<>>> syntax at every call site, so

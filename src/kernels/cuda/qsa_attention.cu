@@ -384,31 +384,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_split_kernel(const SparseA
 
   const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
   if (row >= rows) return;
-  float overall_max = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) overall_max = fmaxf(overall_max, combine_max[w * kRows + row]);
-  float weight[kWarps], total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    weight[w] = overall_max == -INFINITY ? 0.0f : fast_exp2(combine_max[w * kRows + row] - overall_max);
-    total += weight[w] * combine_sum[w * kRows + row];
-  }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  const attn::WarpWeights<kWarps> c = attn::combine_warp_weights<kWarps, kRows>(combine_max, combine_sum, row);
+  const float inv = c.total > 0.0f ? 1.0f / c.total : 0.0f;
   const int head = kv_head * a.group + row0 + row;
   const int64_t cta = ((t * a.num_kv_heads + kv_head) * a.row_chunks + chunk) * a.num_splits + split;
 #pragma unroll
   for (int j = 0; j < kHeadDim / 32; ++j) {
     const int d = j * 32 + part * 4;
-    float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float4 piece = *reinterpret_cast<const float4*>(combine_acc + (w * kRows + row) * Config::kCombineStride + d);
-      value.x += weight[w] * piece.x;
-      value.y += weight[w] * piece.y;
-      value.z += weight[w] * piece.z;
-      value.w += weight[w] * piece.w;
-    }
-    value = make_float4(value.x * inv, value.y * inv, value.z * inv, value.w * inv);
+    const float4 value = attn::combine_warp_acc<kWarps, kRows>(combine_acc, Config::kCombineStride, row, d, c, inv);
     if (a.num_splits == 1) {
       store_bf16x4(a.out + t * a.out_token_stride + head * a.out_head_stride + d, value, a.out_vectorized);
     } else {
@@ -416,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_split_kernel(const SparseA
     }
   }
   if (a.num_splits > 1 && part == 0) {
-    a.partial_lse[cta * kRows + row] = total > 0.0f ? overall_max + attn::fast_log2(total) : -INFINITY;
+    a.partial_lse[cta * kRows + row] = c.total > 0.0f ? c.max + attn::fast_log2(c.total) : -INFINITY;
   }
 }
 
