@@ -152,7 +152,7 @@ void paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
 namespace metrale::kernels {
 
 // Builds without CUDA run attention on the CPU only, which needs no scratch. (CUDA builds define
-// this next to the kernels, in kernels/cuda/attention.cu.)
+// this next to the kernels, in kernels/cuda/attention.cu and attention_split.cu.)
 size_t paged_attention_workspace_bytes(int64_t /*num_seqs*/, int64_t /*num_tokens*/, int64_t /*num_heads*/,
                                        int64_t /*head_dim*/, int64_t /*max_kv_len*/) {
   return 0;

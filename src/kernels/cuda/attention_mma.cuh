@@ -10,6 +10,7 @@
 // where q = quad_lane. The lower column (or k) index sits in the low 16 bits of a b32 register.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -91,6 +92,107 @@ __device__ __forceinline__ float quad_max(float value) {
 __device__ __forceinline__ float quad_sum(float value) {
   value += __shfl_xor_sync(0xffffffffu, value, 1);
   return value + __shfl_xor_sync(0xffffffffu, value, 2);
+}
+
+// One online-softmax step for the two rows (group, group + 8) of an m16 fragment that this thread
+// holds: `scores` [kKeyTiles][4] are log2-domain scores (masked ones -inf) and become the
+// probabilities P; `acc` [kDimTiles][4] (the output accumulator) and `row_sum` are rescaled.
+template <int kKeyTiles, int kDimTiles>
+__device__ __forceinline__ void online_softmax(float (&scores)[kKeyTiles][4], float (&acc)[kDimTiles][4],
+                                               float (&row_max)[2], float (&row_sum)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < kKeyTiles; ++nt)
+      tile_max = fmaxf(tile_max, fmaxf(scores[nt][2 * half], scores[nt][2 * half + 1]));
+    tile_max = attn::quad_max(tile_max);
+    const float new_max = fmaxf(row_max[half], tile_max);
+    // A row with no unmasked key yet keeps max -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+    const float base = new_max == -INFINITY ? 0.0f : new_max;
+    const float rescale = fast_exp2(row_max[half] - base);
+    row_max[half] = new_max;
+    row_sum[half] *= rescale;
+#pragma unroll
+    for (int dt = 0; dt < kDimTiles; ++dt) {
+      acc[dt][2 * half] *= rescale;
+      acc[dt][2 * half + 1] *= rescale;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+      for (int e = 2 * half; e < 2 * half + 2; ++e) {
+        const float p = fast_exp2(scores[nt][e] - base);
+        scores[nt][e] = p;
+        row_sum[half] += p;
+      }
+    }
+  }
+}
+
+// scores = Q . K^T for one warp's 16 keys: `q_frag` the A fragments of the m16 query rows over
+// kHeadDim, `k_tile` the warp's 16 key rows of a swizzled [keys, kHeadDim] bf16 tile. Raw dot
+// products (the caller scales and masks).
+template <int kHeadDim>
+__device__ __forceinline__ void warp_scores_16keys(const uint32_t (&q_frag)[kHeadDim / 16][4],
+                                                   const __nv_bfloat16* k_tile, int lane, float (&scores)[2][4]) {
+  const int matrix = lane >> 3, matrix_row = lane & 7;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) scores[nt][0] = scores[nt][1] = scores[nt][2] = scores[nt][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    uint32_t k_frag[4];
+    ldmatrix_x4(k_frag, smem_address(k_tile + swizzled_offset<kHeadDim>((matrix >> 1) * 8 + matrix_row,
+                                                                        ks * 2 + (matrix & 1))));
+    mma_bf16_16816(scores[0], q_frag[ks], k_frag[0], k_frag[1]);
+    mma_bf16_16816(scores[1], q_frag[ks], k_frag[2], k_frag[3]);
+  }
+}
+
+// acc += P . V for one warp's 16 keys: `p` the probabilities of the m16 x 16-key fragment (the
+// scores after online_softmax, rounded to bf16 here as flash-attention does), `v_tile` the warp's 16
+// value rows of a swizzled [keys, kHeadDim] bf16 tile.
+template <int kHeadDim>
+__device__ __forceinline__ void warp_pv_16keys(const float (&p)[2][4], const __nv_bfloat16* v_tile, int lane,
+                                               float (&acc)[kHeadDim / 8][4]) {
+  const int matrix = lane >> 3, matrix_row = lane & 7;
+  uint32_t p_frag[4];
+  p_frag[0] = pack_bf16x2(p[0][0], p[0][1]);
+  p_frag[1] = pack_bf16x2(p[0][2], p[0][3]);
+  p_frag[2] = pack_bf16x2(p[1][0], p[1][1]);
+  p_frag[3] = pack_bf16x2(p[1][2], p[1][3]);
+#pragma unroll
+  for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+    uint32_t v_frag[4];
+    ldmatrix_x4_trans(v_frag, smem_address(v_tile + swizzled_offset<kHeadDim>((matrix & 1) * 8 + matrix_row,
+                                                                              dp * 2 + (matrix >> 1))));
+    mma_bf16_16816(acc[2 * dp], p_frag, v_frag[0], v_frag[1]);
+    mma_bf16_16816(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
+  }
+}
+
+// Stages this warp's online-softmax state of its m16 fragment's rows (group, group + 8) for the
+// cross-warp combine: max[warp * kRows + r], sum[warp * kRows + r] (the quad-reduced row sum) and
+// acc[(warp * kRows + r) * stride + d].
+template <int kRows, int kDimTiles>
+__device__ __forceinline__ void stage_warp_state(const float (&row_max)[2], const float (&row_sum)[2],
+                                                 const float (&acc)[kDimTiles][4], int warp, int lane, float* max,
+                                                 float* sum, float* acc_out, int stride) {
+  const int group = lane >> 2, quad = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = group + 8 * half;
+    const float total = quad_sum(row_sum[half]);
+    if (quad == 0) {
+      max[warp * kRows + r] = row_max[half];
+      sum[warp * kRows + r] = total;
+    }
+    float* dst = acc_out + (warp * kRows + r) * stride + quad * 2;
+#pragma unroll
+    for (int dt = 0; dt < kDimTiles; ++dt) {
+      *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc[dt][2 * half], acc[dt][2 * half + 1]);
+    }
+  }
 }
 
 // The cross-warp combine at the end of a split-KV CTA: each of kWarps warps holds an online-softmax

@@ -212,38 +212,6 @@ __device__ __forceinline__ void store_bf16x4(bf16* dst, float4 value, bool vecto
   }
 }
 
-// One online-softmax step for the two rows of this thread's m16 fragment (the same step as
-// attention.cu's): scores become probabilities, acc and row_sum are rescaled.
-template <int kDimTiles>
-__device__ __forceinline__ void online_softmax(float (&scores)[2][4], float (&acc)[kDimTiles][4], float (&row_max)[2],
-                                               float (&row_sum)[2]) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float tile_max = fmaxf(fmaxf(scores[0][2 * half], scores[0][2 * half + 1]),
-                           fmaxf(scores[1][2 * half], scores[1][2 * half + 1]));
-    tile_max = attn::quad_max(tile_max);
-    const float new_max = fmaxf(row_max[half], tile_max);
-    const float base = new_max == -INFINITY ? 0.0f : new_max;
-    const float rescale = fast_exp2(row_max[half] - base);
-    row_max[half] = new_max;
-    row_sum[half] *= rescale;
-#pragma unroll
-    for (int dt = 0; dt < kDimTiles; ++dt) {
-      acc[dt][2 * half] *= rescale;
-      acc[dt][2 * half + 1] *= rescale;
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 2 * half; e < 2 * half + 2; ++e) {
-        const float p = fast_exp2(scores[nt][e] - base);
-        scores[nt][e] = p;
-        row_sum[half] += p;
-      }
-    }
-  }
-}
-
 template <int kHeadDim>
 struct SparseConfig {
   static constexpr int kStageElems = kKeysPerTile * kHeadDim;
@@ -305,8 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_split_kernel(const SparseA
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int group_id = lane >> 2, quad = lane & 3;
-  const int matrix = lane >> 3, matrix_row = lane & 7;
+  const int quad = lane & 3;
   uint32_t q_frag[kHeadDim / 16][4];
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
@@ -327,15 +294,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_split_kernel(const SparseA
     const bf16* k_tile = k_tiles + stage * Config::kStageElems + warp * kKeysPerWarp * kHeadDim;
     const bf16* v_tile = v_tiles + stage * Config::kStageElems + warp * kKeysPerWarp * kHeadDim;
     const int entry0 = range_begin + n * kKeysPerTile + warp * kKeysPerWarp;
-    float scores[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      uint32_t k_frag[4];
-      ldmatrix_x4(k_frag, smem_address(k_tile + swizzled_offset<kHeadDim>((matrix >> 1) * 8 + matrix_row,
-                                                                          ks * 2 + (matrix & 1))));
-      mma_bf16_16816(scores[0], q_frag[ks], k_frag[0], k_frag[1]);
-      mma_bf16_16816(scores[1], q_frag[ks], k_frag[2], k_frag[3]);
-    }
+    float scores[2][4];
+    attn::warp_scores_16keys<kHeadDim>(q_frag, k_tile, lane, scores);
     // Every listed key is visible to the row (causality is in the list); only entries past the
     // split's end are masked.
     const bool needs_mask = entry0 + kKeysPerWarp > range_end;
@@ -348,38 +308,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_split_kernel(const SparseA
         scores[nt][e] = s;
       }
     }
-    online_softmax<kDimTiles>(scores, acc, row_max, row_sum);
-    uint32_t p_frag[4];
-    p_frag[0] = pack_bf16x2(scores[0][0], scores[0][1]);
-    p_frag[1] = pack_bf16x2(scores[0][2], scores[0][3]);
-    p_frag[2] = pack_bf16x2(scores[1][0], scores[1][1]);
-    p_frag[3] = pack_bf16x2(scores[1][2], scores[1][3]);
-#pragma unroll
-    for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-      uint32_t v_frag[4];
-      ldmatrix_x4_trans(v_frag, smem_address(v_tile + swizzled_offset<kHeadDim>((matrix & 1) * 8 + matrix_row,
-                                                                                dp * 2 + (matrix >> 1))));
-      mma_bf16_16816(acc[2 * dp], p_frag, v_frag[0], v_frag[1]);
-      mma_bf16_16816(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
-    }
+    attn::online_softmax<2, kDimTiles>(scores, acc, row_max, row_sum);
+    attn::warp_pv_16keys<kHeadDim>(scores, v_tile, lane, acc);
   }
   cp_async_wait<0>();
   __syncthreads();
 
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = group_id + 8 * half;
-    const float sum = attn::quad_sum(row_sum[half]);
-    if (quad == 0) {
-      combine_max[warp * kRows + r] = row_max[half];
-      combine_sum[warp * kRows + r] = sum;
-    }
-    float* dst = combine_acc + (warp * kRows + r) * Config::kCombineStride + quad * 2;
-#pragma unroll
-    for (int dt = 0; dt < kDimTiles; ++dt) {
-      *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc[dt][2 * half], acc[dt][2 * half + 1]);
-    }
-  }
+  attn::stage_warp_state<kRows, kDimTiles>(row_max, row_sum, acc, warp, lane, combine_max, combine_sum, combine_acc,
+                                        Config::kCombineStride);
   __syncthreads();
 
   const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
