@@ -3,7 +3,7 @@
 // from the directory, /health answers, and a token-id completion returns the greedy tokens that
 // `metrale generate` gives for the same prompt (compared through the server's own /detokenize; the
 // tiny vocabularies map to distinct ASCII tokens of the bundled tokenizer, so equal text means equal
-// tokens), with n-gram speculation on the server too.
+// tokens), with n-gram and MTP speculation on the server too; and `metrale bench` measures them.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -218,6 +218,31 @@ TEST(ServeHybrid, Glm5NextDirectoryServesItsGreedyTokens) {
   check_serves_like_generate(dir.path(), "5,6,7,8,5,6,7,8,5,6,7,8,9,10,11,12", {});
   check_serves_like_generate(dir.path(), "5,6,7,8,5,6,7,8,5,6,7,8,9,10,11,12",
                              {"--speculative-method", "mtp", "--num-drafts", "2"});
+}
+
+// `metrale bench --model DIR` on the same directories: decode and prefill rows with their times.
+void check_bench(const std::filesystem::path& model) {
+  const auto result = testing::run_metrale("bench --model " + model.string() +
+                                           " --device cpu --batch 1,2 --context 24 --prefill 16 --iters 1 --warmup 0 --json");
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const json report = json::parse(result.out);
+  std::vector<std::string> phases;
+  for (const json& row : report.at("results")) {
+    phases.push_back(row.at("phase"));
+    EXPECT_GT(row.at("step_ms").get<double>(), 0.0) << row.dump();
+  }
+  EXPECT_EQ(phases, (std::vector<std::string>{"decode", "decode", "prefill"})) << result.out;
+}
+
+TEST(ServeHybrid, BenchMeasuresQwen4ExpAndGlm5NextDirectories) {
+  testing::TempDir qwen4_dir, glm5_dir;
+  const testing::Qwen4Spec qwen4;
+  testing::write_qwen4_checkpoint(qwen4_dir.path(), qwen4, testing::make_qwen4_weights(qwen4, 3));
+  check_bench(qwen4_dir.path());
+  const testing::TinyGlm5Spec glm5;
+  testing::write_glm5_checkpoint(glm5_dir.path(), glm5, testing::make_glm5_weights(glm5, 61),
+                                 {testing::Glm5Layout::kHub, "model.language_model.", DType::kBF16});
+  check_bench(glm5_dir.path());
 }
 
 }  // namespace
