@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# A/B benchmark of two metrale binaries in one device call: each preset runs `metrale bench` with
-# random weights alternately under binary A and binary B, REPEAT times each (A B A B ...), so that
-# both see the same GPU, clocks and thermal state; the table gives per row the median step time of
-# each and the ratio B/A. For refactors that must not cost speed.
+# A/B benchmark in one device call: each preset runs `metrale bench` with random weights alternately
+# under side A and side B, REPEAT times each (A B A B ...), so that both see the same GPU, clocks and
+# thermal state; the table gives per row the median step time of each and the ratio B/A. For
+# refactors that must not cost speed, and for runtime switches (the same binary under two settings).
 #   here:       tar cJf third_party_ignored/ab.txz -C <dir of A> metrale-a -C <dir of B> metrale-b lib/...
-#   device run: tools/device/ab_bench.sh A_BIN B_BIN [preset ...]   (carry the binaries' folder)
-# Env: REPEAT (3), BATCHES, CONTEXT, PREFILLS, ITERS as in bench.sh; LIB_DIR: extra shared libraries.
+#   device run: tools/device/ab_bench.sh A B [preset ...]   (carry the binaries' folder)
+# A and B are each a binary, optionally preceded by VAR=value settings, as one word:
+#   tools/device/ab_bench.sh "METRALE_PDL=0 build-cuda/bin/metrale" build-cuda/bin/metrale qwen3-8b
+# Env: REPEAT (3), BATCHES, CONTEXT, PREFILLS (empty: no prefill), ITERS as in bench.sh; EXTRA_ARGS: more bench flags for
+# both sides (e.g. "--quantization fp8"); LIB_DIR: extra shared libraries.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 a_bin=$1 b_bin=$2
@@ -20,10 +23,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 for preset in "${presets[@]}"; do
   for ((i = 0; i < repeat; ++i)); do
     for side in a b; do
-      bin=$a_bin
-      [[ $side == b ]] && bin=$b_bin
-      "$bin" bench --config "configs/$preset.json" --random-weights \
-        --batch "${BATCHES:-1,8,32,128}" --context "${CONTEXT:-1024}" --prefill "${PREFILLS:-512,2048,8192}" \
+      side_command=$a_bin
+      [[ $side == b ]] && side_command=$b_bin
+      read -r -a command_words <<<"$side_command"
+      read -r -a extra_args <<<"${EXTRA_ARGS:-}"
+      env "${command_words[@]}" bench --config "configs/$preset.json" --random-weights "${extra_args[@]}" \
+        --batch "${BATCHES-1,8,32,128}" --context "${CONTEXT:-1024}" --prefill "${PREFILLS-512,2048,8192}" \
         --iters "${ITERS:-20}" --json >"$out/$preset-$side-$i.json" 2>"$out/$preset-$side-$i.log" ||
         { echo "$preset $side run $i failed:"; tail -3 "$out/$preset-$side-$i.log"; }
     done
