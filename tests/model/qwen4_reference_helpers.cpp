@@ -65,82 +65,6 @@ std::vector<double> moe(const Qwen4Spec& spec, const Qwen4Weights& w, const std:
   return out;
 }
 
-// Gated DeltaNet (qwen.md §6, split projections, output gate `output_gate_type`) from zero state.
-Matrix gated_delta_net(const Qwen4Spec& spec, const Qwen4Weights& w, const std::string& p, const Matrix& xs) {
-  const TinySpec& b = spec.base;
-  const size_t t_count = xs.size(), h = static_cast<size_t>(b.hidden_size);
-  const size_t hk = static_cast<size_t>(b.linear_num_key_heads), hv = static_cast<size_t>(b.linear_num_value_heads);
-  const size_t dk = static_cast<size_t>(b.linear_key_head_dim), dv = static_cast<size_t>(b.linear_value_head_dim);
-  const size_t kernel = static_cast<size_t>(b.linear_conv_kernel_dim), ratio = hv / hk;
-  const size_t key_dim = hk * dk, value_dim = hv * dv, conv_dim = 2 * key_dim + value_dim;
-  const std::string a = p + "linear_attn.";
-  const auto& conv_w = param(w, a + "conv1d.weight");
-  const auto& a_log = param(w, a + "A_log");
-  const auto& dt_bias = param(w, a + "dt_bias");
-  const auto& norm_w = param(w, a + "norm.weight");
-  const bool sigmoid_gate = spec.output_gate_type == "sigmoid";
-  Matrix qkv(t_count), z(t_count), beta_in(t_count), alpha(t_count);
-  for (size_t t = 0; t < t_count; ++t) {
-    qkv[t] = matvec(param(w, a + "in_proj_qkv.weight"), xs[t], static_cast<int64_t>(conv_dim));
-    z[t] = matvec(param(w, a + "in_proj_z.weight"), xs[t], static_cast<int64_t>(value_dim));
-    beta_in[t] = matvec(param(w, a + "in_proj_b.weight"), xs[t], static_cast<int64_t>(hv));
-    alpha[t] = matvec(param(w, a + "in_proj_a.weight"), xs[t], static_cast<int64_t>(hv));
-  }
-  std::vector<double> state(hv * dk * dv, 0.0);
-  Matrix out(t_count);
-  for (size_t t = 0; t < t_count; ++t) {
-    std::vector<double> u(conv_dim, 0.0);
-    for (size_t c = 0; c < conv_dim; ++c) {
-      double sum = 0.0;
-      for (size_t j = 0; j < kernel; ++j) {
-        const int64_t source = static_cast<int64_t>(t) - static_cast<int64_t>(kernel - 1) + static_cast<int64_t>(j);
-        if (source >= 0) sum += conv_w[c * kernel + j] * qkv[static_cast<size_t>(source)][c];
-      }
-      u[c] = silu(sum);
-    }
-    std::vector<double> o(value_dim);
-    for (size_t head = 0; head < hv; ++head) {
-      const size_t key_head = head / ratio;
-      std::vector<double> qn(dk), kn(dk);
-      double q_sum = 0.0, k_sum = 0.0;
-      for (size_t i = 0; i < dk; ++i) {
-        qn[i] = u[key_head * dk + i];
-        kn[i] = u[key_dim + key_head * dk + i];
-        q_sum += qn[i] * qn[i];
-        k_sum += kn[i] * kn[i];
-      }
-      for (size_t i = 0; i < dk; ++i) {
-        qn[i] = qn[i] / std::sqrt(q_sum + 1e-6) / std::sqrt(static_cast<double>(dk));
-        kn[i] /= std::sqrt(k_sum + 1e-6);
-      }
-      const double bt = sigmoid(beta_in[t][head]);
-      const double sp = alpha[t][head] + dt_bias[head];
-      const double decay = std::exp(-std::exp(static_cast<double>(a_log[head])) * (sp > 20 ? sp : std::log1p(std::exp(sp))));
-      double* S = state.data() + head * dk * dv;
-      for (size_t i = 0; i < dk * dv; ++i) S[i] *= decay;
-      for (size_t c = 0; c < dv; ++c) {
-        double prediction = 0.0;
-        for (size_t i = 0; i < dk; ++i) prediction += S[i * dv + c] * kn[i];
-        const double delta = (u[2 * key_dim + head * dv + c] - prediction) * bt;
-        for (size_t i = 0; i < dk; ++i) S[i * dv + c] += kn[i] * delta;
-      }
-      double sum = 0.0;
-      for (size_t c = 0; c < dv; ++c) {
-        double value = 0.0;
-        for (size_t i = 0; i < dk; ++i) value += S[i * dv + c] * qn[i];
-        o[head * dv + c] = value;
-        sum += value * value;
-      }
-      const double inv = 1.0 / std::sqrt(sum / static_cast<double>(dv) + b.rms_norm_eps);
-      for (size_t c = 0; c < dv; ++c) {
-        const double zc = z[t][head * dv + c];
-        o[head * dv + c] = norm_w[c] * o[head * dv + c] * inv * (sigmoid_gate ? sigmoid(zc) : silu(zc));
-      }
-    }
-    out[t] = matvec(param(w, a + "out_proj.weight"), o, static_cast<int64_t>(h));
-  }
-  return out;
-}
 
 // Gated attention with the QSA indexer (qwen.md §3.5, §7.3) over one sequence.
 Matrix qsa_attention(const Qwen4Spec& spec, const Qwen4Weights& w, const std::string& p, const Matrix& xs) {
@@ -351,7 +275,10 @@ std::vector<std::vector<double>> qwen4_reference_logits(const Qwen4Spec& spec, c
       xs[t] = std::move(connection.x);
       betas[t] = std::move(connection.beta);
     }
-    const Matrix mixed = spec.layer_is_attention(layer) ? qsa_attention(spec, w, p, xs) : gated_delta_net(spec, w, p, xs);
+    const Matrix mixed = spec.layer_is_attention(layer) ? qsa_attention(spec, w, p, xs) : reference::gated_delta_net(spec.base, w.floats, p, xs,
+                                                                         spec.output_gate_type == "sigmoid"
+                                                                             ? reference::GdnOutputGate::kSigmoid
+                                                                             : reference::GdnOutputGate::kSilu);
     for (size_t t = 0; t < t_count; ++t) inject(t, betas[t], mixed[t]);
     for (size_t t = 0; t < t_count; ++t) {
       const Connection connection = hyper_connection(spec, w, p + "mlp_hyper_connection.", streams[t], true);

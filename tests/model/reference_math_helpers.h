@@ -1,5 +1,5 @@
-// The double-precision pieces that the reference forwards of model_helpers.cpp (qwen3, qwen3_moe) and
-// hybrid_helpers.cpp (qwen3_next, qwen3_5, qwen3_5_moe) share, written from shared/arch/qwen.md:
+// The double-precision pieces that the reference forwards of model_helpers.cpp (qwen3, qwen3_moe),
+// hybrid_helpers.cpp (qwen3_next, qwen3_5, qwen3_5_moe) and qwen4_reference_helpers.cpp share, written from shared/arch/qwen.md:
 // weights are the bf16-exact floats of TinyWeights, activations are doubles, one sequence at
 // positions 0..T-1.
 #pragma once
@@ -47,6 +47,15 @@ std::vector<double> dense_mlp(const TinySpec& spec, const TinyWeights& weights, 
 // `renormalise`), weighted sum of the SwiGLU experts.
 std::vector<double> routed_experts(const TinySpec& spec, const TinyWeights& weights, const std::string& p,
                                    const std::vector<double>& x, bool renormalise);
+
+// The output gate of the Gated DeltaNet's RMSNorm: silu(z) (Qwen3-Next, Qwen3.5) or sigmoid(z)
+// (qwen4_exp's output_gate_type "sigmoid").
+enum class GdnOutputGate { kSilu, kSigmoid };
+// Gated DeltaNet (qwen.md §6: split projections in_proj_qkv/z/b/a, causal conv, L2-normalised q/k,
+// delta rule, gated RMSNorm) of the layer with key prefix `p` over one sequence from zero state,
+// token by token. Returns [T][hidden].
+Matrix gated_delta_net(const TinySpec& spec, const TinyWeights& weights, const std::string& p, const Matrix& xs,
+                       GdnOutputGate gate);
 
 // The embedding rows of `tokens`, [T][hidden].
 Matrix embed(const TinySpec& spec, const TinyWeights& weights, const std::vector<int32_t>& tokens);
