@@ -16,8 +16,7 @@ void expect_float_contiguous(const Tensor& tensor, const char* op) {
 
 void expect_gather_shapes(const Tensor& in, const Tensor& out, int ranks) {
   const bool ok = in.is_contiguous() && out.is_contiguous() && in.dtype() == out.dtype() && in.ndim() >= 1 &&
-                  out.ndim() == in.ndim() && out.size(0) == in.size(0) * ranks &&
-                  out.numel() == in.numel() * ranks;
+                  out.ndim() == in.ndim() && out.size(0) == in.size(0) * ranks && out.numel() == in.numel() * ranks;
   if (!ok) {
     raise_message(ErrorCode::kInvalidArgument, "all_gather over " + std::to_string(ranks) + " ranks: in " +
                                                    in.describe() + " and out " + out.describe() +
@@ -32,7 +31,9 @@ const char* op_name(int op) {
 
 }  // namespace
 
-void SingleRank::all_reduce_sum(const Tensor& tensor) { expect_float_contiguous(tensor, "all_reduce_sum"); }
+void SingleRank::all_reduce_sum(const Tensor& tensor) {
+  expect_float_contiguous(tensor, "all_reduce_sum");
+}
 
 void SingleRank::all_gather(const Tensor& in, const Tensor& out) {
   expect_gather_shapes(in, out, 1);
@@ -88,8 +89,8 @@ void InProcessGroup::combine(Op op) {
     for (const Tensor& tensor : inputs_) {
       expect_float_contiguous(tensor, "all_reduce_sum");
       if (tensor.dtype() != first.dtype() || !(tensor.shape() == first.shape())) {
-        raise_message(ErrorCode::kInvalidArgument, "all_reduce_sum: rank 0 gives " + first.describe() +
-                                                       ", another rank " + tensor.describe());
+        raise_message(ErrorCode::kInvalidArgument,
+                      "all_reduce_sum: rank 0 gives " + first.describe() + ", another rank " + tensor.describe());
       }
     }
     const auto n = static_cast<size_t>(first.numel());

@@ -6,14 +6,13 @@
 // tokens), with n-gram and MTP speculation on the server too; and `metrale bench` measures them.
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <filesystem>
@@ -168,21 +167,22 @@ void check_serves_like_generate(const std::filesystem::path& model, const std::s
   ASSERT_TRUE(std::filesystem::exists(tokenizer_dir / "tokenizer.json"))
       << tokenizer_dir << " has no tokenizer.json: run scripts/install-deps.sh";
   constexpr int kTokens = 12;
-  const auto generated = testing::run_metrale("generate --model " + model.string() + " --device cpu --prompt-ids " +
-                                              prompt_ids + " --max-tokens " + std::to_string(kTokens) +
-                                              " --temperature 0 --ignore-eos --json");
+  const auto generated =
+      testing::run_metrale("generate --model " + model.string() + " --device cpu --prompt-ids " + prompt_ids +
+                           " --max-tokens " + std::to_string(kTokens) + " --temperature 0 --ignore-eos --json");
   ASSERT_EQ(generated.exit_code, 0) << generated.err;
   const json tokens = json::parse(generated.out).at("token_ids");
   ASSERT_EQ(tokens.size(), static_cast<size_t>(kTokens));
 
   const int port = free_port();
   ASSERT_GT(port, 0);
-  std::vector<std::string> args = {"--model",  model.string(), "--tokenizer", tokenizer_dir.string(), "--device",
-                                   "cpu",      "--host",       "127.0.0.1",   "--port",              std::to_string(port)};
+  std::vector<std::string> args = {"--model", model.string(), "--tokenizer", tokenizer_dir.string(), "--device", "cpu",
+                                   "--host",  "127.0.0.1",    "--port",      std::to_string(port)};
   args.insert(args.end(), serve_flags.begin(), serve_flags.end());
   ServeProcess server(args);
   ASSERT_TRUE(server.started());
-  ASSERT_TRUE(server.wait_ready(port, std::chrono::seconds(120))) << "the server did not become ready:\n" << server.log();
+  ASSERT_TRUE(server.wait_ready(port, std::chrono::seconds(120))) << "the server did not become ready:\n"
+                                                                  << server.log();
 
   json prompt = json::array();
   for (const std::string& id : split(prompt_ids, ',')) prompt.push_back(std::stoi(id));
@@ -222,8 +222,9 @@ TEST(ServeHybrid, Glm5NextDirectoryServesItsGreedyTokens) {
 
 // `metrale bench --model DIR` on the same directories: decode and prefill rows with their times.
 void check_bench(const std::filesystem::path& model) {
-  const auto result = testing::run_metrale("bench --model " + model.string() +
-                                           " --device cpu --batch 1,2 --context 24 --prefill 16 --iters 1 --warmup 0 --json");
+  const auto result =
+      testing::run_metrale("bench --model " + model.string() +
+                           " --device cpu --batch 1,2 --context 24 --prefill 16 --iters 1 --warmup 0 --json");
   ASSERT_EQ(result.exit_code, 0) << result.err;
   const json report = json::parse(result.out);
   std::vector<std::string> phases;

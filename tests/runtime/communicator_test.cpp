@@ -24,7 +24,9 @@ void run_ranks(InProcessGroup& group, const std::function<void(Communicator&)>& 
   for (auto& thread : threads) thread.join();
 }
 
-float value_of(int rank, size_t i) { return 0.1f * static_cast<float>(rank + 1) + 0.37f * static_cast<float>(i % 11); }
+float value_of(int rank, size_t i) {
+  return 0.1f * static_cast<float>(rank + 1) + 0.37f * static_cast<float>(i % 11);
+}
 
 TEST(Communicator, SingleRankKeepsValuesAndCopiesTheGather) {
   SingleRank single;
@@ -103,7 +105,8 @@ TEST(Communicator, GatherAndRepeatedCollectivesKeepTheirOrder) {
       }
     }
     ASSERT_EQ(totals[static_cast<size_t>(r)].size(), 50u);
-    for (int step = 0; step < 50; ++step) EXPECT_EQ(totals[static_cast<size_t>(r)][static_cast<size_t>(step)], 10.0f * step);
+    for (int step = 0; step < 50; ++step)
+      EXPECT_EQ(totals[static_cast<size_t>(r)][static_cast<size_t>(step)], 10.0f * step);
   }
 }
 
@@ -137,7 +140,8 @@ TEST(Communicator, AnAbortingRankReleasesTheOthers) {
       errors[static_cast<size_t>(comm.rank())] = error.what();
     }
   });
-  for (const int r : {0, 2}) EXPECT_NE(errors[static_cast<size_t>(r)].find("rank 1"), std::string::npos) << errors[static_cast<size_t>(r)];
+  for (const int r : {0, 2})
+    EXPECT_NE(errors[static_cast<size_t>(r)].find("rank 1"), std::string::npos) << errors[static_cast<size_t>(r)];
   // The group stays failed: a later collective raises at once.
   float value = 1.0f;
   EXPECT_THROW(group.communicator(0).all_reduce_sum(Tensor(&value, DType::kF32, {1})), Error);
