@@ -310,6 +310,8 @@ TEST(CudaPagedAttention, SplitMergeInKernelMatchesTheMergeKernel) {
     ~Restore() { kernels::cuda::set_split_merge_in_kernel(saved); }
   } restore;
   const Geometry g{128, 4, 128, 16};  // G 32: two 16-row chunks per KV head
+  // 4 sequences x 4 KV heads x 2 chunks on 132 SMs: 9 splits of the 5000-key bound, past the
+  // in-kernel merge's threshold of 8.
   const std::vector<SeqSpec> seqs = decode_batch({5000, 3, 1500, 777});
   for (const bool in_kernel : {true, false}) {
     kernels::cuda::set_split_merge_in_kernel(in_kernel);
@@ -329,7 +331,15 @@ TEST(CudaPagedAttention, SplitMergeInKernelMatchesTheMergeKernel) {
   const OwnedTensor cu_q = to_device(b.cu_tensor()), kv_lens = to_device(b.lens_tensor());
   const OwnedTensor tables = to_device(b.tables_tensor());
   const OwnedTensor out(DType::kBF16, {b.tokens, g.heads, g.head_dim}, Device::cuda());
-  const auto run = [&] { kernels::paged_attention(*q, *k_cache, *v_cache, *cu_q, *kv_lens, *tables, *out, params); };
+  // Every launch starts from a NaN output: a launch whose merge never ran cannot show the last one's bits.
+  const std::vector<uint16_t> nan_host(static_cast<size_t>(out->numel()), kBf16NaN);
+  const auto poison = [&] {
+    copy_tensor(*out, Tensor(const_cast<uint16_t*>(nan_host.data()), DType::kBF16, out->shape()));
+  };
+  const auto run = [&] {
+    poison();
+    kernels::paged_attention(*q, *k_cache, *v_cache, *cu_q, *kv_lens, *tables, *out, params);
+  };
   const auto result = [&] { return download_bf16(*out); };
   kernels::cuda::set_split_merge_in_kernel(false);
   run();
@@ -342,9 +352,10 @@ TEST(CudaPagedAttention, SplitMergeInKernelMatchesTheMergeKernel) {
   const auto stream = static_cast<cudaStream_t>(current_stream(Device::cuda()));
   CudaGraph graph;
   graph.begin_capture(stream);
-  run();
+  kernels::paged_attention(*q, *k_cache, *v_cache, *cu_q, *kv_lens, *tables, *out, params);
   graph.end_capture(stream);
   for (int i = 0; i < 4; ++i) {
+    poison();
     graph.launch(stream);
     ASSERT_EQ(result(), merged_by_kernel) << "graph replay " << i;
   }
