@@ -75,10 +75,27 @@ struct MoeExpertWeights {
   bool has_fused() const { return !gate_up.empty() && !down_fused.empty(); }
 };
 
+// A shared expert the decode ops run beside the routed ones, as one more slot per token: slot
+// T * k + t is token t's shared expert (h rows [T * k, T * k + T) of moe_decode_gate_up). It must be
+// in the routed experts' format (moe_shared_expert_fits): the same intermediate size I, and the same
+// weights (plain of one dtype, or f8e4m3 with 128x128 block scales). Empty: no shared slot.
+struct MoeSharedExpert {
+  LinearWeight gate, up;  // [I, H]
+  LinearWeight down;      // [H, I]
+  bool empty() const { return down.empty(); }
+};
+
+// Whether the decode ops can run `shared` as the extra slot of every token (see MoeSharedExpert).
+bool moe_shared_expert_fits(const MoeExpertWeights& experts, const MoeSharedExpert& shared);
+
 // A token count up to which the block runs the decode path: with T * k slots at most this, reading
 // the selected experts' rows once per slot costs less than sorting and a grouped GEMM (whose
 // tensor-core tiles would be mostly padding). Both devices use the same rule.
 inline constexpr int64_t kMoeDecodeMaxSlots = 64;
+
+// The most slots per token (k, plus one for a shared expert) moe_decode_down_combine runs on CUDA
+// (one warp per slot in a block); the block falls back to moe_decode_down + moe_combine above it.
+inline constexpr int64_t kMoeDecodeCombineMaxSlots = 16;
 
 // Scores in fp32 (softmax over experts, or sigmoid per expert), then top-k of the choice scores
 // (score + correction_bias, within the kept groups; descending; ties broken by lower expert id).
@@ -86,16 +103,16 @@ inline constexpr int64_t kMoeDecodeMaxSlots = 64;
 // w / sum(w); sigmoid: w / (sum(w) + 1e-20), as the reference), then times routed_scaling_factor.
 // router_logits [T, E] f32|bf16; topk_ids [T, k] i32; topk_weights [T, k] f32. CUDA: E <= 512,
 // n_group <= 32.
-METRALE_DECLARE_OP_IMPLS(moe_route, (const Tensor& router_logits, const Tensor& topk_ids,
-                                     const Tensor& topk_weights, const MoeRouteParams& params))
+METRALE_DECLARE_OP_IMPLS(moe_route, (const Tensor& router_logits, const Tensor& topk_ids, const Tensor& topk_weights,
+                                     const MoeRouteParams& params))
 
 // out[i] = src[index[i]]. src [T, W]; index [n] i32; out [n, W] (same dtype as src, any float dtype).
 METRALE_DECLARE_OP_IMPLS(gather_rows, (const Tensor& src, const Tensor& index, const Tensor& out))
 
 // dst[index[i]] += weight[i] * src[i], in order of i (deterministic). dst [T, W] f32; src [n, W];
 // index [n] i32; weight [n] f32.
-METRALE_DECLARE_OP_IMPLS(scatter_add_rows, (const Tensor& dst, const Tensor& src, const Tensor& index,
-                                            const Tensor& weight))
+METRALE_DECLARE_OP_IMPLS(scatter_add_rows,
+                         (const Tensor& dst, const Tensor& src, const Tensor& index, const Tensor& weight))
 
 // i32 elements of the scratch tensor moe_sort needs for `slots` = T * k pairs over E experts.
 inline int64_t moe_sort_scratch_elements(int64_t slots, int64_t experts) {
@@ -111,14 +128,27 @@ METRALE_DECLARE_OP_IMPLS(moe_sort, (const Tensor& topk_ids, const Tensor& expert
                                     const Tensor& scratch))
 
 // Decode path, step 1: for every slot s = t * k + j with e = topk_ids[t, j],
-//   h[s] = silu(x[t] . gate[e]^T) * (x[t] . up[e]^T).
-// x [T, H] bf16|f32 (rows may be strided); topk_ids [T, k] i32; h [T * k, I] f32.
+//   h[s] = silu(x[t] . gate[e]^T) * (x[t] . up[e]^T),
+// and with a shared expert, for every token t, h[T * k + t] = the same over the shared expert.
+// x [T, H] bf16|f32 (rows may be strided); topk_ids [T, k] i32; h [T * k (+ T), I] f32.
 METRALE_DECLARE_OP_IMPLS(moe_decode_gate_up, (const Tensor& x, const Tensor& topk_ids, const MoeExpertWeights& experts,
-                                              const Tensor& h))
+                                              const Tensor& h, const MoeSharedExpert& shared))
 
 // Decode path, step 2: slot_out[s] = h[s] . down[e]^T. h [T * k, I] f32; slot_out [T * k, H] f32.
 METRALE_DECLARE_OP_IMPLS(moe_decode_down, (const Tensor& h, const Tensor& topk_ids, const MoeExpertWeights& experts,
                                            const Tensor& slot_out))
+
+// Decode path, step 2 with the reduce: the down projections of every slot (and of the shared slot)
+// and moe_combine's sum in one op, with moe_combine's roundings:
+//   out[t] = combine(topk_weights[t], h[t * k + j] . down[topk_ids[t, j]]^T for j < k,
+//                    shared: h[T * k + t] . down_shared^T, shared_gate_logits[t])
+// (gated when shared_gate_logits is given, ungated otherwise; no shared expert: the routed sum).
+// h [T * k (+ T), I] f32; topk_ids [T, k] i32; topk_weights [T, k] f32; shared_gate_logits [T, 1]
+// f32 (rows may be strided) or empty; out [T, H] f32|bf16. CUDA: k + (shared ? 1 : 0) <=
+// kMoeDecodeCombineMaxSlots.
+METRALE_DECLARE_OP_IMPLS(moe_decode_down_combine, (const Tensor& h, const Tensor& topk_ids, const Tensor& topk_weights,
+                                                   const MoeExpertWeights& experts, const MoeSharedExpert& shared,
+                                                   const Tensor& shared_gate_logits, const Tensor& out))
 
 // Grouped path, step 1 (after moe_sort): for every sorted position p of expert e's segment, with
 // slot s = sorted_slots[p] and token t = s / top_k,
@@ -126,9 +156,9 @@ METRALE_DECLARE_OP_IMPLS(moe_decode_down, (const Tensor& h, const Tensor& topk_i
 // x [T, H] (CUDA: bf16 with bf16 expert weights, any float dtype with f32 ones; rows may be
 // strided); sorted_slots [T * k] i32; expert_offsets [E + 1] i32; h [T * k, I] (CUDA: bf16 with bf16
 // expert weights, any float dtype with f32 ones; CPU: f32 or bf16), rows in sorted order.
-METRALE_DECLARE_OP_IMPLS(moe_grouped_gate_up, (const Tensor& x, const Tensor& sorted_slots,
-                                               const Tensor& expert_offsets, int top_k,
-                                               const MoeExpertWeights& experts, const Tensor& h))
+METRALE_DECLARE_OP_IMPLS(moe_grouped_gate_up,
+                         (const Tensor& x, const Tensor& sorted_slots, const Tensor& expert_offsets, int top_k,
+                          const MoeExpertWeights& experts, const Tensor& h))
 
 // Grouped path, step 2: slot_out[sorted_slots[p]] = h[p] . down[e]^T for p in expert e's segment.
 // h [T * k, I] (CUDA: bf16 with bf16 expert weights, any float dtype with f32 ones), sorted order;
@@ -162,8 +192,14 @@ inline void moe_sort(const Tensor& topk_ids, const Tensor& expert_offsets, const
   METRALE_KERNEL_DISPATCH(moe_sort, sorted_slots.device(), topk_ids, expert_offsets, sorted_slots, scratch);
 }
 inline void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpertWeights& experts,
-                               const Tensor& h) {
-  METRALE_KERNEL_DISPATCH(moe_decode_gate_up, h.device(), x, topk_ids, experts, h);
+                               const Tensor& h, const MoeSharedExpert& shared = {}) {
+  METRALE_KERNEL_DISPATCH(moe_decode_gate_up, h.device(), x, topk_ids, experts, h, shared);
+}
+inline void moe_decode_down_combine(const Tensor& h, const Tensor& topk_ids, const Tensor& topk_weights,
+                                    const MoeExpertWeights& experts, const MoeSharedExpert& shared,
+                                    const Tensor& shared_gate_logits, const Tensor& out) {
+  METRALE_KERNEL_DISPATCH(moe_decode_down_combine, out.device(), h, topk_ids, topk_weights, experts, shared,
+                          shared_gate_logits, out);
 }
 inline void moe_decode_down(const Tensor& h, const Tensor& topk_ids, const MoeExpertWeights& experts,
                             const Tensor& slot_out) {

@@ -91,12 +91,67 @@ TEST(CudaMoeFp8Decode, MatchesCpuTwin) {
   }
 }
 
+// The fused decode ops over FP8 experts (the shared expert as one more slot per token, and
+// moe_decode_down_combine) against their CPU twins; the last of E + 1 experts plays the shared one.
+TEST(CudaMoeFp8DecodeFused, MatchesCpuTwin) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(7404);
+  for (const Case c : {Case{1, 10, 16, 2048, 512, 0.0f}, Case{6, 10, 24, 256, 128, 0.0f}, Case{3, 2, 5, 144, 208, 0.0f},
+                       Case{2, 8, 9, 4096, 256, 7.0f}}) {
+    for (const bool gated : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "T " << c.tokens << " k " << c.k << " E " << c.experts << " H " << c.hidden
+                                        << " I " << c.inter << " gated " << gated);
+      auto host = testing::random_fp8_experts(c.experts + 1, c.hidden, c.inter, rng);
+      const DeviceFp8Experts device(*host);
+      const auto routed_of = [&](const OwnedTensor& gate_up, const OwnedTensor& gate_up_scale, const OwnedTensor& down,
+                                 const OwnedTensor& down_scale) {
+        kernels::MoeExpertWeights w = kernels::MoeExpertWeights::from_fused_fp8(
+            gate_up->slice(0, 0, c.experts), gate_up_scale->slice(0, 0, c.experts), down->slice(0, 0, c.experts),
+            down_scale->slice(0, 0, c.experts));
+        w.swiglu_limit = c.limit;
+        return w;
+      };
+      const kernels::MoeExpertWeights routed_host =
+          routed_of(host->gate_up, host->gate_up_scale, host->down, host->down_scale);
+      const kernels::MoeExpertWeights routed_device =
+          routed_of(device.gate_up, device.gate_up_scale, device.down, device.down_scale);
+      const auto e = static_cast<size_t>(c.experts);
+      const kernels::MoeSharedExpert shared_host{host->fp8.gate[e], host->fp8.up[e], host->fp8.down[e]};
+      const kernels::MoeSharedExpert shared_device{device.weights.gate[e], device.weights.up[e],
+                                                   device.weights.down[e]};
+      const OwnedTensor x_wide = testing::random_tensor(DType::kBF16, {c.tokens, c.hidden + 16}, rng);
+      const Tensor x = x_wide->slice(1, 0, c.hidden);
+      std::vector<int32_t> ids = routes(c.tokens, c.k, c.experts, rng);
+      const Tensor ids_host(ids.data(), DType::kI32, {c.tokens, c.k});
+      const OwnedTensor weights = testing::random_tensor(DType::kF32, {c.tokens, c.k}, rng, 0.0f, 1.0f);
+      const OwnedTensor gate = testing::random_tensor(DType::kF32, {c.tokens, 1}, rng, -3.0f, 3.0f);
+      const int64_t rows = c.tokens * c.k + c.tokens;
+      OwnedTensor h(DType::kF32, {rows, c.inter}), out(DType::kBF16, {c.tokens, c.hidden});
+      kernels::moe_decode_gate_up(x, ids_host, routed_host, *h, shared_host);
+
+      const OwnedTensor x_device = to_device(*x_wide), ids_device = to_device(ids_host);
+      const OwnedTensor h_device = poisoned_device(DType::kF32, {rows, c.inter});
+      kernels::moe_decode_gate_up(x_device->slice(1, 0, c.hidden), *ids_device, routed_device, *h_device,
+                                  shared_device);
+      EXPECT_TRUE(testing::close_rel_l2(*to_host(*h_device), testing::to_doubles(*h), 1e-5));
+      copy_tensor(*h_device, *h);
+      kernels::moe_decode_down_combine(*h, ids_host, *weights, routed_host, shared_host, gated ? *gate : Tensor(),
+                                       *out);
+      const OwnedTensor out_device = poisoned_device(DType::kBF16, {c.tokens, c.hidden});
+      kernels::moe_decode_down_combine(*h_device, *ids_device, *to_device(*weights), routed_device, shared_device,
+                                       gated ? *to_device(*gate) : Tensor(), *out_device);
+      EXPECT_TRUE(
+          testing::close_rel_l2(*to_host(*out_device), testing::to_doubles(*out), testing::kBf16OutputTolerance));
+    }
+  }
+}
+
 TEST(CudaMoeFp8Grouped, MatchesCpuTwin) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   Random rng(7402);
-  for (const Case c : {Case{100, 10, 16, 2048, 512, 0.0f}, Case{100, 10, 512, 256, 128, 0.0f},
-                       Case{37, 2, 6, 144, 208, 0.0f}, Case{1, 1, 1, 16, 16, 0.0f}, Case{300, 2, 3, 256, 208, 5.0f},
-                       Case{64, 2, 8, 528, 144, 0.0f}}) {
+  for (const Case c :
+       {Case{100, 10, 16, 2048, 512, 0.0f}, Case{100, 10, 512, 256, 128, 0.0f}, Case{37, 2, 6, 144, 208, 0.0f},
+        Case{1, 1, 1, 16, 16, 0.0f}, Case{300, 2, 3, 256, 208, 5.0f}, Case{64, 2, 8, 528, 144, 0.0f}}) {
     SCOPED_TRACE(::testing::Message() << "T " << c.tokens << " k " << c.k << " E " << c.experts << " H " << c.hidden
                                       << " I " << c.inter);
     auto host = testing::random_fp8_experts(c.experts, c.hidden, c.inter, rng);

@@ -3,8 +3,9 @@
 // scatter rows, and the whole Moe block on GPU vs CPU from the same random checkpoint in both
 // expert layouts. A disabled benchmark (--gtest_also_run_disabled_tests --gtest_filter='*Bench*')
 // times the expert paths on Qwen3-30B-A3B shapes.
-#include <cuda_runtime_api.h>
+#include "kernels/moe.h"
 
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,7 +21,6 @@
 #include "core/test_support.h"
 #include "cuda/cuda_test_helpers.h"
 #include "kernels/kernel_helpers.h"
-#include "kernels/moe.h"
 #include "model/blocks/moe.h"
 #include "model/safetensors.h"
 #include "model/weight_store.h"
@@ -142,7 +142,8 @@ TEST(CudaMoeSort, MatchesCpuTwinExactly) {
     const OwnedTensor ids_device = to_device(ids_host);
     const OwnedTensor offsets_device = poisoned_device(DType::kI32, {c.experts + 1});
     const OwnedTensor sorted_device = poisoned_device(DType::kI32, {slots});
-    const OwnedTensor scratch_device = poisoned_device(DType::kI32, {kernels::moe_sort_scratch_elements(slots, c.experts)});
+    const OwnedTensor scratch_device =
+        poisoned_device(DType::kI32, {kernels::moe_sort_scratch_elements(slots, c.experts)});
     kernels::moe_sort(*ids_device, *offsets_device, *sorted_device, *scratch_device);
     EXPECT_EQ(ints(*to_host(*offsets_device)), ints(*offsets));
     EXPECT_EQ(ints(*to_host(*sorted_device)), ints(*sorted));
@@ -153,7 +154,7 @@ TEST(CudaMoeSort, MatchesCpuTwinExactly) {
 // Expert paths
 
 struct Experts {
-  OwnedTensor gate_up_host, down_host;      // [E, 2I, H], [E, H, I] bf16 (or f32)
+  OwnedTensor gate_up_host, down_host;  // [E, 2I, H], [E, H, I] bf16 (or f32)
   OwnedTensor gate_up_device, down_device;
   kernels::MoeExpertWeights host, device;
 };
@@ -207,14 +208,91 @@ TEST(CudaMoeDecode, MatchesCpuTwin) {
   }
 }
 
+// The fused decode ops (the shared expert as one more slot per token, moe_decode_down_combine)
+// against their CPU twins: bf16 and f32 experts, no / gated / ungated shared expert, up to
+// kMoeDecodeCombineMaxSlots slots per token, f32 and bf16 outputs. The last of E + 1 experts plays
+// the shared expert, so its weights are views of the same tensors on both sides.
+TEST(CudaMoeDecodeFused, MatchesCpuTwin) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(7011);
+  enum class Shared { kNone, kGated, kUngated };
+  for (const ExpertCase c : {ExpertCase{1, 10, 16, 2048, 512}, ExpertCase{3, 8, 12, 256, 136},
+                             ExpertCase{6, 4, 9, 136, 40}, ExpertCase{2, 15, 20, 64, 24}, ExpertCase{1, 1, 1, 8, 8}}) {
+    for (const DType weight_dtype : {DType::kBF16, DType::kF32}) {
+      for (const Shared kind : {Shared::kNone, Shared::kGated, Shared::kUngated}) {
+        for (const DType out_dtype : {DType::kF32, DType::kBF16}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "T " << c.tokens << " k " << c.k << " E " << c.experts << " H " << c.hidden << " I "
+                       << c.inter << " " << dtype_name(weight_dtype) << " shared " << static_cast<int>(kind) << " out "
+                       << dtype_name(out_dtype));
+          const auto all = random_experts(c.experts + 1, c.hidden, c.inter, rng, weight_dtype);
+          const auto routed_of = [&](const Tensor& gate_up, const Tensor& down) {
+            kernels::MoeExpertWeights w =
+                kernels::MoeExpertWeights::from_fused(gate_up.slice(0, 0, c.experts), down.slice(0, 0, c.experts));
+            return w;
+          };
+          const kernels::MoeExpertWeights routed_host = routed_of(*all->gate_up_host, *all->down_host);
+          const kernels::MoeExpertWeights routed_device = routed_of(*all->gate_up_device, *all->down_device);
+          const auto shared_of = [&](const kernels::MoeExpertWeights& w) {
+            const auto e = static_cast<size_t>(c.experts);
+            return kind == Shared::kNone ? kernels::MoeSharedExpert{}
+                                         : kernels::MoeSharedExpert{w.gate[e], w.up[e], w.down[e]};
+          };
+          const kernels::MoeSharedExpert shared_host = shared_of(all->host), shared_device = shared_of(all->device);
+          const DType x_dtype = weight_dtype == DType::kF32 ? DType::kF32 : DType::kBF16;
+          const OwnedTensor x_wide = testing::random_tensor(x_dtype, {c.tokens, c.hidden + 8}, rng);
+          const Tensor x = x_wide->slice(1, 0, c.hidden);
+          std::vector<int32_t> ids = random_routes(c.tokens, c.k, c.experts, rng);
+          const Tensor ids_host(ids.data(), DType::kI32, {c.tokens, c.k});
+          const OwnedTensor weights = testing::random_tensor(DType::kF32, {c.tokens, c.k}, rng, 0.0f, 1.0f);
+          const OwnedTensor gate_wide = testing::random_tensor(DType::kF32, {c.tokens, 3}, rng, -3.0f, 3.0f);
+          const Tensor gate = kind == Shared::kGated ? gate_wide->slice(1, 1, 2) : Tensor();  // strided rows
+          const int64_t rows = c.tokens * c.k + (kind == Shared::kNone ? 0 : c.tokens);
+          OwnedTensor h(DType::kF32, {rows, c.inter}), out(out_dtype, {c.tokens, c.hidden});
+          kernels::moe_decode_gate_up(x, ids_host, routed_host, *h, shared_host);
+
+          const OwnedTensor x_device = to_device(*x_wide), ids_device = to_device(ids_host);
+          const OwnedTensor weights_device = to_device(*weights), gate_device = to_device(*gate_wide);
+          const OwnedTensor h_device = poisoned_device(DType::kF32, {rows, c.inter});
+          kernels::moe_decode_gate_up(x_device->slice(1, 0, c.hidden), *ids_device, routed_device, *h_device,
+                                      shared_device);
+          EXPECT_TRUE(testing::close_rel_l2(*to_host(*h_device), testing::to_doubles(*h), 1e-5));
+          copy_tensor(*h_device, *h);  // the down projections and the combine from the same h on both sides
+          kernels::moe_decode_down_combine(*h, ids_host, *weights, routed_host, shared_host, gate, *out);
+          const OwnedTensor out_device = poisoned_device(out_dtype, {c.tokens, c.hidden});
+          kernels::moe_decode_down_combine(*h_device, *ids_device, *weights_device, routed_device, shared_device,
+                                           kind == Shared::kGated ? gate_device->slice(1, 1, 2) : Tensor(),
+                                           *out_device);
+          EXPECT_TRUE(testing::close_rel_l2(*to_host(*out_device), testing::to_doubles(*out),
+                                            out_dtype == DType::kF32 ? 1e-5 : testing::kBf16OutputTolerance));
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaMoeDecodeFused, RejectsTooManySlotsPerToken) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(7012);
+  const auto all = random_experts(20, 16, 8, rng);
+  const kernels::MoeExpertWeights routed =
+      kernels::MoeExpertWeights::from_fused(all->gate_up_device->slice(0, 0, 19), all->down_device->slice(0, 0, 19));
+  const kernels::MoeSharedExpert shared{all->device.gate[19], all->device.up[19], all->device.down[19]};
+  std::vector<int32_t> ids = random_routes(1, 16, 19, rng);
+  const OwnedTensor ids_device = to_device(Tensor(ids.data(), DType::kI32, {1, 16}));
+  const OwnedTensor weights = to_device(*testing::random_tensor(DType::kF32, {1, 16}, rng));
+  const OwnedTensor h = poisoned_device(DType::kF32, {17, 8}), out = poisoned_device(DType::kF32, {1, 16});
+  EXPECT_THROW(kernels::moe_decode_down_combine(*h, *ids_device, *weights, routed, shared, Tensor(), *out), Error);
+}
+
 TEST(CudaMoeGrouped, MatchesCpuTwin) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   Random rng(7004);
   // Awkward shapes: I not a multiple of the 64-column tile, H not a multiple of the 32-deep K step,
   // single rows, one expert, experts left empty, segments longer than one 128-row tile.
-  for (const ExpertCase c : {ExpertCase{100, 8, 128, 2048, 768}, ExpertCase{37, 2, 6, 136, 40},
-                             ExpertCase{1, 1, 1, 8, 8}, ExpertCase{1, 4, 9, 72, 24}, ExpertCase{300, 2, 3, 256, 200},
-                             ExpertCase{64, 2, 8, 520, 136}}) {
+  for (const ExpertCase c :
+       {ExpertCase{100, 8, 128, 2048, 768}, ExpertCase{37, 2, 6, 136, 40}, ExpertCase{1, 1, 1, 8, 8},
+        ExpertCase{1, 4, 9, 72, 24}, ExpertCase{300, 2, 3, 256, 200}, ExpertCase{64, 2, 8, 520, 136}}) {
     SCOPED_TRACE(::testing::Message() << "T " << c.tokens << " k " << c.k << " E " << c.experts << " H " << c.hidden
                                       << " I " << c.inter);
     const auto experts = random_experts(c.experts, c.hidden, c.inter, rng);
@@ -398,9 +476,14 @@ TEST(CudaMoeBlock, MatchesCpuBlock) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   Random rng(7007);
   const BlockCase cases[] = {
-      {8, 2, 64, 32, 0, true, false, DType::kBF16},    {8, 2, 64, 32, 0, true, true, DType::kBF16},
-      {16, 4, 136, 40, 48, false, true, DType::kBF16}, {16, 4, 136, 40, 48, false, false, DType::kF32},
+      {8, 2, 64, 32, 0, true, false, DType::kBF16},
+      {8, 2, 64, 32, 0, true, true, DType::kBF16},
+      {16, 4, 136, 40, 48, false, true, DType::kBF16},
+      {16, 4, 136, 40, 48, false, false, DType::kF32},
       {128, 8, 256, 96, 0, true, true, DType::kBF16},
+      // A shared expert of the routed width: the fused decode path (one more slot, the combine in the down op).
+      {16, 4, 136, 40, 40, false, true, DType::kBF16},
+      {16, 4, 136, 40, 40, true, false, DType::kF32},
   };
   for (const BlockCase& c : cases) {
     const testing::TempDir dir;

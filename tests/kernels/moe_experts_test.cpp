@@ -271,6 +271,99 @@ TEST(MoeExperts, RejectExpertIdsOutOfRange) {
   EXPECT_THROW(kernels::moe_decode_down(*h, Tensor(ids.data(), DType::kI32, {2, 1}), experts.weights, *y), Error);
 }
 
+// The fused decode ops: the shared expert as slot T * k + t of moe_decode_gate_up, and
+// moe_decode_down_combine (every slot's down projection and the weighted sum in one op), without a
+// shared expert, with a gated one and with an ungated one. The last of E + 1 experts plays the
+// shared expert.
+enum class SharedKind { kNone, kGated, kUngated };
+
+class MoeDecodeFused : public ::testing::TestWithParam<SharedKind> {};
+
+TEST_P(MoeDecodeFused, SharedSlotAndDownCombineMatchReference) {
+  const SharedKind kind = GetParam();
+  Random rng(1507);
+  const int64_t tokens = 5, hidden = 24, inter = 16, e_count = 7;
+  const int k = 3;
+  Experts all = make_experts(e_count + 1, hidden, inter, DType::kBF16, rng);
+  kernels::MoeSharedExpert shared;
+  if (kind != SharedKind::kNone) {
+    shared = kernels::MoeSharedExpert{all.weights.gate.back(), all.weights.up.back(), all.weights.down.back()};
+  }
+  MoeExpertWeights routed = all.weights;  // the first E experts
+  routed.num_experts = e_count;
+  routed.gate.pop_back();
+  routed.up.pop_back();
+  routed.down.pop_back();
+  ASSERT_TRUE(kernels::moe_shared_expert_fits(routed, shared));
+  const OwnedTensor x = random_tensor(DType::kF32, {tokens, hidden}, rng);
+  const std::vector<double> x_values = testing::to_doubles(*x);
+  std::vector<int32_t> ids = make_topk_ids(tokens, k, e_count, 4, rng);
+  const Tensor ids_tensor(ids.data(), DType::kI32, {tokens, k});
+  const OwnedTensor weights = random_tensor(DType::kF32, {tokens, k}, rng, 0.05f, 1.0f);
+  const OwnedTensor gate_logits = random_tensor(DType::kF32, {tokens, 1}, rng, -3.0f, 3.0f);
+  const int64_t slots = tokens * k, rows = slots + (shared.empty() ? 0 : tokens);
+
+  OwnedTensor h(DType::kF32, {rows, inter}), out(DType::kF32, {tokens, hidden});
+  testing::poison(*h);
+  testing::poison(*out);
+  kernels::moe_decode_gate_up(*x, ids_tensor, routed, *h, shared);
+  std::vector<double> expected_h;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r < slots ? r / k : r - slots;
+    const auto values = reference_gate_up(row(x_values, t, hidden), all,
+                                          r < slots ? ids[static_cast<size_t>(r)] : static_cast<int32_t>(e_count));
+    expected_h.insert(expected_h.end(), values.begin(), values.end());
+  }
+  EXPECT_TRUE(testing::close_rel_l2(*h, expected_h, testing::kF32Tolerance));
+
+  // The down projections and the combine, from the kernel's own h.
+  kernels::moe_decode_down_combine(*h, ids_tensor, *weights, routed, shared,
+                                   kind == SharedKind::kGated ? *gate_logits : Tensor(), *out);
+  const std::vector<double> h_values = testing::to_doubles(*h), w = testing::to_doubles(*weights);
+  const std::vector<double> g = testing::to_doubles(*gate_logits);
+  std::vector<double> expected(static_cast<size_t>(tokens * hidden), 0.0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> sum(static_cast<size_t>(hidden), 0.0);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t s = t * k + j;
+      const auto y = reference_down(row(h_values, s, inter), all, ids[static_cast<size_t>(s)]);
+      for (int64_t c = 0; c < hidden; ++c)
+        sum[static_cast<size_t>(c)] += w[static_cast<size_t>(s)] * y[static_cast<size_t>(c)];
+    }
+    if (kind != SharedKind::kNone) {
+      const auto y = reference_down(row(h_values, slots + t, inter), all, static_cast<int32_t>(e_count));
+      const double gate = kind == SharedKind::kGated ? 1.0 / (1.0 + std::exp(-g[static_cast<size_t>(t)])) : 1.0;
+      for (int64_t c = 0; c < hidden; ++c) sum[static_cast<size_t>(c)] += gate * y[static_cast<size_t>(c)];
+    }
+    std::copy(sum.begin(), sum.end(), expected.begin() + t * hidden);
+  }
+  EXPECT_TRUE(testing::close_rel_l2(*out, expected, testing::kF32Tolerance));
+}
+
+INSTANTIATE_TEST_SUITE_P(SharedExperts, MoeDecodeFused,
+                         ::testing::Values(SharedKind::kNone, SharedKind::kGated, SharedKind::kUngated));
+
+TEST(MoeDecodeFused, SharedExpertOfAnotherWidthOrFormatDoesNotFit) {
+  Random rng(1508);
+  const Experts routed = make_experts(3, 16, 8, DType::kBF16, rng);
+  const Experts wider = make_experts(1, 16, 16, DType::kBF16, rng);
+  const Experts f32 = make_experts(1, 16, 8, DType::kF32, rng);
+  EXPECT_FALSE(kernels::moe_shared_expert_fits(routed.weights,
+                                               {wider.weights.gate[0], wider.weights.up[0], wider.weights.down[0]}));
+  EXPECT_FALSE(
+      kernels::moe_shared_expert_fits(routed.weights, {f32.weights.gate[0], f32.weights.up[0], f32.weights.down[0]}));
+  EXPECT_TRUE(kernels::moe_shared_expert_fits(routed.weights,
+                                              {routed.weights.gate[1], routed.weights.up[1], routed.weights.down[1]}));
+  EXPECT_TRUE(kernels::moe_shared_expert_fits(routed.weights, {}));
+  // A misfit is an error in the ops, never a silent wrong read.
+  const OwnedTensor x = random_tensor(DType::kF32, {1, 16}, rng);
+  std::vector<int32_t> ids = {0};
+  OwnedTensor h(DType::kF32, {2, 8});
+  EXPECT_THROW(kernels::moe_decode_gate_up(*x, Tensor(ids.data(), DType::kI32, {1, 1}), routed.weights, *h,
+                                           {wider.weights.gate[0], wider.weights.up[0], wider.weights.down[0]}),
+               Error);
+}
+
 class MoeCombineTest : public ::testing::TestWithParam<std::tuple<bool, DType>> {};
 
 TEST_P(MoeCombineTest, WeightedSumOfSlotsPlusGatedSharedExpert) {

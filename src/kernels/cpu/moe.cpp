@@ -53,6 +53,21 @@ MoeExpertWeights MoeExpertWeights::from_fused_fp8(const Tensor& gate_up, const T
   return weights;
 }
 
+bool moe_shared_expert_fits(const MoeExpertWeights& experts, const MoeSharedExpert& shared) {
+  if (shared.empty()) return true;
+  const int64_t h = experts.hidden_size, i = experts.intermediate_size;
+  if (shared.gate.empty() || shared.up.empty() || experts.gate.empty()) return false;
+  if (shared.gate.weight.shape() != Shape{i, h} || shared.up.weight.shape() != Shape{i, h} ||
+      shared.down.weight.shape() != Shape{h, i}) {
+    return false;
+  }
+  const LinearWeight& routed = experts.gate.front();
+  for (const LinearWeight* part : {&shared.gate, &shared.up, &shared.down}) {
+    if (part->is_fp8() != routed.is_fp8() || part->weight.dtype() != routed.weight.dtype()) return false;
+  }
+  return true;
+}
+
 }  // namespace metrale::kernels
 
 namespace metrale::kernels::cpu {
@@ -70,7 +85,9 @@ int32_t checked_expert(int32_t e, const MoeExpertWeights& experts) {
   return e;
 }
 
-inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+inline float silu(float g) {
+  return g / (1.0f + std::exp(-g));
+}
 
 // out[r] = silu(gate[r]) * up[r], stored in out's dtype, with the clamp of the clamped SwiGLU when
 // limit > 0. gate, up [rows, I] f32.
@@ -159,7 +176,8 @@ void moe_route(const Tensor& router_logits, const Tensor& topk_ids, const Tensor
         const float inv = static_cast<float>(1.0 / sum);
         for (int64_t e = 0; e < experts; ++e) probs[e] *= inv;
       }
-      for (int64_t e = 0; e < experts; ++e) choice[e] = bias.empty() ? probs[e] : probs[e] + bias[static_cast<size_t>(e)];
+      for (int64_t e = 0; e < experts; ++e)
+        choice[e] = bias.empty() ? probs[e] : probs[e] + bias[static_cast<size_t>(e)];
       limit_groups(choice, experts, params.n_group, params.topk_group);
       std::iota(order.begin(), order.end(), 0);
       std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
@@ -231,21 +249,57 @@ void moe_sort(const Tensor& topk_ids, const Tensor& expert_offsets, const Tensor
   for (int64_t s = 0; s < slots; ++s) sorted[cursor[static_cast<size_t>(ids[s])]++] = static_cast<int32_t>(s);
 }
 
-void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpertWeights& experts, const Tensor& h) {
+void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpertWeights& experts, const Tensor& h,
+                        const MoeSharedExpert& shared) {
   check_experts(experts);
+  METRALE_CHECK(moe_shared_expert_fits(experts, shared),
+                "moe_decode_gate_up: the shared expert {} is not in the "
+                "routed experts' format",
+                shared.down.weight.describe());
   const int64_t tokens = x.size(0), k = topk_ids.size(1), inter = experts.intermediate_size;
-  METRALE_CHECK(topk_ids.size(0) == tokens && x.size(1) == experts.hidden_size && h.size(0) == tokens * k &&
+  const int64_t rows = tokens * k + (shared.empty() ? 0 : tokens);
+  METRALE_CHECK(topk_ids.size(0) == tokens && x.size(1) == experts.hidden_size && h.size(0) == rows &&
                     h.size(1) == inter && topk_ids.is_contiguous(),
                 "moe_decode_gate_up: x {} ids {} h {}", x.describe(), topk_ids.describe(), h.describe());
   const auto* ids = topk_ids.data_as<const int32_t>();
   OwnedTensor gate(DType::kF32, {1, inter}), up(DType::kF32, {1, inter});
-  for (int64_t s = 0; s < tokens * k; ++s) {
-    const int32_t e = checked_expert(ids[s], experts);
-    const Tensor x_row = x.slice(0, s / k, s / k + 1);
-    linear(x_row, experts.gate[static_cast<size_t>(e)], *gate, false);
-    linear(x_row, experts.up[static_cast<size_t>(e)], *up, false);
+  for (int64_t s = 0; s < rows; ++s) {
+    const bool routed = s < tokens * k;
+    const int64_t t = routed ? s / k : s - tokens * k;
+    const Tensor x_row = x.slice(0, t, t + 1);
+    if (routed) {
+      const auto e = static_cast<size_t>(checked_expert(ids[s], experts));
+      linear(x_row, experts.gate[e], *gate, false);
+      linear(x_row, experts.up[e], *up, false);
+    } else {
+      linear(x_row, shared.gate, *gate, false);
+      linear(x_row, shared.up, *up, false);
+    }
     store_silu_mul(gate->data_as<const float>(), up->data_as<const float>(), inter, experts.swiglu_limit, h, s);
   }
+}
+
+void moe_decode_down_combine(const Tensor& h, const Tensor& topk_ids, const Tensor& topk_weights,
+                             const MoeExpertWeights& experts, const MoeSharedExpert& shared,
+                             const Tensor& shared_gate_logits, const Tensor& out) {
+  check_experts(experts);
+  METRALE_CHECK(moe_shared_expert_fits(experts, shared),
+                "moe_decode_down_combine: the shared expert {} is not in "
+                "the routed experts' format",
+                shared.down.weight.describe());
+  const int64_t tokens = out.size(0), slots = topk_ids.numel(), hidden = experts.hidden_size;
+  METRALE_CHECK(topk_ids.ndim() == 2 && topk_ids.size(0) == tokens && out.ndim() == 2 && out.size(1) == hidden &&
+                    h.ndim() == 2 && h.size(0) == slots + (shared.empty() ? 0 : tokens),
+                "moe_decode_down_combine: h {} ids {} out {}", h.describe(), topk_ids.describe(), out.describe());
+  OwnedTensor slot_out(DType::kF32, {slots, hidden});
+  cpu::moe_decode_down(h.slice(0, 0, slots), topk_ids, experts, *slot_out);
+  OwnedTensor shared_out;
+  if (!shared.empty()) {
+    shared_out = OwnedTensor(DType::kF32, {tokens, hidden});
+    linear(h.slice(0, slots, slots + tokens), shared.down, *shared_out, false);
+  }
+  cpu::moe_combine(*slot_out, topk_weights, shared.empty() ? Tensor() : *shared_out,
+                   shared.empty() ? Tensor() : shared_gate_logits, out);
 }
 
 void moe_decode_down(const Tensor& h, const Tensor& topk_ids, const MoeExpertWeights& experts, const Tensor& slot_out) {
@@ -287,8 +341,7 @@ void moe_grouped_gate_up(const Tensor& x, const Tensor& sorted_slots, const Tens
     linear(*expert_in, experts.up[static_cast<size_t>(e)], *up, false);
     for (int64_t p = 0; p < rows; ++p) {
       store_silu_mul(gate->data_as<const float>() + p * inter, up->data_as<const float>() + p * inter, inter,
-                     experts.swiglu_limit, h,
-                     begin + p);
+                     experts.swiglu_limit, h, begin + p);
     }
   }
 }

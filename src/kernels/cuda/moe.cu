@@ -4,8 +4,7 @@
 //                        of warp argmax (ties to the lower id), optional renormalisation, scaling.
 //   moe_sort             counting sort of slots by expert in three small launches: per-chunk
 //                        histograms, one block that scans them, a stable scatter.
-//   moe_decode_gate_up   per (slot, 8 intermediate rows) a 4-warp block; each warp streams 2 gate
-//   moe_decode_down      and 2 up rows (or 4 down rows) of the slot's expert with 16-byte loads.
+//   (the decode path, moe_decode_gate_up / moe_decode_down / moe_decode_down_combine: moe_decode.cu)
 //   moe_grouped_gate_up  tensor-core grouped GEMMs over the expert-sorted rows (gemm_grouped.cuh).
 //   moe_grouped_down
 //   moe_combine          fp32 weighted sum over the k slots in order, plus the gated shared expert.
@@ -22,26 +21,21 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemm_gemv.cuh"
 #include "kernels/cuda/gemm_grouped.cuh"
-#include "kernels/cuda/moe_fp8_decode.cuh"
+#include "kernels/cuda/moe_experts_common.cuh"
 #include "kernels/moe.h"
 
 namespace metrale::kernels::cuda {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) { raise_message(ErrorCode::kInternal, message); }
-void expect(bool condition, const char* op, const std::string& what) {
-  if (!condition) fail(std::string(op) + ": " + what);
-}
-
-bool aligned_16(const void* pointer) { return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0; }
-
-// A 2-D tensor whose rows can be read as 16-byte chunks: contiguous rows, 16-byte aligned base and row stride.
-bool rows_vectorizable(const Tensor& t) {
-  return t.ndim() == 2 && t.stride(1) == 1 && aligned_16(t.data()) &&
-         (t.stride(0) * static_cast<int64_t>(t.element_size())) % 16 == 0;
-}
-
-std::string shape_of(const Tensor& t) { return t.describe(); }
+using moe_common::aligned_16;
+using moe_common::check_fused;
+using moe_common::expect;
+using moe_common::ExpertRows;
+using moe_common::fail;
+using moe_common::launch_down_simple;
+using moe_common::launch_gate_up_simple;
+using moe_common::rows_vectorizable;
+using moe_common::shape_of;
 
 // ---------------------------------------------------------------------------------------------
 // moe_route
@@ -318,198 +312,6 @@ __global__ void __launch_bounds__(kSortChunk)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode path
-
-constexpr int kDecodeWarps = 4;
-constexpr int kDecodeGateUpRows = 2;  // intermediate rows per warp (2 gate + 2 up weight rows)
-constexpr int kDecodeDownRows = 4;    // down rows per warp
-constexpr int kDecodeLoads = 4;       // 16-byte chunks per row in flight per lane
-
-__device__ __forceinline__ int clamp_expert(int e, int experts) { return min(max(e, 0), experts - 1); }
-
-// grid (ceil(I / (kDecodeWarps * kDecodeGateUpRows)), slots). h [slots, I] f32.
-template <typename XT>
-__global__ void __launch_bounds__(kDecodeWarps * 32)
-    moe_decode_gate_up_kernel(const XT* __restrict__ x, int64_t x_stride, const int32_t* __restrict__ ids, int top_k,
-                              int experts, const __nv_bfloat16* __restrict__ gate_up, int inter, int hidden,
-                              float limit, float* __restrict__ h) {
-  constexpr int R = kDecodeGateUpRows;
-  const int slot = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int i0 = (blockIdx.x * kDecodeWarps + warp) * R;
-  if (i0 >= inter) return;
-  // Route ids are always in range; clamping only keeps a corrupted id from reading outside the weights.
-  const int e = clamp_expert(ids[slot], experts);
-  const __nv_bfloat16* expert = gate_up + static_cast<int64_t>(e) * 2 * inter * hidden;
-  const __nv_bfloat16* w_rows[2 * R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int i = min(i0 + r, inter - 1);
-    w_rows[r] = expert + static_cast<int64_t>(i) * hidden;              // gate row i
-    w_rows[R + r] = expert + static_cast<int64_t>(inter + i) * hidden;  // up row i
-  }
-  const XT* x_rows[1] = {x + static_cast<int64_t>(slot / top_k) * x_stride};
-  float acc[2 * R][1];
-#pragma unroll
-  for (int r = 0; r < 2 * R; ++r) acc[r][0] = 0.0f;
-  gemv::warp_dot_partial<2 * R, 1, kDecodeLoads>(w_rows, x_rows, 1, hidden / gemv::kChunk, lane, acc);
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float gate = warp_sum(acc[r][0]);
-    float up = warp_sum(acc[R + r][0]);
-    if (limit > 0.0f) {  // clamped SwiGLU
-      gate = fminf(gate, limit);
-      up = fminf(fmaxf(up, -limit), limit);
-    }
-    if (lane == r && i0 + r < inter) h[static_cast<int64_t>(slot) * inter + i0 + r] = gemv::silu(gate) * up;
-  }
-}
-
-// grid (ceil(H / (kDecodeWarps * kDecodeDownRows)), slots). h [slots, I] f32; slot_out [slots, H] f32.
-__global__ void __launch_bounds__(kDecodeWarps * 32)
-    moe_decode_down_kernel(const float* __restrict__ h, const int32_t* __restrict__ ids, int experts,
-                           const __nv_bfloat16* __restrict__ down, int hidden, int inter,
-                           float* __restrict__ slot_out, int64_t out_stride) {
-  constexpr int R = kDecodeDownRows;
-  const int slot = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * kDecodeWarps + warp) * R;
-  if (row0 >= hidden) return;
-  const int e = clamp_expert(ids[slot], experts);
-  const __nv_bfloat16* expert = down + static_cast<int64_t>(e) * hidden * inter;
-  const __nv_bfloat16* w_rows[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) w_rows[r] = expert + static_cast<int64_t>(min(row0 + r, hidden - 1)) * inter;
-  const float* x_rows[1] = {h + static_cast<int64_t>(slot) * inter};
-  float acc[R][1];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-  gemv::warp_dot_partial<R, 1, kDecodeLoads>(w_rows, x_rows, 1, inter / gemv::kChunk, lane, acc);
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const float total = warp_sum(acc[r][0]);
-    if (lane == r && row0 + r < hidden) slot_out[static_cast<int64_t>(slot) * out_stride + row0 + r] = total;
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// f32 expert weights (f32 runs): one warp per output element on CUDA cores, for both paths.
-
-// Which expert and slot a row of the expert ops belongs to. Decode path (sorted_slots null): row r
-// is slot r, its expert ids[r]. Grouped path: row p is sorted position p, its slot sorted_slots[p],
-// its expert the segment of expert_offsets [E + 1] that holds p.
-struct ExpertRows {
-  const int32_t* ids;             // [T * k] (decode)
-  const int32_t* sorted_slots;    // [T * k] (grouped) or null
-  const int32_t* expert_offsets;  // [E + 1] (grouped)
-  int experts;
-};
-
-__device__ __forceinline__ int row_slot(const ExpertRows& rows, int64_t r) {
-  return rows.sorted_slots != nullptr ? rows.sorted_slots[r] : static_cast<int>(r);
-}
-
-__device__ __forceinline__ int row_expert(const ExpertRows& rows, int64_t r) {
-  if (rows.sorted_slots == nullptr) return clamp_expert(rows.ids[r], rows.experts);
-  int lo = 0, hi = rows.experts - 1;  // the last e with offsets[e] <= r
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (rows.expert_offsets[mid] <= r) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
-// h[r, i] = silu(x[t] . gate[e][i]) * (x[t] . up[e][i]) with t = slot / top_k; rows * inter warps.
-template <typename XT, typename HT>
-__global__ void expert_gate_up_simple_kernel(const XT* __restrict__ x, int64_t x_stride, ExpertRows rows, int top_k,
-                                             const float* __restrict__ gate_up, int inter, int hidden, float limit,
-                                             HT* __restrict__ h, int64_t h_stride, int64_t count) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t index = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; index < count;
-       index += warps) {
-    const int64_t r = index / inter;
-    const int i = static_cast<int>(index % inter);
-    const int e = row_expert(rows, r);
-    const XT* x_row = x + static_cast<int64_t>(row_slot(rows, r) / top_k) * x_stride;
-    const float* gate_row = gate_up + (static_cast<int64_t>(e) * 2 * inter + i) * hidden;
-    const float* up_row = gate_row + static_cast<int64_t>(inter) * hidden;
-    float gate = 0.0f, up = 0.0f;
-    for (int c = lane; c < hidden; c += 32) {
-      const float value = to_f32(x_row[c]);
-      gate = fmaf(value, gate_row[c], gate);
-      up = fmaf(value, up_row[c], up);
-    }
-    gate = warp_sum(gate);
-    up = warp_sum(up);
-    if (lane == 0) {
-      if (limit > 0.0f) {  // clamped SwiGLU
-        gate = fminf(gate, limit);
-        up = fminf(fmaxf(up, -limit), limit);
-      }
-      h[r * h_stride + i] = from_f32<HT>(gemv::silu(gate) * up);
-    }
-  }
-}
-
-// slot_out[slot(r), c] = h[r] . down[e][c]; rows * hidden warps.
-template <typename HT>
-__global__ void expert_down_simple_kernel(const HT* __restrict__ h, int64_t h_stride, ExpertRows rows,
-                                          const float* __restrict__ down, int hidden, int inter,
-                                          float* __restrict__ slot_out, int64_t out_stride, int64_t count) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t index = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; index < count;
-       index += warps) {
-    const int64_t r = index / hidden;
-    const int c = static_cast<int>(index % hidden);
-    const float* down_row = down + (static_cast<int64_t>(row_expert(rows, r)) * hidden + c) * inter;
-    const HT* h_row = h + r * h_stride;
-    float sum = 0.0f;
-    for (int i = lane; i < inter; i += 32) sum = fmaf(to_f32(h_row[i]), down_row[i], sum);
-    sum = warp_sum(sum);
-    if (lane == 0) slot_out[static_cast<int64_t>(row_slot(rows, r)) * out_stride + c] = sum;
-  }
-}
-
-constexpr int kSimpleThreads = 256;
-
-unsigned simple_blocks(int64_t warps) {
-  return static_cast<unsigned>(std::min<int64_t>((warps + kSimpleThreads / 32 - 1) / (kSimpleThreads / 32), 132 * 64));
-}
-
-void launch_gate_up_simple(const Tensor& x, const ExpertRows& rows, int top_k, const MoeExpertWeights& experts,
-                           const Tensor& h, int64_t num_rows, cudaStream_t stream) {
-  const int64_t count = num_rows * experts.intermediate_size;
-  if (count == 0) return;
-  METRALE_DISPATCH_FLOAT(x.dtype(), "moe expert x", [&] {
-    using XT = scalar_t;
-    METRALE_DISPATCH_FLOAT(h.dtype(), "moe expert h", [&] {
-      expert_gate_up_simple_kernel<XT, scalar_t><<<simple_blocks(count), kSimpleThreads, 0, stream>>>(
-          x.data_as<const XT>(), x.stride(0), rows, top_k, experts.gate_up.data_as<const float>(),
-          static_cast<int>(experts.intermediate_size), static_cast<int>(experts.hidden_size), experts.swiglu_limit,
-          h.data_as<scalar_t>(), h.stride(0), count);
-    });
-  });
-  METRALE_CHECK_LAUNCH("expert_gate_up_simple_kernel");
-}
-
-void launch_down_simple(const Tensor& h, const ExpertRows& rows, const MoeExpertWeights& experts,
-                        const Tensor& slot_out, int64_t num_rows, cudaStream_t stream) {
-  const int64_t count = num_rows * experts.hidden_size;
-  if (count == 0) return;
-  METRALE_DISPATCH_FLOAT(h.dtype(), "moe expert h", [&] {
-    expert_down_simple_kernel<scalar_t><<<simple_blocks(count), kSimpleThreads, 0, stream>>>(
-        h.data_as<const scalar_t>(), h.stride(0), rows, experts.down_fused.data_as<const float>(),
-        static_cast<int>(experts.hidden_size), static_cast<int>(experts.intermediate_size), slot_out.data_as<float>(),
-        slot_out.stride(0), count);
-  });
-  METRALE_CHECK_LAUNCH("expert_down_simple_kernel");
-}
-
-// ---------------------------------------------------------------------------------------------
 // Combine
 
 constexpr int kCombineThreads = 256;
@@ -529,15 +331,11 @@ __global__ void __launch_bounds__(kCombineThreads)
     // No FMA contraction: the same two roundings per term as the CPU twin.
     acc = __fadd_rn(acc, __fmul_rn(weights[slot], slot_out[slot * slot_stride + c]));
   }
-  if (ungated) {
-    // The routed sum in OutT, then the shared expert added in OutT (DeepSeek-V3 MoE).
-    const float shared = to_f32(from_f32<OutT>(shared_out[static_cast<int64_t>(t) * shared_stride + c]));
-    acc = __fadd_rn(to_f32(from_f32<OutT>(acc)), shared);
-  } else if (shared_out != nullptr) {
-    const float gate = 1.0f / (1.0f + expf(-shared_gate[static_cast<int64_t>(t) * gate_stride]));
-    acc = __fadd_rn(acc, __fmul_rn(gate, shared_out[static_cast<int64_t>(t) * shared_stride + c]));
-  }
-  out[static_cast<int64_t>(t) * out_stride + c] = from_f32<OutT>(acc);
+  const bool has_shared = shared_out != nullptr;
+  const float shared = has_shared ? shared_out[static_cast<int64_t>(t) * shared_stride + c] : 0.0f;
+  const float* gate_logit = has_shared && !ungated ? shared_gate + static_cast<int64_t>(t) * gate_stride : nullptr;
+  out[static_cast<int64_t>(t) * out_stride + c] =
+      moe_common::combine_with_shared<OutT>(acc, has_shared, shared, gate_logit);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -546,8 +344,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 // grid (n); out[i] = src[index[i]] as `Word`s (16, 4 or 2 bytes). An index outside src gives a zero row.
 template <typename Word>
 __global__ void gather_rows_kernel(const char* __restrict__ src, int64_t src_stride_bytes, int64_t src_rows,
-                                   const int32_t* __restrict__ index, char* __restrict__ out,
-                                   int64_t out_stride_bytes, int64_t words) {
+                                   const int32_t* __restrict__ index, char* __restrict__ out, int64_t out_stride_bytes,
+                                   int64_t words) {
   const int64_t i = blockIdx.x;
   const int32_t row = index[i];
   const bool valid = row >= 0 && row < src_rows;
@@ -570,49 +368,6 @@ __global__ void scatter_add_rows_kernel(float* __restrict__ dst, int64_t dst_str
     float* at = dst + row * dst_stride + c;
     *at = __fadd_rn(*at, __fmul_rn(weight[i], to_f32(src[i * src_stride + c])));
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Shared checks of the expert ops.
-
-void check_fused(const MoeExpertWeights& experts, const char* op) {
-  expect(experts.has_fused(), op, "the CUDA path needs the fused expert weights (gate_up, down_fused)");
-  const int64_t e = experts.num_experts, h = experts.hidden_size, i = experts.intermediate_size;
-  const Tensor& gate_up = experts.gate_up;
-  const Tensor& down = experts.down_fused;
-  const bool fp8 = experts.is_fp8();
-  const DType dtype = fp8 ? DType::kF8E4M3 : gate_up.dtype() == DType::kF32 ? DType::kF32 : DType::kBF16;
-  expect(gate_up.dtype() == dtype && down.dtype() == dtype && gate_up.is_contiguous() && down.is_contiguous() &&
-             gate_up.ndim() == 3 && down.ndim() == 3 && gate_up.size(0) == e && gate_up.size(1) == 2 * i &&
-             gate_up.size(2) == h && down.size(0) == e && down.size(1) == h && down.size(2) == i,
-         op,
-         "fused expert weights must be contiguous gate_up [E, 2I, H] and down [E, H, I], both bf16, both f32 or "
-         "both f8e4m3; got " + std::string(dtype_name(gate_up.dtype())) + " " + shape_of(gate_up) + " and " +
-             std::string(dtype_name(down.dtype())) + " " + shape_of(down));
-  if (dtype == DType::kF32) {
-    expect(e >= 1 && e * 2 * i * h < (int64_t{1} << 62) && h < (1 << 30) && i < (1 << 30), op, "expert sizes");
-    return;  // the f32 kernels read any sizes and alignments
-  }
-  if (fp8) {
-    const int64_t hb = fp8_scale_blocks(h), ib = fp8_scale_blocks(i);
-    expect(experts.gate_up_scale.dtype() == DType::kF32 && experts.down_scale.dtype() == DType::kF32 &&
-               experts.gate_up_scale.is_contiguous() && experts.down_scale.is_contiguous() &&
-               experts.gate_up_scale.shape() == (Shape{e, 2 * ib, hb}) &&
-               experts.down_scale.shape() == (Shape{e, hb, ib}),
-           op,
-           "FP8 expert scales must be contiguous f32 [E, 2 ceil(I/128), ceil(H/128)] and [E, ceil(H/128), "
-           "ceil(I/128)]; got " +
-               shape_of(experts.gate_up_scale) + " and " + shape_of(experts.down_scale));
-  }
-  const int64_t multiple = fp8 ? 16 : 8;
-  if (h % multiple != 0 || i % multiple != 0) {
-    raise_message(ErrorCode::kUnsupported, std::string(op) + ": the CUDA MoE kernels need hidden (" +
-                                               std::to_string(h) + ") and expert intermediate (" + std::to_string(i) +
-                                               ") sizes that are multiples of " + std::to_string(multiple) +
-                                               (fp8 ? " with FP8 experts" : ""));
-  }
-  expect(aligned_16(gate_up.data()) && aligned_16(down.data()), op, "fused expert weights must be 16-byte aligned");
-  expect(e >= 1 && e * 2 * i * h < (int64_t{1} << 62) && h < (1 << 30) && i < (1 << 30), op, "expert sizes");
 }
 
 template <grouped::Epilogue kEpilogue, bool kFp8B>
@@ -647,7 +402,8 @@ void check_i32_vector(const Tensor& t, int64_t n, const char* op, const char* wh
 void moe_route(const Tensor& router_logits, const Tensor& topk_ids, const Tensor& topk_weights,
                const MoeRouteParams& params) {
   constexpr const char* op = "moe_route";
-  expect(router_logits.ndim() == 2 && router_logits.stride(1) == 1, op, "router logits must be [T, E] with contiguous rows");
+  expect(router_logits.ndim() == 2 && router_logits.stride(1) == 1, op,
+         "router logits must be [T, E] with contiguous rows");
   const int64_t tokens = router_logits.size(0), experts = router_logits.size(1);
   const int k = params.top_k;
   expect(k >= 1 && k <= experts, op, "top_k " + std::to_string(k) + " of " + std::to_string(experts) + " experts");
@@ -655,8 +411,9 @@ void moe_route(const Tensor& router_logits, const Tensor& topk_ids, const Tensor
   expect(params.n_group >= 1 && params.n_group <= 32 && experts % params.n_group == 0 && params.topk_group >= 1 &&
              params.topk_group <= params.n_group &&
              static_cast<int64_t>(params.topk_group) * (experts / params.n_group) >= k,
-         op, "groups: " + std::to_string(params.n_group) + " (keep " + std::to_string(params.topk_group) + ") of " +
-                 std::to_string(experts) + " experts for top_k " + std::to_string(k));
+         op,
+         "groups: " + std::to_string(params.n_group) + " (keep " + std::to_string(params.topk_group) + ") of " +
+             std::to_string(experts) + " experts for top_k " + std::to_string(k));
   expect(topk_ids.numel() == tokens * k && topk_weights.numel() == tokens * k && topk_ids.dtype() == DType::kI32 &&
              topk_weights.dtype() == DType::kF32 && topk_ids.is_contiguous() && topk_weights.is_contiguous(),
          op, "outputs must be contiguous i32 / f32 [T, k]");
@@ -683,10 +440,14 @@ void moe_route(const Tensor& router_logits, const Tensor& topk_ids, const Tensor
   args.weights = topk_weights.data_as<float>();
   if (tokens == 0) return;
   switch (router_logits.dtype()) {
-    case DType::kF32: return launch_route<float>(args, stream_of(topk_ids));
-    case DType::kBF16: return launch_route<__nv_bfloat16>(args, stream_of(topk_ids));
-    case DType::kF16: return launch_route<__half>(args, stream_of(topk_ids));
-    default: fail("moe_route: router logits must be f32, bf16 or f16");
+    case DType::kF32:
+      return launch_route<float>(args, stream_of(topk_ids));
+    case DType::kBF16:
+      return launch_route<__nv_bfloat16>(args, stream_of(topk_ids));
+    case DType::kF16:
+      return launch_route<__half>(args, stream_of(topk_ids));
+    default:
+      fail("moe_route: router logits must be f32, bf16 or f16");
   }
 }
 
@@ -706,17 +467,15 @@ void gather_rows(const Tensor& src, const Tensor& index, const Tensor& out) {
   const int threads = 128;
   const unsigned blocks = static_cast<unsigned>(n);
   if (row_bytes % 16 == 0 && src_stride % 16 == 0 && out_stride % 16 == 0 && aligned_16(from) && aligned_16(to)) {
-    gather_rows_kernel<uint4><<<blocks, threads, 0, stream>>>(from, src_stride, src.size(0), index.data_as<const int32_t>(),
-                                                             to, out_stride, row_bytes / 16);
+    gather_rows_kernel<uint4><<<blocks, threads, 0, stream>>>(
+        from, src_stride, src.size(0), index.data_as<const int32_t>(), to, out_stride, row_bytes / 16);
   } else if (elem == 4) {
-    gather_rows_kernel<uint32_t><<<blocks, threads, 0, stream>>>(from, src_stride, src.size(0),
-                                                                 index.data_as<const int32_t>(), to, out_stride,
-                                                                 row_bytes / 4);
+    gather_rows_kernel<uint32_t><<<blocks, threads, 0, stream>>>(
+        from, src_stride, src.size(0), index.data_as<const int32_t>(), to, out_stride, row_bytes / 4);
   } else {
     expect(elem == 2, op, "element size");
-    gather_rows_kernel<uint16_t><<<blocks, threads, 0, stream>>>(from, src_stride, src.size(0),
-                                                                 index.data_as<const int32_t>(), to, out_stride,
-                                                                 row_bytes / 2);
+    gather_rows_kernel<uint16_t><<<blocks, threads, 0, stream>>>(
+        from, src_stride, src.size(0), index.data_as<const int32_t>(), to, out_stride, row_bytes / 2);
   }
   METRALE_CHECK_LAUNCH("gather_rows_kernel");
 }
@@ -764,97 +523,9 @@ void moe_sort(const Tensor& topk_ids, const Tensor& expert_offsets, const Tensor
   METRALE_CHECK_LAUNCH("moe_sort_scan_kernel");
   if (chunks > 0) {
     moe_sort_place_kernel<<<chunks, kSortChunk, 0, stream>>>(topk_ids.data_as<const int32_t>(), s, e, counts,
-                                                            sorted_slots.data_as<int32_t>());
+                                                             sorted_slots.data_as<int32_t>());
     METRALE_CHECK_LAUNCH("moe_sort_place_kernel");
   }
-}
-
-void moe_decode_gate_up(const Tensor& x, const Tensor& topk_ids, const MoeExpertWeights& experts, const Tensor& h) {
-  constexpr const char* op = "moe_decode_gate_up";
-  check_fused(experts, op);
-  const int64_t tokens = x.size(0), hidden = experts.hidden_size, inter = experts.intermediate_size;
-  expect(x.ndim() == 2 && x.size(1) == hidden && topk_ids.ndim() == 2 && topk_ids.size(0) == tokens &&
-             topk_ids.dtype() == DType::kI32 && topk_ids.is_contiguous(),
-         op, "x " + shape_of(x) + " topk_ids " + shape_of(topk_ids));
-  const int64_t k = topk_ids.size(1), slots = tokens * k;
-  expect(h.dtype() == DType::kF32 && h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && h.is_contiguous(), op,
-         "h must be contiguous f32 [T * k, I]; got " + shape_of(h));
-  expect(slots <= 65535, op, "too many slots for the decode path");
-  if (experts.gate_up.dtype() == DType::kF32) {
-    expect(x.stride(1) == 1, op, "x rows must be contiguous; got " + shape_of(x));
-    const ExpertRows rows{topk_ids.data_as<const int32_t>(), nullptr, nullptr, static_cast<int>(experts.num_experts)};
-    launch_gate_up_simple(x, rows, static_cast<int>(k), experts, h, slots, stream_of(h));
-    return;
-  }
-  expect((x.dtype() == DType::kBF16 || x.dtype() == DType::kF32) && rows_vectorizable(x), op,
-         "x must be bf16 or f32 with 16-byte aligned rows; got " + shape_of(x));
-  if (slots == 0) return;
-  const int e = static_cast<int>(experts.num_experts), i = static_cast<int>(inter), hd = static_cast<int>(hidden);
-  if (experts.is_fp8()) {
-    const dim3 fp8_grid(static_cast<unsigned>(ceil_div(inter, moe_fp8::kWarps * moe_fp8::kGateUpRows)),
-                        static_cast<unsigned>(slots));
-    const auto* codes = static_cast<const uint8_t*>(experts.gate_up.data());
-    const float* scales = experts.gate_up_scale.data_as<const float>();
-    if (x.dtype() == DType::kBF16) {
-      moe_fp8::gate_up_kernel<__nv_bfloat16><<<fp8_grid, moe_fp8::kWarps * 32, 0, stream_of(h)>>>(
-          x.data_as<const __nv_bfloat16>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e,
-          codes, scales, i, hd, experts.swiglu_limit, h.data_as<float>());
-    } else {
-      moe_fp8::gate_up_kernel<float><<<fp8_grid, moe_fp8::kWarps * 32, 0, stream_of(h)>>>(
-          x.data_as<const float>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e, codes,
-          scales, i, hd, experts.swiglu_limit, h.data_as<float>());
-    }
-    METRALE_CHECK_LAUNCH("moe_fp8::gate_up_kernel");
-    return;
-  }
-  const dim3 grid(static_cast<unsigned>(ceil_div(inter, kDecodeWarps * kDecodeGateUpRows)), static_cast<unsigned>(slots));
-  const auto* weights = experts.gate_up.data_as<const __nv_bfloat16>();
-  if (x.dtype() == DType::kBF16) {
-    moe_decode_gate_up_kernel<__nv_bfloat16><<<grid, kDecodeWarps * 32, 0, stream_of(h)>>>(
-        x.data_as<const __nv_bfloat16>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e,
-        weights, i, hd, experts.swiglu_limit, h.data_as<float>());
-  } else {
-    moe_decode_gate_up_kernel<float><<<grid, kDecodeWarps * 32, 0, stream_of(h)>>>(
-        x.data_as<const float>(), x.stride(0), topk_ids.data_as<const int32_t>(), static_cast<int>(k), e, weights, i,
-        hd, experts.swiglu_limit, h.data_as<float>());
-  }
-  METRALE_CHECK_LAUNCH("moe_decode_gate_up_kernel");
-}
-
-void moe_decode_down(const Tensor& h, const Tensor& topk_ids, const MoeExpertWeights& experts, const Tensor& slot_out) {
-  constexpr const char* op = "moe_decode_down";
-  check_fused(experts, op);
-  const int64_t slots = topk_ids.numel(), hidden = experts.hidden_size, inter = experts.intermediate_size;
-  expect(topk_ids.dtype() == DType::kI32 && topk_ids.is_contiguous(), op, "topk_ids must be contiguous i32");
-  expect(h.dtype() == DType::kF32 && h.ndim() == 2 && h.size(0) == slots && h.size(1) == inter && h.is_contiguous() &&
-             aligned_16(h.data()),
-         op, "h must be contiguous f32 [T * k, I]; got " + shape_of(h));
-  expect(slot_out.dtype() == DType::kF32 && slot_out.ndim() == 2 && slot_out.size(0) == slots &&
-             slot_out.size(1) == hidden && slot_out.stride(1) == 1,
-         op, "slot_out must be f32 [T * k, H]; got " + shape_of(slot_out));
-  expect(slots <= 65535, op, "too many slots for the decode path");
-  if (slots == 0) return;
-  if (experts.down_fused.dtype() == DType::kF32) {
-    const ExpertRows rows{topk_ids.data_as<const int32_t>(), nullptr, nullptr, static_cast<int>(experts.num_experts)};
-    launch_down_simple(h, rows, experts, slot_out, slots, stream_of(slot_out));
-    return;
-  }
-  if (experts.is_fp8()) {
-    const dim3 fp8_grid(static_cast<unsigned>(ceil_div(hidden, moe_fp8::kWarps * moe_fp8::kDownRows)),
-                        static_cast<unsigned>(slots));
-    moe_fp8::down_kernel<<<fp8_grid, moe_fp8::kWarps * 32, 0, stream_of(slot_out)>>>(
-        h.data_as<const float>(), topk_ids.data_as<const int32_t>(), static_cast<int>(experts.num_experts),
-        static_cast<const uint8_t*>(experts.down_fused.data()), experts.down_scale.data_as<const float>(),
-        static_cast<int>(hidden), static_cast<int>(inter), slot_out.data_as<float>(), slot_out.stride(0));
-    METRALE_CHECK_LAUNCH("moe_fp8::down_kernel");
-    return;
-  }
-  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kDecodeWarps * kDecodeDownRows)), static_cast<unsigned>(slots));
-  moe_decode_down_kernel<<<grid, kDecodeWarps * 32, 0, stream_of(slot_out)>>>(
-      h.data_as<const float>(), topk_ids.data_as<const int32_t>(), static_cast<int>(experts.num_experts),
-      experts.down_fused.data_as<const __nv_bfloat16>(), static_cast<int>(hidden), static_cast<int>(inter),
-      slot_out.data_as<float>(), slot_out.stride(0));
-  METRALE_CHECK_LAUNCH("moe_decode_down_kernel");
 }
 
 void moe_grouped_gate_up(const Tensor& x, const Tensor& sorted_slots, const Tensor& expert_offsets, int top_k,
@@ -959,7 +630,8 @@ void moe_grouped_down(const Tensor& h, const Tensor& sorted_slots, const Tensor&
 void moe_combine(const Tensor& slot_out, const Tensor& topk_weights, const Tensor& shared_out,
                  const Tensor& shared_gate_logits, const Tensor& out) {
   constexpr const char* op = "moe_combine";
-  expect(out.ndim() == 2 && out.stride(1) == 1 && topk_weights.ndim() == 2, op, "out must be [T, H] with contiguous rows");
+  expect(out.ndim() == 2 && out.stride(1) == 1 && topk_weights.ndim() == 2, op,
+         "out must be [T, H] with contiguous rows");
   const int64_t tokens = out.size(0), hidden = out.size(1), k = topk_weights.size(1);
   expect(slot_out.dtype() == DType::kF32 && slot_out.ndim() == 2 && slot_out.size(0) == tokens * k &&
              slot_out.size(1) == hidden && slot_out.stride(1) == 1 && topk_weights.dtype() == DType::kF32 &&
@@ -979,7 +651,8 @@ void moe_combine(const Tensor& slot_out, const Tensor& topk_weights, const Tenso
   const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(ceil_div(hidden, kCombineThreads)));
   const float* shared_ptr = shared ? shared_out.data_as<const float>() : nullptr;
   const float* gate_ptr = gated ? shared_gate_logits.data_as<const float>() : nullptr;
-  const int64_t shared_stride = shared ? shared_out.stride(0) : 0, gate_stride = gated ? shared_gate_logits.stride(0) : 0;
+  const int64_t shared_stride = shared ? shared_out.stride(0) : 0,
+                gate_stride = gated ? shared_gate_logits.stride(0) : 0;
   METRALE_DISPATCH_FLOAT(out.dtype(), op, [&] {
     moe_combine_kernel<scalar_t><<<grid, kCombineThreads, 0, stream_of(out)>>>(
         slot_out.data_as<const float>(), slot_out.stride(0), topk_weights.data_as<const float>(), static_cast<int>(k),

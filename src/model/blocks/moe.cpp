@@ -2,12 +2,27 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/error.h"
 #include "kernels/linear.h"
 #include "runtime/stream.h"
 
 namespace metrale {
+namespace {
+
+// METRALE_MOE_DECODE_FUSION=0 runs the unfused kernel sequence (the router and shared-gate GEMVs,
+// the shared expert as an MLP, moe_decode_down, moe_combine): the A/B switch for benchmarks.
+bool decode_fusion_enabled() {
+  static const bool on = [] {
+    const char* setting = std::getenv("METRALE_MOE_DECODE_FUSION");
+    return setting == nullptr || std::strcmp(setting, "0") != 0;
+  }();
+  return on;
+}
+
+}  // namespace
 
 Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) : config_(config) {
   const int64_t e_count = config.num_experts, h = config.hidden_size;
@@ -43,11 +58,28 @@ Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) :
     const std::string& shared = config.shared_expert_prefix;
     shared_expert_ = SwiGluWeights{get(shared + "gate_proj.weight", {s, h}), get(shared + "up_proj.weight", {s, h}),
                                    get(shared + "down_proj.weight", {h, s}), Tensor(), config.swiglu_limit};
-    if (config.shared_expert_gated) {
-      shared_expert_gate_ = on_cpu ? weights.get(prefix + "shared_expert_gate.weight", {1, h})
-                                   : load_device(weights, prefix + "shared_expert_gate.weight", {1, h});
+    if (config.shared_expert_gated && on_cpu) {
+      shared_expert_gate_ = weights.get(prefix + "shared_expert_gate.weight", {1, h});
+    } else if (config.shared_expert_gated) {
+      // On the GPU the gate is row E of the router's weight: one GEMV computes both logits.
+      OwnedTensor router_and_gate(weights.compute_dtype(), {e_count + 1, h}, weights.device());
+      weights.load_into(prefix + "gate.weight", router_and_gate->slice(0, 0, e_count));
+      weights.load_into(prefix + "shared_expert_gate.weight", router_and_gate->slice(0, e_count, e_count + 1));
+      router_and_gate_ = *router_and_gate;
+      router_ = router_and_gate_.slice(0, 0, e_count);
+      shared_expert_gate_ = router_and_gate_.slice(0, e_count, e_count + 1);
+      owned_.push_back(std::move(router_and_gate));
+    }
+    if (s == config.expert_intermediate_size) {
+      shared_slot_ = kernels::MoeSharedExpert{shared_expert_->gate, shared_expert_->up, shared_expert_->down};
     }
   }
+  // The decode path folds the shared expert into the routed expert kernels (one more slot per
+  // token) and the combine into the down projections when the shapes and formats allow it.
+  fused_decode_ = kernels::moe_shared_expert_fits(experts_, shared_slot_) &&
+                  (!shared_expert_ || !shared_slot_.empty()) &&
+                  config.top_k + (shared_slot_.empty() ? 0 : 1) <= kernels::kMoeDecodeCombineMaxSlots;
+  if (!fused_decode_) shared_slot_ = {};
 }
 
 void Moe::load_experts_cpu(Weights& weights, const std::string& prefix) {
@@ -146,8 +178,16 @@ void Moe::forward(const StepContext& step, const Tensor& x, const Tensor& out) {
                 "Moe: x {} out {}", x.describe(), out.describe());
   if (tokens == 0) return;
   Arena& ws = step.workspace;
-  const Tensor router_logits = ws.alloc(DType::kF32, {tokens, e_count});
-  kernels::linear(x, router_, router_logits);
+  Tensor router_logits, shared_gate_logits;
+  if (!router_and_gate_.empty() && decode_fusion_enabled()) {
+    const Tensor logits = ws.alloc(DType::kF32, {tokens, e_count + 1});  // [T, E + 1]: the router's, the gate's
+    kernels::linear(x, router_and_gate_, logits);
+    router_logits = logits.slice(1, 0, e_count);
+    shared_gate_logits = logits.slice(1, e_count, e_count + 1);
+  } else {
+    router_logits = ws.alloc(DType::kF32, {tokens, e_count});
+    kernels::linear(x, router_, router_logits);
+  }
   const Tensor topk_ids = ws.alloc(DType::kI32, {tokens, k});
   const Tensor topk_weights = ws.alloc(DType::kF32, {tokens, k});
   kernels::MoeRouteParams route;
@@ -160,8 +200,19 @@ void Moe::forward(const StepContext& step, const Tensor& x, const Tensor& out) {
   route.routed_scaling_factor = config_.routed_scaling_factor;
   kernels::moe_route(router_logits, topk_ids, topk_weights, route);
 
-  // Routed experts: one fp32 output row per (token, slot), in slot order.
   const int64_t slots = tokens * k;
+  if (slots <= kernels::kMoeDecodeMaxSlots && fused_decode_ && decode_fusion_enabled()) {
+    // [T * k (+ T), I] f32: the routed slots, then the shared expert's slot of every token.
+    const Tensor hidden = ws.alloc(DType::kF32, {slots + (shared_slot_.empty() ? 0 : tokens), inter});
+    kernels::moe_decode_gate_up(x, topk_ids, experts_, hidden, shared_slot_);
+    if (!shared_slot_.empty() && !shared_expert_gate_.empty() && shared_gate_logits.empty()) {
+      shared_gate_logits = ws.alloc(DType::kF32, {tokens, 1});
+      kernels::linear(x, shared_expert_gate_, shared_gate_logits);
+    }
+    kernels::moe_decode_down_combine(hidden, topk_ids, topk_weights, experts_, shared_slot_, shared_gate_logits, out);
+    return;
+  }
+  // Routed experts: one fp32 output row per (token, slot), in slot order.
   const Tensor slot_out = ws.alloc(DType::kF32, {slots, h});
   if (slots <= kernels::kMoeDecodeMaxSlots) {
     const Tensor hidden = ws.alloc(DType::kF32, {slots, inter});  // [T * k, I]
@@ -179,11 +230,11 @@ void Moe::forward(const StepContext& step, const Tensor& x, const Tensor& out) {
   }
 
   // Shared expert: out += sigmoid(x . w_gate) * shared_expert(x), inside the same fp32 sum.
-  Tensor shared_out, shared_gate_logits;
+  Tensor shared_out;
   if (shared_expert_) {
     shared_out = ws.alloc(DType::kF32, {tokens, h});
     shared_expert_->run(step, x, shared_out);
-    if (!shared_expert_gate_.empty()) {
+    if (!shared_expert_gate_.empty() && shared_gate_logits.empty()) {
       shared_gate_logits = ws.alloc(DType::kF32, {tokens, 1});
       kernels::linear(x, shared_expert_gate_, shared_gate_logits);
     }

@@ -18,15 +18,22 @@
 // (gate.weight) and shared_expert_gate stay plain (in the compute dtype on the GPU).
 //
 // forward runs the same ops on both devices, all from host-known shapes (graph-safe on CUDA):
-//   router logits [T, E] f32 = x . W_gate^T; moe_route -> topk ids [T, k], weights [T, k];
-//   T * k <= kernels::kMoeDecodeMaxSlots: decode path (per-slot GEMVs over the selected experts);
-//   otherwise: moe_sort by expert, grouped gate_up + SiLU, grouped down;
-//   moe_combine: fp32 weighted sum over the k slots (+ sigmoid-gated shared expert), one rounding.
+//   router logits [T, E] f32 = x . W_gate^T (on the GPU with a gated shared expert, one GEMV over
+//   [E + 1, H] also gives the gate's logit); moe_route -> topk ids [T, k], weights [T, k];
+//   T * k <= kernels::kMoeDecodeMaxSlots: decode path. When the shared expert has the routed
+//   experts' width and format (or there is none), two ops: moe_decode_gate_up over the k routed
+//   slots plus the shared expert's slot of every token, and moe_decode_down_combine (the down
+//   projections and the weighted sum in one). Otherwise per-slot GEMVs, the shared expert as an
+//   MLP, and moe_combine;
+//   larger steps: moe_sort by expert, grouped gate_up + SiLU, grouped down, the shared expert as an
+//   MLP, moe_combine: fp32 weighted sum over the k slots (+ shared expert), one rounding.
 //
 // Workspace per step (allocated from step.workspace in this order, same sizes for the same T):
-//   router logits T*E f32, topk ids T*k i32, topk weights T*k f32, slot_out T*k*H f32, then
-//   decode: h T*k*I f32; grouped: offsets E+1 i32, sorted slots T*k i32, sort scratch
-//   ceil(T*k/256)*E i32, h T*k*I activation dtype; shared expert: its MLP temporaries, T*H f32, T f32.
+//   router logits T*E (or T*(E+1)) f32, topk ids T*k i32, topk weights T*k f32, then
+//   fused decode: h (T*k + T)*I f32 (T*k*I without a shared slot), gate logits T f32 on the CPU;
+//   otherwise slot_out T*k*H f32, then decode: h T*k*I f32; grouped: offsets E+1 i32, sorted slots
+//   T*k i32, sort scratch ceil(T*k/256)*E i32, h T*k*I activation dtype; shared expert: its MLP
+//   temporaries, T*H f32, T f32.
 #pragma once
 
 #include <optional>
@@ -74,12 +81,17 @@ class Moe : public FeedForward {
   Tensor load_device(Weights& weights, const std::string& key, const Shape& shape);
 
   MoeConfig config_;
-  Tensor router_;                        // [E, H]
+  Tensor router_;  // [E, H]
   kernels::MoeExpertWeights experts_;
   std::optional<SwiGluWeights> shared_expert_;
-  Tensor shared_expert_gate_;            // [1, H] (gated shared expert only)
-  Tensor correction_bias_;               // [E] f32 (sigmoid router only)
-  std::vector<OwnedTensor> owned_;       // device copies this block made (CUDA only)
+  Tensor shared_expert_gate_;  // [1, H] (gated shared expert only)
+  // GPU with a gated shared expert: [E + 1, H], router_ and shared_expert_gate_ are its rows.
+  Tensor router_and_gate_;
+  // The shared expert as the decode ops' extra slot (empty without one, or when it does not fit).
+  kernels::MoeSharedExpert shared_slot_;
+  bool fused_decode_ = false;       // the decode path runs moe_decode_down_combine
+  Tensor correction_bias_;          // [E] f32 (sigmoid router only)
+  std::vector<OwnedTensor> owned_;  // device copies this block made (CUDA only)
 };
 
 }  // namespace metrale
