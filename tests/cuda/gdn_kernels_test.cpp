@@ -94,12 +94,15 @@ OwnedTensor int_tensor(const std::vector<int32_t>& values) {
 struct DeviceBatch {
   OwnedTensor cu_q, kv_lens, slots;
   explicit DeviceBatch(const Batch& b)
-      : cu_q(to_device(*int_tensor(b.cu_q))), kv_lens(to_device(*int_tensor(b.kv_lens))),
+      : cu_q(to_device(*int_tensor(b.cu_q))),
+        kv_lens(to_device(*int_tensor(b.kv_lens))),
         slots(to_device(*int_tensor(b.slots))) {}
 };
 
 // Values of slot `slot` of a [slots, ...] tensor.
-std::vector<double> slot_values(const Tensor& t, int64_t slot) { return testing::to_doubles(t.select(0, slot)); }
+std::vector<double> slot_values(const Tensor& t, int64_t slot) {
+  return testing::to_doubles(t.select(0, slot));
+}
 
 // Owned slots match within `tolerance` (relative L2 over all of them); the others are unchanged.
 void expect_states(const Tensor& got, const Tensor& expected, const Tensor& before, const Batch& b, double tolerance) {
@@ -183,6 +186,11 @@ TEST(CudaGdnConv, MatchesCpuTwin) {
   check_conv({mixed, 1024, 0, true, {0, false}}, 15);
   check_conv({mixed, 1024, 0, true, {2, true}}, 16);
   check_conv({decode, 2048, 0, true, {3, true}}, 17);
+  // max_q 1 takes the one-launch decode kernel: also with a sequence without a row and unaligned rows.
+  decode.push_back({4, 0});
+  check_conv({decode, 2048, 0}, 18);
+  check_conv({decode, 100, 3}, 19);
+  check_conv({decode, 1024, 0, true, {0, false}}, 20);
 }
 
 // ---- gdn_gates ----
@@ -202,8 +210,8 @@ TEST(CudaGdnGates, MatchesCpuTwin) {
   OwnedTensor nan(DType::kF32, {tokens, heads});
   testing::poison(*nan);
   const OwnedTensor g_dev = to_device(*nan), beta_dev = to_device(*nan);
-  kernels::gdn_gates(ab_dev->slice(1, 0, heads), ab_dev->slice(1, heads + 5, 2 * heads + 5), *A_log_dev,
-                     *dt_bias_dev, *g_dev, *beta_dev);
+  kernels::gdn_gates(ab_dev->slice(1, 0, heads), ab_dev->slice(1, heads + 5, 2 * heads + 5), *A_log_dev, *dt_bias_dev,
+                     *g_dev, *beta_dev);
   EXPECT_TRUE(testing::close_rel_l2(*to_host(*g_dev), testing::to_doubles(*g_ref), 1e-5)) << "g";
   EXPECT_TRUE(testing::close_rel_l2(*to_host(*beta_dev), testing::to_doubles(*beta_ref), 1e-3)) << "beta";
 }
@@ -239,7 +247,7 @@ TEST(CudaGdnGatedRmsNorm, MatchesCpuTwin) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   check_gated_norm(33, 8, 128, false, 31);
   check_gated_norm(33, 8, 128, true, 32);
-  check_gated_norm(9, 4, 50, false, 33);   // element-wise path
+  check_gated_norm(9, 4, 50, false, 33);  // element-wise path
   check_gated_norm(5, 3, 256, false, 34);
   // qwen4_exp's sigmoid gate with the GDN norm's roundings.
   check_gated_norm(33, 8, 128, false, 35, kernels::GatedNormGate::kSigmoidRounded);
@@ -259,7 +267,7 @@ struct DeltaCase {
 
 struct DeltaInputs {
   Batch b;
-  OwnedTensor qkv;   // [T, 2 Hk dk + Hv dv] bf16: q | k | v columns, as the conv output
+  OwnedTensor qkv;      // [T, 2 Hk dk + Hv dv] bf16: q | k | v columns, as the conv output
   OwnedTensor g, beta;  // [T, Hv] f32
   OwnedTensor state;    // [slots, Hv, dk, dv] f32
 };
@@ -326,8 +334,8 @@ void check_delta_rule(const DeltaCase& c, uint64_t seed) {
   const DeviceBatch meta(b);
   OwnedTensor workspace, rows_dev;
   if (c.chunked) {
-    const size_t bytes = kernels::gated_delta_rule_workspace_bytes(Device::cuda(), b.tokens, b.num_seqs(), c.v_heads,
-                                                                   c.dk, c.dv);
+    const size_t bytes =
+        kernels::gated_delta_rule_workspace_bytes(Device::cuda(), b.tokens, b.num_seqs(), c.v_heads, c.dk, c.dv);
     workspace = OwnedTensor(DType::kU8, {static_cast<int64_t>(std::max<size_t>(bytes, 1))}, Device::cuda());
     params.workspace = *workspace;
   }
@@ -340,8 +348,8 @@ void check_delta_rule(const DeltaCase& c, uint64_t seed) {
   const Tensor qd = qkv_part(*qkv_dev, 0, c.k_heads, c.dk), kd = qkv_part(*qkv_dev, key_dim, c.k_heads, c.dk),
                vd = qkv_part(*qkv_dev, 2 * key_dim, c.v_heads, c.dv);
   if (c.chunked) {
-    kernels::gated_delta_rule_chunked(qd, kd, vd, *g_dev, *beta_dev, *state_dev, *meta.cu_q, *meta.kv_lens,
-                                      *meta.slots, *out_dev, params);
+    kernels::gated_delta_rule_chunked(qd, kd, vd, *g_dev, *beta_dev, *state_dev, *meta.cu_q, *meta.kv_lens, *meta.slots,
+                                      *out_dev, params);
   } else {
     kernels::gated_delta_rule_recurrent(qd, kd, vd, *g_dev, *beta_dev, *state_dev, *meta.cu_q, *meta.kv_lens,
                                         *meta.slots, *out_dev, params);
@@ -366,10 +374,10 @@ const std::vector<SeqSpec> kPrefillMix = {{0, 200}, {50, 64}, {0, 1}, {7, 129}, 
 
 TEST(CudaGdnDeltaRule, ChunkedMatchesCpuTwin) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
-  check_delta_rule({kPrefillMix, 4, 8, 128, 128, true}, 41);              // two value heads per key head
-  check_delta_rule({kPrefillMix, 4, 4, 128, 64, true}, 42);               // one; dv 64
-  check_delta_rule({{{0, 130}, {9, 17}}, 2, 8, 128, 96, true}, 43);       // four; dv 96
-  check_delta_rule({{{5, 1000}}, 16, 32, 128, 128, true}, 44);            // Qwen3.5 shape, 16 chunks
+  check_delta_rule({kPrefillMix, 4, 8, 128, 128, true}, 41);                       // two value heads per key head
+  check_delta_rule({kPrefillMix, 4, 4, 128, 64, true}, 42);                        // one; dv 64
+  check_delta_rule({{{0, 130}, {9, 17}}, 2, 8, 128, 96, true}, 43);                // four; dv 96
+  check_delta_rule({{{5, 1000}}, 16, 32, 128, 128, true}, 44);                     // Qwen3.5 shape, 16 chunks
   check_delta_rule({{{0, 90}, {4, 33}}, 2, 4, 128, 128, true, false, false}, 45);  // no l2 norm
 }
 
@@ -382,8 +390,8 @@ TEST(CudaGdnDeltaRule, RecurrentMatchesCpuTwin) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   std::vector<SeqSpec> decode;
   for (int i = 0; i < 9; ++i) decode.push_back({i == 4 ? 0 : 10 + i, 1});
-  check_delta_rule({decode, 4, 8, 128, 128, false}, 61);                               // 32-column tiles
-  check_delta_rule({{{12, 1}, {0, 1}}, 4, 8, 128, 128, false}, 62);                    // 16-column tiles
+  check_delta_rule({decode, 4, 8, 128, 128, false}, 61);                                   // 32-column tiles
+  check_delta_rule({{{12, 1}, {0, 1}}, 4, 8, 128, 128, false}, 62);                        // 16-column tiles
   check_delta_rule({{{12, 3}, {0, 4}, {5, 1}, {2, 0}}, 4, 8, 128, 128, false, true}, 63);  // verify rows
   check_delta_rule({decode, 2, 4, 64, 64, false, true}, 64);
   check_delta_rule({{{0, 40}}, 2, 4, 128, 128, false}, 65);  // a prompt through the recurrent form
@@ -406,8 +414,8 @@ TEST(CudaGdnDeltaRule, ChunkedAndRecurrentAgree) {
   const OwnedTensor beta = to_device(*testing::random_tensor(DType::kF32, {b.tokens, hv}, rng, 0.1f, 1.0f));
   const OwnedTensor state0 = testing::random_tensor(DType::kF32, {b.num_slots, hv, d, d}, rng, -0.5f, 0.5f);
   const OwnedTensor state_a = to_device(*state0), state_b = to_device(*state0);
-  const OwnedTensor out_a(DType::kBF16, {b.tokens, hv, d}, Device::cuda()), out_b(DType::kBF16, {b.tokens, hv, d},
-                                                                                    Device::cuda());
+  const OwnedTensor out_a(DType::kBF16, {b.tokens, hv, d}, Device::cuda()),
+      out_b(DType::kBF16, {b.tokens, hv, d}, Device::cuda());
   const DeviceBatch meta(b);
   const OwnedTensor workspace(
       DType::kU8,
@@ -441,23 +449,21 @@ TEST(CudaGdnDeltaRule, ReplaysInsideCudaGraph) {
     const OwnedTensor state = to_device(*state0);
     const OwnedTensor out(DType::kBF16, {b.tokens, hv, d}, Device::cuda());
     const DeviceBatch meta(b);
-    const OwnedTensor workspace(
-        DType::kU8,
-        {static_cast<int64_t>(kernels::gated_delta_rule_workspace_bytes(Device::cuda(), b.tokens, b.num_seqs(), hv,
-                                                                        d, d))},
-        Device::cuda());
+    const OwnedTensor workspace(DType::kU8,
+                                {static_cast<int64_t>(kernels::gated_delta_rule_workspace_bytes(
+                                    Device::cuda(), b.tokens, b.num_seqs(), hv, d, d))},
+                                Device::cuda());
     kernels::GatedDeltaRuleParams params;
     params.scale = 1.0f / std::sqrt(static_cast<float>(d));
     params.workspace = *workspace;
-    const Tensor q = qkv_part(*qkv, 0, hk, d), k = qkv_part(*qkv, hk * d, hk, d),
-                 v = qkv_part(*qkv, 2 * hk * d, hv, d);
+    const Tensor q = qkv_part(*qkv, 0, hk, d), k = qkv_part(*qkv, hk * d, hk, d), v = qkv_part(*qkv, 2 * hk * d, hv, d);
     auto step = [&] {
       if (chunked) {
         kernels::gated_delta_rule_chunked(q, k, v, *g, *beta, *state, *meta.cu_q, *meta.kv_lens, *meta.slots, *out,
                                           params);
       } else {
-        kernels::gated_delta_rule_recurrent(q, k, v, *g, *beta, *state, *meta.cu_q, *meta.kv_lens, *meta.slots,
-                                            *out, params);
+        kernels::gated_delta_rule_recurrent(q, k, v, *g, *beta, *state, *meta.cu_q, *meta.kv_lens, *meta.slots, *out,
+                                            params);
       }
     };
     step();  // eager

@@ -63,7 +63,8 @@ void check_ids(const IdCase& c, uint64_t seed) {
   std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
   for (size_t s = 0; s < c.seqs.size(); ++s) {
     const auto [q_len, ctx] = c.seqs[s];
-    for (int32_t i = 0; i < q_len; ++i) tokens.push_back(static_cast<int32_t>(rng.integer(0, 6) == 0 ? eos : rng.integer(0, vocab - 1)));
+    for (int32_t i = 0; i < q_len; ++i)
+      tokens.push_back(static_cast<int32_t>(rng.integer(0, 6) == 0 ? eos : rng.integer(0, vocab - 1)));
     cu.push_back(static_cast<int32_t>(tokens.size()));
     lens.push_back(ctx + q_len);
     const bool no_slot = c.no_slot_every > 0 && static_cast<int>(s) % c.no_slot_every == c.no_slot_every - 1;
@@ -81,7 +82,8 @@ void check_ids(const IdCase& c, uint64_t seed) {
                     sizes_t = host_tensor(table.sizes, DType::kI64, {heads}),
                     offsets_t = host_tensor(table.offsets, DType::kI64, {heads});
   const OwnedTensor hist_cpu = host_tensor(history, DType::kI64, {num_slots, context});
-  const OwnedTensor ids_cpu = host_tensor(std::vector<int64_t>(static_cast<size_t>(T * heads), -1), DType::kI64, {T, heads});
+  const OwnedTensor ids_cpu =
+      host_tensor(std::vector<int64_t>(static_cast<size_t>(T * heads), -1), DType::kI64, {T, heads});
   const OwnedTensor hist_dev = to_device(*hist_cpu), ids_dev = to_device(*ids_cpu);
   kernels::PleNgramParams params;
   params.eos_token_id = eos;
@@ -102,7 +104,7 @@ void check_ids(const IdCase& c, uint64_t seed) {
 
 TEST(CudaPleNgramIds, MatchesCpuTwin) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
-  const std::vector<std::pair<int32_t, int32_t>> mixed = {{37, 0}, {1, 5}, {2, 3}, {1, 0}, {130, 10},
+  const std::vector<std::pair<int32_t, int32_t>> mixed = {{37, 0}, {1, 5}, {2, 3},  {1, 0}, {130, 10},
                                                           {0, 6},  {2, 0}, {70, 2}, {1, 1}};
   check_ids({3, 8, mixed}, 1);
   check_ids({2, 3, mixed}, 2);
@@ -155,7 +157,7 @@ TEST(CudaPleGather, MatchesCpuTwinFromDeviceAndPinnedHostTables) {
   check_gather(DType::kBF16, DType::kBF16, true, 160, 12);   // zero-copy
   check_gather(DType::kBF16, DType::kF32, false, 160, 13);   // converting, element-wise
   check_gather(DType::kF32, DType::kF32, true, 20, 14);
-  check_gather(DType::kBF16, DType::kBF16, false, 6, 15);    // rows not a 16-byte multiple
+  check_gather(DType::kBF16, DType::kBF16, false, 6, 15);  // rows not a 16-byte multiple
 }
 
 // ---- ple_gate ----
@@ -206,6 +208,7 @@ struct DilatedConvCase {
   int64_t offset;  // x, residual and out are column slices at this offset (odd: element-wise path)
   bool write = true;
   int no_slot_every = 0;
+  bool decode = false;  // every q_len <= 1, passed as max_q_len 1
 };
 
 void check_dilated_conv(const DilatedConvCase& c, uint64_t seed) {
@@ -239,9 +242,10 @@ void check_dilated_conv(const DilatedConvCase& c, uint64_t seed) {
   kernels::CausalConv1dParams params;
   params.dilation = c.dilation;
   params.write_state = c.write;
+  params.max_q_len = c.decode ? 1 : 0;  // 1: the one-launch decode kernel
   params.residual = cols(*res_dev);
-  kernels::causal_conv1d(cols(*x_dev), *w_dev, *state_dev, *to_device(*cu_t), *to_device(*lens_t),
-                         *to_device(*slots_t), cols(*out_dev), params);
+  kernels::causal_conv1d(cols(*x_dev), *w_dev, *state_dev, *to_device(*cu_t), *to_device(*lens_t), *to_device(*slots_t),
+                         cols(*out_dev), params);
   params.residual = cols(*res);
   kernels::causal_conv1d(cols(*x), *weight, *state, *cu_t, *lens_t, *slots_t, cols(*out), params);
   const OwnedTensor got = to_host(*out_dev);
@@ -259,7 +263,7 @@ void check_dilated_conv(const DilatedConvCase& c, uint64_t seed) {
 
 TEST(CudaPleConv, DilatedConvWithResidualMatchesCpuTwin) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
-  const std::vector<std::pair<int32_t, int32_t>> mixed = {{37, 0}, {1, 5}, {3, 2}, {1, 0}, {130, 10},
+  const std::vector<std::pair<int32_t, int32_t>> mixed = {{37, 0}, {1, 5}, {3, 2},  {1, 0}, {130, 10},
                                                           {0, 6},  {2, 0}, {70, 2}, {8, 20}};
   check_dilated_conv({mixed, 10240, 4, 3, 0}, 31);  // the released PLE shape: N*H channels, Kp 4, n_max 3
   check_dilated_conv({mixed, 1024, 4, 3, 0, false}, 32);
@@ -270,6 +274,13 @@ TEST(CudaPleConv, DilatedConvWithResidualMatchesCpuTwin) {
   std::vector<std::pair<int32_t, int32_t>> decode;
   for (int i = 0; i < 128; ++i) decode.push_back({1, i % 7 == 0 ? 0 : 3 + i});
   check_dilated_conv({decode, 10240, 4, 3, 0}, 37);
+  // The decode kernel: one launch for the row and the slot's shift, a sequence without a row, no
+  // slot, slots only read, the element-wise path.
+  decode.push_back({0, 9});
+  check_dilated_conv({decode, 10240, 4, 3, 0, true, 0, true}, 38);
+  check_dilated_conv({decode, 1024, 4, 3, 0, true, 5, true}, 39);
+  check_dilated_conv({decode, 1024, 4, 3, 0, false, 0, true}, 40);
+  check_dilated_conv({decode, 100, 3, 2, 3, true, 4, true}, 41);
 }
 
 }  // namespace

@@ -10,6 +10,8 @@
 //  2. state_kernel: one thread per (sequence, channel group) reads the sequence's new last L
 //     inputs (old slot rows when q_len < L) and then overwrites the slot, so no thread reads a slot
 //     row that another thread of the same launch writes.
+// Decode steps (params.max_q_len == 1) take one launch instead: decode_kernel, one thread per
+// (sequence, channel group), computes the row and then shifts its own channels of the slot.
 // Batch metadata is read on the device only (graph-capturable); grids come from tensor shapes.
 #include <algorithm>
 #include <cstdint>
@@ -17,6 +19,7 @@
 
 #include "kernels/causal_conv1d.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace metrale::kernels::cuda {
 namespace {
@@ -31,7 +34,7 @@ struct ConvArgs {
   int64_t out_row;
   const void* weight;  // [C, K] contiguous
   WeightType weight_type;
-  void* conv_state;  // [slots, (K-1)*d, C] contiguous
+  void* conv_state;      // [slots, (K-1)*d, C] contiguous
   const void* residual;  // [T, C] rows strided, or null
   int64_t residual_row;
   const int32_t* cu_q;
@@ -44,6 +47,7 @@ struct ConvArgs {
   bool write_state;
   bool silu;
   bool round_conv;  // round the fp32 sum to T before the activation
+  bool decode;      // max_q_len == 1: one launch of decode_kernel
 };
 
 template <typename T, int N>
@@ -61,7 +65,6 @@ __device__ __forceinline__ void store_vec(T* p, const float (&src)[N]) {
   *reinterpret_cast<Vec<T, N>*>(p) = raw;
 }
 
-
 // Input `pos` (relative to the sequence's first row of this step; negative = history) of channels
 // c..c+N-1 of sequence s. The slot holds the L = (K-1)*d inputs before the step.
 template <typename T, int L, int N>
@@ -78,6 +81,41 @@ __device__ __forceinline__ void fetch_input(const ConvArgs& a, int seq_begin, bo
   }
 }
 
+template <typename T, int K, int N>
+__device__ __forceinline__ void load_weights(const ConvArgs& a, int c, float (&w)[K][N]) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[j][e] = load_weight(a.weight, a.weight_type, static_cast<int64_t>(c + e) * K + j);
+  }
+}
+
+// Output row `row` of channels c..c+N-1 from the L inputs before it (window, oldest first) and its own.
+template <typename T, int K, int kDil, int N>
+__device__ __forceinline__ void conv_row(const ConvArgs& a, const float (&w)[K][N],
+                                         const float (&window)[(K - 1) * kDil > 0 ? (K - 1) * kDil : 1][N],
+                                         const float (&current)[N], int64_t row, int c) {
+  float added[N];
+  if (a.residual != nullptr) load_vec<T, N>(static_cast<const T*>(a.residual) + row * a.residual_row + c, added);
+  float result[N];
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) sum = fmaf(w[j][e], window[j * kDil][e], sum);
+    sum = fmaf(w[K - 1][e], current[e], sum);
+    // Rounded to the activation dtype after the convolution (unless round_conv is false), then
+    // again after the activation (and after the residual's add).
+    if (a.silu) {
+      const float y = a.round_conv ? to_f32(from_f32<T>(sum)) : sum;
+      sum = y / (1.0f + expf(-y));
+    }
+    if (a.residual != nullptr) sum = to_f32(from_f32<T>(sum)) + added[e];
+    result[e] = sum;
+  }
+  store_vec<T, N>(static_cast<T*>(a.out) + row * a.out_row + c, result);
+}
+
 template <typename T, int K, int kDil, int N>
 __global__ void __launch_bounds__(kThreads) conv_kernel(ConvArgs a) {
   constexpr int L = (K - 1) * kDil;
@@ -89,11 +127,7 @@ __global__ void __launch_bounds__(kThreads) conv_kernel(ConvArgs a) {
   if (row_begin >= row_end) return;
 
   float w[K][N];
-#pragma unroll
-  for (int e = 0; e < N; ++e) {
-#pragma unroll
-    for (int j = 0; j < K; ++j) w[j][e] = load_weight(a.weight, a.weight_type, static_cast<int64_t>(c + e) * K + j);
-  }
+  load_weights<T, K, N>(a, c, w);
 
   int s = sequence_of(a.cu_q, a.num_seqs, row_begin);
   int seq_begin = a.cu_q[s], seq_end = a.cu_q[s + 1];
@@ -116,25 +150,7 @@ __global__ void __launch_bounds__(kThreads) conv_kernel(ConvArgs a) {
     }
     float current[N];
     load_vec<T, N>(static_cast<const T*>(a.x) + row * a.x_row + c, current);
-    float added[N];
-    if (a.residual != nullptr) load_vec<T, N>(static_cast<const T*>(a.residual) + row * a.residual_row + c, added);
-    float result[N];
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < K - 1; ++j) sum = fmaf(w[j][e], window[j * kDil][e], sum);
-      sum = fmaf(w[K - 1][e], current[e], sum);
-      // Rounded to the activation dtype after the convolution (unless round_conv is false), then
-      // again after the activation (and after the residual's add).
-      if (a.silu) {
-        const float y = a.round_conv ? to_f32(from_f32<T>(sum)) : sum;
-        sum = y / (1.0f + expf(-y));
-      }
-      if (a.residual != nullptr) sum = to_f32(from_f32<T>(sum)) + added[e];
-      result[e] = sum;
-    }
-    store_vec<T, N>(static_cast<T*>(a.out) + row * a.out_row + c, result);
+    conv_row<T, K, kDil, N>(a, w, window, current, row, c);
 #pragma unroll
     for (int j = 0; j + 1 < L; ++j) {
 #pragma unroll
@@ -165,10 +181,45 @@ __global__ void __launch_bounds__(kThreads) state_kernel(ConvArgs a) {
   }
 }
 
+// Decode steps (at most one row per sequence): one thread per (sequence, channel group) computes
+// the sequence's row and then shifts the window of its slot. Only the thread that reads a slot's
+// channels writes them, so the conv and the state update are one launch. Launched through
+// pdl::launch (its launch overlaps the projection GEMV before it).
+template <typename T, int K, int kDil, int N>
+__global__ void __launch_bounds__(kThreads) decode_kernel(ConvArgs a) {
+  constexpr int L = (K - 1) * kDil;
+  pdl::wait_then_allow_dependents();
+  const int c = (blockIdx.y * kThreads + threadIdx.x) * N;
+  const int s = blockIdx.x;
+  if (c >= a.channels) return;
+  const int seq_begin = a.cu_q[s];
+  if (a.cu_q[s + 1] == seq_begin) return;  // no row this step
+  const int slot = a.slots[s];
+  const bool fresh = a.kv_lens[s] == 1 || slot < 0;
+  float w[K][N];
+  load_weights<T, K, N>(a, c, w);
+  float window[L > 0 ? L : 1][N];
+#pragma unroll
+  for (int j = 0; j < L; ++j) fetch_input<T, L, N>(a, seq_begin, fresh, slot, j - L, c, window[j]);
+  float current[N];
+  load_vec<T, N>(static_cast<const T*>(a.x) + static_cast<int64_t>(seq_begin) * a.x_row + c, current);
+  conv_row<T, K, kDil, N>(a, w, window, current, seq_begin, c);
+  if (!a.write_state || slot < 0) return;
+  T* state = static_cast<T*>(a.conv_state) + static_cast<int64_t>(slot) * L * a.channels + c;
+#pragma unroll
+  for (int j = 0; j + 1 < L; ++j) store_vec<T, N>(state + static_cast<int64_t>(j) * a.channels, window[j + 1]);
+  if constexpr (L > 0) store_vec<T, N>(state + static_cast<int64_t>(L - 1) * a.channels, current);
+}
+
 template <typename T, int K, int kDil, int N>
 void launch(const ConvArgs& a, cudaStream_t stream) {
   constexpr int L = (K - 1) * kDil;
   const auto channel_blocks = static_cast<unsigned>((a.channels / N + kThreads - 1) / kThreads);
+  if (a.decode) {
+    pdl::launch(decode_kernel<T, K, kDil, N>, dim3(static_cast<unsigned>(a.num_seqs), channel_blocks), dim3(kThreads),
+                0, stream, a);
+    return;
+  }
   const auto row_blocks = static_cast<unsigned>((a.tokens + a.rows_per_thread - 1) / a.rows_per_thread);
   if (row_blocks > 0) conv_kernel<T, K, kDil, N><<<dim3(row_blocks, channel_blocks), kThreads, 0, stream>>>(a);
   if constexpr (L > 0) {
@@ -186,10 +237,14 @@ void launch_vectorised(const ConvArgs& a, bool vectorised, cudaStream_t stream) 
 template <typename T, int K>
 void launch_dilation(const ConvArgs& a, int dilation, bool vectorised, cudaStream_t stream) {
   switch (dilation) {
-    case 1: return launch_vectorised<T, K, 1>(a, vectorised, stream);
-    case 2: return launch_vectorised<T, K, 2>(a, vectorised, stream);
-    case 3: return launch_vectorised<T, K, 3>(a, vectorised, stream);
-    case 4: return launch_vectorised<T, K, 4>(a, vectorised, stream);
+    case 1:
+      return launch_vectorised<T, K, 1>(a, vectorised, stream);
+    case 2:
+      return launch_vectorised<T, K, 2>(a, vectorised, stream);
+    case 3:
+      return launch_vectorised<T, K, 3>(a, vectorised, stream);
+    case 4:
+      return launch_vectorised<T, K, 4>(a, vectorised, stream);
     default:
       raise_message(ErrorCode::kUnsupported,
                     "causal_conv1d: CUDA supports dilations 1 to 4, got " + std::to_string(dilation));
@@ -199,9 +254,12 @@ void launch_dilation(const ConvArgs& a, int dilation, bool vectorised, cudaStrea
 template <typename T>
 void launch_kernel_size(const ConvArgs& a, int kernel_size, int dilation, bool vectorised, cudaStream_t stream) {
   switch (kernel_size) {
-    case 2: return launch_dilation<T, 2>(a, dilation, vectorised, stream);
-    case 3: return launch_dilation<T, 3>(a, dilation, vectorised, stream);
-    case 4: return launch_dilation<T, 4>(a, dilation, vectorised, stream);
+    case 2:
+      return launch_dilation<T, 2>(a, dilation, vectorised, stream);
+    case 3:
+      return launch_dilation<T, 3>(a, dilation, vectorised, stream);
+    case 4:
+      return launch_dilation<T, 4>(a, dilation, vectorised, stream);
     default:
       raise_message(ErrorCode::kUnsupported,
                     "causal_conv1d: CUDA supports kernel sizes 2 to 4, got " + std::to_string(kernel_size));
@@ -216,10 +274,10 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
   for (const Tensor* t : {&x, &weight, &conv_state, &cu_q, &kv_lens, &state_slots, &out}) {
     METRALE_EXPECT(t->device().is_cuda(), "causal_conv1d: tensors must be on the GPU (" + t->describe() + ")");
   }
-  METRALE_EXPECT(x.ndim() == 2 && out.ndim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 &&
-                     out.size(0) == x.size(0) && out.size(1) == x.size(1) && x.dtype() == out.dtype() &&
-                     conv_state.dtype() == x.dtype(),
-                 "causal_conv1d: x " + x.describe() + " out " + out.describe() + " conv_state " + conv_state.describe());
+  METRALE_EXPECT(
+      x.ndim() == 2 && out.ndim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+          out.size(1) == x.size(1) && x.dtype() == out.dtype() && conv_state.dtype() == x.dtype(),
+      "causal_conv1d: x " + x.describe() + " out " + out.describe() + " conv_state " + conv_state.describe());
   const int64_t tokens = x.size(0), channels = x.size(1);
   METRALE_EXPECT(weight.is_contiguous() && weight.size(0) == channels && channels > 0 && weight.numel() % channels == 0,
                  "causal_conv1d: weight " + weight.describe());
@@ -263,19 +321,24 @@ void causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& conv_sta
   const int64_t q_bound = params.max_q_len > 0 ? params.max_q_len : tokens;
   a.rows_per_thread = (q_bound <= 4 || tokens <= 4 * num_seqs) ? 1 : kPrefillRows;
   a.write_state = params.write_state;
+  a.decode = params.max_q_len == 1;
   const auto element = static_cast<int64_t>(x.element_size());
   const int64_t vector = 16 / element;
-  const bool vectorised = channels % vector == 0 && reinterpret_cast<uintptr_t>(x.data()) % 16 == 0 &&
-                          reinterpret_cast<uintptr_t>(out.data()) % 16 == 0 &&
-                          reinterpret_cast<uintptr_t>(conv_state.data()) % 16 == 0 && (x.stride(0) * element) % 16 == 0 &&
-                          (out.stride(0) * element) % 16 == 0 &&
-                          (residual.empty() || (reinterpret_cast<uintptr_t>(residual.data()) % 16 == 0 &&
-                                                (residual.stride(0) * element) % 16 == 0));
+  const bool vectorised =
+      channels % vector == 0 && reinterpret_cast<uintptr_t>(x.data()) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(out.data()) % 16 == 0 && reinterpret_cast<uintptr_t>(conv_state.data()) % 16 == 0 &&
+      (x.stride(0) * element) % 16 == 0 && (out.stride(0) * element) % 16 == 0 &&
+      (residual.empty() ||
+       (reinterpret_cast<uintptr_t>(residual.data()) % 16 == 0 && (residual.stride(0) * element) % 16 == 0));
   const cudaStream_t stream = stream_of(out);
   const int k = static_cast<int>(kernel_size);
   switch (x.dtype()) {
-    case DType::kBF16: launch_kernel_size<__nv_bfloat16>(a, k, params.dilation, vectorised, stream); break;
-    case DType::kF32: launch_kernel_size<float>(a, k, params.dilation, vectorised, stream); break;
+    case DType::kBF16:
+      launch_kernel_size<__nv_bfloat16>(a, k, params.dilation, vectorised, stream);
+      break;
+    case DType::kF32:
+      launch_kernel_size<float>(a, k, params.dilation, vectorised, stream);
+      break;
     default:
       raise_message(ErrorCode::kUnsupported,
                     "causal_conv1d: dtype " + std::string(dtype_name(x.dtype())) + " is not supported on CUDA");
