@@ -51,6 +51,18 @@ METRALE_DECLARE_OP_IMPLS(hc_gates, (const Tensor& down, const Tensor& inject, co
 // may be strided: x[t, c] = D(sum_n D(D(sigmoid(up[t, nH + c])) * normed[t, nH + c]) / N).
 METRALE_DECLARE_OP_IMPLS(hc_mix, (const Tensor& up, const Tensor& normed, const Tensor& x, const HcParams& params))
 
+// hc_gates, the W_up GEMM and hc_mix of one site as one op (the same roundings as the three ops
+// with linear() between them; the GEMM's fp32 sum may run in another order):
+//   act = hc_gates(down) [T, r]; beta = hc_gates(inject) when inject is given;
+//   up = D(act . w_up^T) [T, N*H]; x = hc_mix(up, normed).
+// down, inject, normed, x as the three ops; w_up [N*H, r] plain in D; act [T, r] and up [T, N*H]
+// are the op's scratch in D (rows contiguous), left with those values where the op runs the three
+// ops. CUDA: a bf16 W_up, T <= 4, N <= 4, r <= 512 and r % 8 == 0 run one kernel (the gates staged
+// in shared memory per block, the N rows of an output channel dotted by one warp, which mixes them).
+METRALE_DECLARE_OP_IMPLS(hc_gates_up_mix, (const Tensor& down, const Tensor& inject, const Tensor& w_up,
+                                           const Tensor& normed, const Tensor& act, const Tensor& beta,
+                                           const Tensor& up, const Tensor& x, const HcParams& params))
+
 inline void hc_norm(const Tensor& residual, const Tensor& update_a, const Tensor& update_b, const Tensor& weight,
                     const Tensor& normed, const HcParams& params) {
   METRALE_KERNEL_DISPATCH(hc_norm, residual.device(), residual, update_a, update_b, weight, normed, params);
@@ -61,6 +73,12 @@ inline void hc_gates(const Tensor& down, const Tensor& inject, const Tensor& act
 }
 inline void hc_mix(const Tensor& up, const Tensor& normed, const Tensor& x, const HcParams& params) {
   METRALE_KERNEL_DISPATCH(hc_mix, x.device(), up, normed, x, params);
+}
+
+inline void hc_gates_up_mix(const Tensor& down, const Tensor& inject, const Tensor& w_up, const Tensor& normed,
+                            const Tensor& act, const Tensor& beta, const Tensor& up, const Tensor& x,
+                            const HcParams& params) {
+  METRALE_KERNEL_DISPATCH(hc_gates_up_mix, x.device(), down, inject, w_up, normed, act, beta, up, x, params);
 }
 
 }  // namespace metrale::kernels

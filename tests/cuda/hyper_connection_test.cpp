@@ -1,13 +1,15 @@
 // CUDA hyper-connection pieces against their CPU twins on the same inputs (bf16 and f32
 // activations, every hc_norm update mode, strided rows and the element-wise fallback). Both sides
 // round at the same points, so they agree far below one bf16 ulp except for rare boundary flips.
+#include "kernels/hyper_connection.h"
+
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
 #include "cuda/cuda_test_helpers.h"
-#include "kernels/hyper_connection.h"
 #include "kernels/kernel_helpers.h"
 #include "runtime/device.h"
 
@@ -20,7 +22,9 @@ using testing::Random;
 using testing::to_device;
 using testing::to_host;
 
-double tolerance_of(DType dtype) { return dtype == DType::kBF16 ? 1e-3 : 1e-5; }
+double tolerance_of(DType dtype) {
+  return dtype == DType::kBF16 ? 1e-3 : 1e-5;
+}
 
 void check_norm(DType dtype, HcUpdate update, bool with_norm, int64_t hidden, int64_t offset, uint64_t seed) {
   SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " update " << static_cast<int>(update) << " hidden "
@@ -79,8 +83,9 @@ TEST(CudaHcGates, MatchesCpuTwin) {
       const OwnedTensor act_dev = to_device(*act_cpu), beta_dev = to_device(*beta_cpu), p_dev = to_device(*projected);
       HcParams params;
       params.num_streams = static_cast<int>(streams);
-      kernels::hc_gates(projected->slice(1, 0, rank), with_inject ? projected->slice(1, rank, rank + streams) : Tensor(),
-                        *act_cpu, with_inject ? *beta_cpu : Tensor(), params);
+      kernels::hc_gates(projected->slice(1, 0, rank),
+                        with_inject ? projected->slice(1, rank, rank + streams) : Tensor(), *act_cpu,
+                        with_inject ? *beta_cpu : Tensor(), params);
       kernels::hc_gates(p_dev->slice(1, 0, rank), with_inject ? p_dev->slice(1, rank, rank + streams) : Tensor(),
                         *act_dev, with_inject ? *beta_dev : Tensor(), params);
       EXPECT_TRUE(testing::close_rel_l2(*to_host(*act_dev), testing::to_doubles(*act_cpu), tolerance_of(dtype)));
@@ -108,6 +113,48 @@ TEST(CudaHcMix, MatchesCpuTwin) {
       kernels::hc_mix(*to_device(*up), *to_device(*normed), *x_dev, params);
       EXPECT_TRUE(testing::close_rel_l2(*to_host(*x_dev), testing::to_doubles(*x_cpu), tolerance_of(dtype)))
           << dtype_name(dtype) << " hidden " << hidden;
+    }
+  }
+}
+
+// The gates, the W_up GEMM and the mix as one op: one kernel at decode-sized T with bf16, the three
+// ops otherwise (f32, T above the kernel's limit); down and inject are column slices of one GEMM output.
+TEST(CudaHcGatesUpMix, MatchesCpuTwin) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(61);
+  const int64_t streams = 4;
+  for (const DType dtype : {DType::kBF16, DType::kF32}) {
+    for (const auto [tokens, hidden, rank] :
+         std::vector<std::array<int64_t, 3>>{{1, 2560, 320}, {2, 2560, 320}, {4, 40, 24}, {7, 48, 16}, {1, 8, 8}}) {
+      for (const bool injects : {true, false}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " T " << tokens << " H " << hidden << " r " << rank
+                                          << " inject " << injects);
+        const int64_t width = streams * hidden;
+        const OwnedTensor gemm = testing::random_tensor(dtype, {tokens, rank + streams}, rng, -6.0f, 6.0f);
+        const OwnedTensor w_up = testing::random_tensor(dtype, {width, rank}, rng, -0.2f, 0.2f);
+        const OwnedTensor normed = testing::random_tensor(dtype, {tokens, width}, rng, -2.0f, 2.0f);
+        HcParams params;
+        params.num_streams = static_cast<int>(streams);
+        OwnedTensor act(dtype, {tokens, rank}), beta(dtype, {tokens, streams}), up(dtype, {tokens, width});
+        OwnedTensor x(dtype, {tokens, hidden});
+        testing::poison(*x);
+        testing::poison(*beta);
+        const auto down_of = [&](const Tensor& g) { return g.slice(1, 0, rank); };
+        const auto inject_of = [&](const Tensor& g) { return injects ? g.slice(1, rank, rank + streams) : Tensor(); };
+        kernels::hc_gates_up_mix(down_of(*gemm), inject_of(*gemm), *w_up, *normed, *act, injects ? *beta : Tensor(),
+                                 *up, *x, params);
+
+        const OwnedTensor gemm_dev = to_device(*gemm), w_dev = to_device(*w_up), normed_dev = to_device(*normed);
+        const OwnedTensor act_dev = to_device(*act), up_dev = to_device(*up);
+        const OwnedTensor beta_dev = to_device(*beta), x_dev = to_device(*x);  // poisoned
+        kernels::hc_gates_up_mix(down_of(*gemm_dev), inject_of(*gemm_dev), *w_dev, *normed_dev, *act_dev,
+                                 injects ? *beta_dev : Tensor(), *up_dev, *x_dev, params);
+        EXPECT_TRUE(testing::close_rel_l2(*to_host(*x_dev), testing::to_doubles(*x), 2 * tolerance_of(dtype))) << "x";
+        if (injects) {
+          EXPECT_TRUE(testing::close_rel_l2(*to_host(*beta_dev), testing::to_doubles(*beta), tolerance_of(dtype)))
+              << "beta";
+        }
+      }
     }
   }
 }

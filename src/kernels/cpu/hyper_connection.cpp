@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels/cpu/common.h"
+#include "kernels/linear.h"
 
 namespace metrale::kernels::cpu {
 namespace {
@@ -16,7 +17,6 @@ const char* element(const Tensor& x, int64_t row, int64_t col) {
 char* element_mut(const Tensor& x, int64_t row, int64_t col) {
   return static_cast<char*>(row_ptr_mut(x, row)) + col * static_cast<int64_t>(x.element_size());
 }
-
 
 void check_rows(const Tensor& t, int64_t rows, int64_t width, const char* what) {
   METRALE_CHECK(t.ndim() == 2 && t.size(0) == rows && t.size(1) == width && (width <= 1 || t.stride(1) == 1),
@@ -33,13 +33,18 @@ void hc_norm(const Tensor& residual, const Tensor& update_a, const Tensor& updat
   const int64_t tokens = residual.size(0), width = residual.size(1), hidden = width / streams;
   check_rows(residual, tokens, width, "hc_norm residual");
   switch (params.update) {
-    case HcUpdate::kNone: break;
-    case HcUpdate::kAdd: check_rows(update_a, tokens, width, "hc_norm add"); break;
+    case HcUpdate::kNone:
+      break;
+    case HcUpdate::kAdd:
+      check_rows(update_a, tokens, width, "hc_norm add");
+      break;
     case HcUpdate::kInject:
       check_rows(update_a, tokens, hidden, "hc_norm block output");
       check_rows(update_b, tokens, streams, "hc_norm injection weights");
       break;
-    case HcUpdate::kBroadcast: check_rows(update_a, tokens, hidden, "hc_norm embedding"); break;
+    case HcUpdate::kBroadcast:
+      check_rows(update_a, tokens, hidden, "hc_norm embedding");
+      break;
   }
   const bool norm = !normed.empty();
   if (norm) check_rows(normed, tokens, width, "hc_norm normed");
@@ -54,7 +59,8 @@ void hc_norm(const Tensor& residual, const Tensor& update_a, const Tensor& updat
       const int64_t t = item / streams, n = item % streams, c0 = n * hidden;
       convert_to_f32(act, element(residual, t, c0), r, static_cast<size_t>(hidden));
       switch (params.update) {
-        case HcUpdate::kNone: break;
+        case HcUpdate::kNone:
+          break;
         case HcUpdate::kAdd:
           convert_to_f32(update_a.dtype(), element(update_a, t, c0), a, static_cast<size_t>(hidden));
           for (int64_t c = 0; c < hidden; ++c) r[c] = round_as(act, r[c] + a[c]);
@@ -137,6 +143,13 @@ void hc_mix(const Tensor& up, const Tensor& normed, const Tensor& x, const HcPar
       store_f32(act, sum, element_mut(x, t, 0), hidden);
     }
   });
+}
+
+void hc_gates_up_mix(const Tensor& down, const Tensor& inject, const Tensor& w_up, const Tensor& normed,
+                     const Tensor& act, const Tensor& beta, const Tensor& up, const Tensor& x, const HcParams& params) {
+  cpu::hc_gates(down, inject, act, beta, params);
+  cpu::linear(act, w_up, up, false);
+  cpu::hc_mix(up, normed, x, params);
 }
 
 }  // namespace metrale::kernels::cpu

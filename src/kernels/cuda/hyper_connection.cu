@@ -5,12 +5,17 @@
 //    (re-read by the thread that wrote them, so no barrier is needed for them).
 //  * hc_gates: one thread per element of act and beta.
 //  * hc_mix: one thread per vector of output channels, summing the N streams in fp32.
+//  * hc_gates_up_mix: at decode-sized T one kernel for the gates, the W_up GEMM and the mix
+//    (hc_up_mix_kernel); otherwise the three ops.
 // 16-byte vectors where every row start and width allow, else element by element.
 #include <cstdint>
 #include <string>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemm_gemv.cuh"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/hyper_connection.h"
+#include "kernels/linear.h"
 
 namespace metrale::kernels::cuda {
 namespace {
@@ -38,7 +43,9 @@ __device__ __forceinline__ float round_to(float value) {
   return to_f32(from_f32<T>(value));
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) {
+  return 1.0f / (1.0f + expf(-x));
+}
 
 struct NormArgs {
   void* residual;  // [T, N*H], row stride residual_row
@@ -71,7 +78,9 @@ __global__ void __launch_bounds__(kNormThreads) hc_norm_kernel(NormArgs a) {
   for (int c = threadIdx.x * V; c < a.hidden; c += kNormThreads * V) {
     float x[V];
     switch (a.update) {
-      case HcUpdate::kNone: load_vec<T, V>(r + c, x); break;
+      case HcUpdate::kNone:
+        load_vec<T, V>(r + c, x);
+        break;
       case HcUpdate::kAdd: {
         float add[V];
         load_vec<T, V>(r + c, x);
@@ -88,7 +97,9 @@ __global__ void __launch_bounds__(kNormThreads) hc_norm_kernel(NormArgs a) {
         for (int e = 0; e < V; ++e) x[e] = round_to<T>(x[e] + round_to<T>(beta * u[e]));
         break;
       }
-      case HcUpdate::kBroadcast: load_vec<T, V>(src + c, x); break;
+      case HcUpdate::kBroadcast:
+        load_vec<T, V>(src + c, x);
+        break;
     }
     if (a.update != HcUpdate::kNone) store_vec<T, V>(r + c, x);
 #pragma unroll
@@ -174,7 +185,74 @@ __global__ void __launch_bounds__(kThreads) hc_mix_kernel(MixArgs a) {
   store_vec<T, V>(static_cast<T*>(a.x) + t * a.x_row + c, sum);
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// hc_gates_up_mix in one kernel (decode-sized T). grid (ceil(H / kUpMixWarps), T): every block stages
+// its token's act = hc_gates(down) in shared memory (block 0 also writes beta), then warp w takes
+// output channel c = blockIdx.x * kUpMixWarps + w, dots the N rows n*H + c of W_up with act and
+// mixes them as hc_mix does. Launched through pdl::launch: it waits for the down GEMM first.
+constexpr int kUpMixWarps = 8;
+constexpr int kUpMixMaxRank = 512;
+constexpr int kUpMixMaxStreams = 4;
+constexpr int kUpMixMaxTokens = 4;
+
+struct UpMixArgs {
+  const __nv_bfloat16* down;  // [T, r] rows strided
+  int64_t down_row;
+  const __nv_bfloat16* inject;  // [T, N] or null
+  int64_t inject_row;
+  __nv_bfloat16* beta;  // [T, N] or null
+  int64_t beta_row;
+  const __nv_bfloat16* w_up;    // [N*H, r] contiguous
+  const __nv_bfloat16* normed;  // [T, N*H]
+  int64_t normed_row;
+  __nv_bfloat16* x;  // [T, H]
+  int64_t x_row;
+  int rank, hidden, streams;
+};
+
+__global__ void __launch_bounds__(kUpMixWarps * 32) hc_up_mix_kernel(UpMixArgs a) {
+  using T = __nv_bfloat16;
+  __shared__ __align__(16) float act_s[kUpMixMaxRank];
+  const int64_t t = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float n = static_cast<float>(a.streams);
+  pdl::wait_for_producer();
+  for (int i = threadIdx.x; i < a.rank; i += blockDim.x) {
+    const float scaled = round_to<T>(to_f32(a.down[t * a.down_row + i]) / n);
+    act_s[i] = round_to<T>(scaled * sigmoid(scaled));  // hc_gates' act, as the GEMM would read it
+  }
+  if (a.beta != nullptr && blockIdx.x == 0 && threadIdx.x < a.streams) {
+    const int j = threadIdx.x;
+    const float scaled = round_to<T>(to_f32(a.inject[t * a.inject_row + j]) / n);
+    a.beta[t * a.beta_row + j] = from_f32<T>(2.0f * round_to<T>(sigmoid(scaled)));
+  }
+  __syncthreads();
+  pdl::allow_dependents();
+  const int c = min(static_cast<int>(blockIdx.x) * kUpMixWarps + warp, a.hidden - 1);
+  const T* rows[kUpMixMaxStreams];
+#pragma unroll
+  for (int r = 0; r < kUpMixMaxStreams; ++r) {
+    rows[r] = a.w_up + (static_cast<int64_t>(min(r, a.streams - 1)) * a.hidden + c) * a.rank;
+  }
+  const float* inputs[1] = {act_s};
+  float acc[kUpMixMaxStreams][1] = {};
+  gemv::warp_dot_partial<kUpMixMaxStreams, 1, 2>(rows, inputs, 1, a.rank / gemv::kChunk, lane, acc);
+  float mixed = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kUpMixMaxStreams; ++r) {
+    const float m = round_to<T>(warp_sum(acc[r][0]));  // up, stored in D by the GEMM
+    if (r < a.streams) {
+      mixed += round_to<T>(round_to<T>(sigmoid(m)) *
+                           to_f32(a.normed[t * a.normed_row + static_cast<int64_t>(r) * a.hidden + c]));
+    }
+  }
+  if (lane == 0 && static_cast<int>(blockIdx.x) * kUpMixWarps + warp < a.hidden) {
+    a.x[t * a.x_row + c] = from_f32<T>(mixed / n);
+  }
+}
+
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
 
 // Whether 16-byte vectors of `dtype` fit every row of a [rows, width] view with row stride `row`
 // (elements), starting at `data`.
@@ -193,8 +271,12 @@ void expect_rows(const Tensor& t, int64_t rows, int64_t width, DType dtype, cons
 template <typename Body>
 void dispatch_activation(DType dtype, const char* op, const Body& body) {
   switch (dtype) {
-    case DType::kBF16: body(__nv_bfloat16{}); break;
-    case DType::kF32: body(float{}); break;
+    case DType::kBF16:
+      body(__nv_bfloat16{});
+      break;
+    case DType::kF32:
+      body(float{});
+      break;
     default:
       raise_message(ErrorCode::kUnsupported,
                     std::string(op) + " (cuda): activation dtype " + std::string(dtype_name(dtype)));
@@ -219,8 +301,11 @@ void hc_norm(const Tensor& residual, const Tensor& update_a, const Tensor& updat
   }
   NormArgs a{};
   switch (params.update) {
-    case HcUpdate::kNone: break;
-    case HcUpdate::kAdd: expect_rows(update_a, tokens, width, act, "hc_norm add"); break;
+    case HcUpdate::kNone:
+      break;
+    case HcUpdate::kAdd:
+      expect_rows(update_a, tokens, width, act, "hc_norm add");
+      break;
     case HcUpdate::kInject:
       expect_rows(update_a, tokens, hidden, act, "hc_norm block output");
       METRALE_EXPECT(update_b.device().is_cuda() && update_b.ndim() == 2 && update_b.size(0) == tokens &&
@@ -230,7 +315,9 @@ void hc_norm(const Tensor& residual, const Tensor& update_a, const Tensor& updat
       a.b_row = update_b.stride(0);
       a.b_type = weight_type_of(update_b, "hc_norm");
       break;
-    case HcUpdate::kBroadcast: expect_rows(update_a, tokens, hidden, act, "hc_norm embedding"); break;
+    case HcUpdate::kBroadcast:
+      expect_rows(update_a, tokens, hidden, act, "hc_norm embedding");
+      break;
   }
   METRALE_EXPECT(hidden <= INT32_MAX && streams <= 65535, "hc_norm: too large");
   if (tokens == 0 || (!norm && params.update == HcUpdate::kNone)) return;
@@ -336,6 +423,49 @@ void hc_mix(const Tensor& up, const Tensor& normed, const Tensor& x, const HcPar
     }
   });
   METRALE_CHECK_LAUNCH("hc_mix");
+}
+
+void hc_gates_up_mix(const Tensor& down, const Tensor& inject, const Tensor& w_up, const Tensor& normed,
+                     const Tensor& act, const Tensor& beta, const Tensor& up, const Tensor& x, const HcParams& params) {
+  const int64_t streams = params.num_streams;
+  METRALE_EXPECT(streams >= 1 && x.ndim() == 2 && down.ndim() == 2, "hc_gates_up_mix: x " + x.describe());
+  const int64_t tokens = x.size(0), hidden = x.size(1), rank = down.size(1), width = streams * hidden;
+  const DType dtype = x.dtype();
+  const bool one_kernel = dtype == DType::kBF16 && w_up.dtype() == DType::kBF16 && w_up.is_contiguous() &&
+                          w_up.ndim() == 2 && w_up.size(0) == width && w_up.size(1) == rank && aligned16(w_up.data()) &&
+                          tokens <= kUpMixMaxTokens && streams <= kUpMixMaxStreams && rank <= kUpMixMaxRank &&
+                          rank % gemv::kChunk == 0 && hidden <= INT32_MAX / 4;
+  if (!one_kernel || tokens == 0) {
+    cuda::hc_gates(down, inject, act, beta, params);
+    cuda::linear(act, w_up, up, false);
+    cuda::hc_mix(up, normed, x, params);
+    return;
+  }
+  expect_rows(down, tokens, rank, dtype, "hc_gates_up_mix down");
+  expect_rows(normed, tokens, width, dtype, "hc_gates_up_mix normed");
+  expect_rows(x, tokens, hidden, dtype, "hc_gates_up_mix x");
+  METRALE_EXPECT(beta.empty() == inject.empty(), "hc_gates_up_mix: inject and beta go together");
+  UpMixArgs a{};
+  if (!beta.empty()) {
+    expect_rows(inject, tokens, streams, dtype, "hc_gates_up_mix inject");
+    expect_rows(beta, tokens, streams, dtype, "hc_gates_up_mix beta");
+    a.inject = inject.data_as<const __nv_bfloat16>();
+    a.inject_row = inject.stride(0);
+    a.beta = beta.data_as<__nv_bfloat16>();
+    a.beta_row = beta.stride(0);
+  }
+  a.down = down.data_as<const __nv_bfloat16>();
+  a.down_row = down.stride(0);
+  a.w_up = w_up.data_as<const __nv_bfloat16>();
+  a.normed = normed.data_as<const __nv_bfloat16>();
+  a.normed_row = normed.stride(0);
+  a.x = x.data_as<__nv_bfloat16>();
+  a.x_row = x.stride(0);
+  a.rank = static_cast<int>(rank);
+  a.hidden = static_cast<int>(hidden);
+  a.streams = static_cast<int>(streams);
+  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kUpMixWarps)), static_cast<unsigned>(tokens));
+  pdl::launch(hc_up_mix_kernel, grid, dim3(kUpMixWarps * 32), 0, stream_of(x), a);
 }
 
 }  // namespace metrale::kernels::cuda

@@ -54,8 +54,8 @@ ResidualStreams HyperConnectionResidual::allocate(const StepContext& step) const
   const int64_t tokens = step.batch.num_tokens, width = stream_width();
   const DType act = step.activation_dtype;
   ResidualStreams streams;
-  streams.streams = step.workspace.alloc(act, {tokens, width});      // [T, N*H] R
-  streams.input = step.workspace.alloc(act, {tokens, hidden_});      // [T, H] the embeddings
+  streams.streams = step.workspace.alloc(act, {tokens, width});                    // [T, N*H] R
+  streams.input = step.workspace.alloc(act, {tokens, hidden_});                    // [T, H] the embeddings
   streams.state.push_back(step.workspace.alloc(act, {tokens, width}));             // kNormed
   streams.state.push_back(step.workspace.alloc(act, {tokens, rank_ + streams_}));  // kGemm
   streams.state.push_back(step.workspace.alloc(act, {tokens, rank_}));             // kAct
@@ -73,8 +73,8 @@ void HyperConnectionResidual::begin(const StepContext& /*step*/, const ResidualS
 void HyperConnectionResidual::norm(const ResidualStreams& streams, const HyperConnectionWeights& connection,
                                    kernels::HcUpdate update, const Tensor& out) const {
   const bool inject = update == kernels::HcUpdate::kInject;
-  kernels::hc_norm(streams.streams, inject ? out : Tensor(), inject ? streams.state[kBeta] : Tensor(),
-                   connection.norm, streams.state[kNormed], params(update));
+  kernels::hc_norm(streams.streams, inject ? out : Tensor(), inject ? streams.state[kBeta] : Tensor(), connection.norm,
+                   streams.state[kNormed], params(update));
 }
 
 void HyperConnectionResidual::mix(const ResidualStreams& streams, const HyperConnectionWeights& connection,
@@ -90,10 +90,9 @@ void HyperConnectionResidual::mix(const ResidualStreams& streams, const HyperCon
     kernels::linear(normed, connection.down, down);
     if (injects) kernels::linear(normed, connection.inject, inject);
   }
-  kernels::hc_gates(down, injects ? inject : Tensor(), streams.state[kAct], injects ? streams.state[kBeta] : Tensor(),
-                    params(kernels::HcUpdate::kNone));
-  kernels::linear(streams.state[kAct], connection.up, streams.state[kUp]);
-  kernels::hc_mix(streams.state[kUp], normed, x, params(kernels::HcUpdate::kNone));
+  kernels::hc_gates_up_mix(down, injects ? inject : Tensor(), connection.up, normed, streams.state[kAct],
+                           injects ? streams.state[kBeta] : Tensor(), streams.state[kUp], x,
+                           params(kernels::HcUpdate::kNone));
 }
 
 void HyperConnectionResidual::pre(const StepContext& /*step*/, const ResidualStreams& streams, int64_t index,
