@@ -85,14 +85,23 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
     };
     // FP8 (stored, or quantised at load): permuted on the host in fp32, then block-quantised.
     const std::string qkvz_key = prefix + "in_proj_qkvz.weight", ba_key = prefix + "in_proj_ba.weight";
-    if (weights.linear_is_fp8(qkvz_key)) {
+    if (!weights.linear_is_fp8(qkvz_key) && !weights.linear_is_fp8(ba_key) &&
+        owned_dtype(qkvz_key) == owned_dtype(ba_key)) {
+      // Both plain: one weight [QKVZ; BA], one GEMM for every projection of the mixer.
+      in_proj_ = OwnedTensor(owned_dtype(qkvz_key), {conv_dim + value_dim + 2 * hv, h}, device);
+      load_rows_permuted(weights, qkvz_key, qkvz_row, in_proj_->slice(0, 0, conv_dim + value_dim));
+      load_rows_permuted(weights, ba_key, ba_row,
+                         in_proj_->slice(0, conv_dim + value_dim, conv_dim + value_dim + 2 * hv));
+    } else if (weights.linear_is_fp8(qkvz_key)) {
       qkvz_proj_ = weights.get_linear_permuted(qkvz_key, {conv_dim + value_dim, h}, qkvz_row);
     } else {
       in_proj_qkvz_ = OwnedTensor(owned_dtype(qkvz_key), {conv_dim + value_dim, h}, device);
       load_rows_permuted(weights, qkvz_key, qkvz_row, *in_proj_qkvz_);
       qkvz_proj_ = *in_proj_qkvz_;
     }
-    if (weights.linear_is_fp8(ba_key)) {
+    if (!in_proj_->empty()) {
+      // loaded above
+    } else if (weights.linear_is_fp8(ba_key)) {
       ba_proj_ = weights.get_linear_permuted(ba_key, {2 * hv, h}, ba_row);
     } else {
       in_proj_ba_ = OwnedTensor(owned_dtype(ba_key), {2 * hv, h}, device);
@@ -100,20 +109,24 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
       ba_proj_ = *in_proj_ba_;
     }
   } else if (device.is_cuda() && !weights.fp8_linears()) {
-    // One GEMM per projection group on the GPU: the checkpoint's rows placed side by side.
-    in_proj_qkvz_ = OwnedTensor(weights.compute_dtype(), {conv_dim + value_dim, h}, device);
-    weights.load_into(prefix + "in_proj_qkv.weight", in_proj_qkvz_->slice(0, 0, conv_dim));
-    weights.load_into(prefix + "in_proj_z.weight", in_proj_qkvz_->slice(0, conv_dim, conv_dim + value_dim));
-    in_proj_ba_ = OwnedTensor(weights.compute_dtype(), {2 * hv, h}, device);
-    weights.load_into(prefix + "in_proj_b.weight", in_proj_ba_->slice(0, 0, hv));
-    weights.load_into(prefix + "in_proj_a.weight", in_proj_ba_->slice(0, hv, 2 * hv));
-    qkvz_proj_ = *in_proj_qkvz_;
-    ba_proj_ = *in_proj_ba_;
+    // One GEMM for every projection on the GPU: the checkpoint's rows placed side by side,
+    // [QKV; Z; B; A].
+    const int64_t qkvz_rows = conv_dim + value_dim;
+    in_proj_ = OwnedTensor(weights.compute_dtype(), {qkvz_rows + 2 * hv, h}, device);
+    weights.load_into(prefix + "in_proj_qkv.weight", in_proj_->slice(0, 0, conv_dim));
+    weights.load_into(prefix + "in_proj_z.weight", in_proj_->slice(0, conv_dim, qkvz_rows));
+    weights.load_into(prefix + "in_proj_b.weight", in_proj_->slice(0, qkvz_rows, qkvz_rows + hv));
+    weights.load_into(prefix + "in_proj_a.weight", in_proj_->slice(0, qkvz_rows + hv, qkvz_rows + 2 * hv));
   } else {
     in_proj_qkv_ = weights.get_linear(prefix + "in_proj_qkv.weight", {conv_dim, h});
     in_proj_z_ = weights.get_linear(prefix + "in_proj_z.weight", {value_dim, h});
     in_proj_b_ = weights.get_linear(prefix + "in_proj_b.weight", {hv, h});
     in_proj_a_ = weights.get_linear(prefix + "in_proj_a.weight", {hv, h});
+  }
+  if (!in_proj_->empty()) {
+    const int64_t qkvz_rows = conv_dim + value_dim;
+    qkvz_proj_ = in_proj_->slice(0, 0, qkvz_rows);
+    ba_proj_ = in_proj_->slice(0, qkvz_rows, qkvz_rows + 2 * hv);
   }
   // conv1d.weight [conv_dim, 1, K] as the [conv_dim, K] the kernel takes.
   conv_weight_ =
@@ -200,10 +213,19 @@ void GatedDeltaNet::forward(const StepContext& step, const BlockCache& cache, co
   // A verify step keeps the projections and gates for the commit.
   const KeptInputs kept = batch.verify ? kept_inputs(step) : KeptInputs{};
 
-  // [T, conv_dim + value_dim]: the conv input [Q | K | V], then z; [T, 2 Hv]: b, then a.
-  const Tensor projected = batch.verify ? kept.projected : ws.alloc(act, {tokens, conv_dim + value_dim});
-  const Tensor ba = ws.alloc(act, {tokens, 2 * hv});
-  if (!qkvz_proj_.empty()) {
+  // [T, conv_dim + value_dim]: the conv input [Q | K | V], then z; [T, 2 Hv]: b, then a. With one
+  // weight for all of them (and outside a verify, which keeps the first part apart), column slices
+  // of one GEMM's output.
+  const bool one_gemm = !in_proj_->empty() && !batch.verify;
+  const Tensor all = one_gemm ? ws.alloc(act, {tokens, conv_dim + value_dim + 2 * hv}) : Tensor();
+  const Tensor projected = one_gemm       ? all.slice(1, 0, conv_dim + value_dim)
+                           : batch.verify ? kept.projected
+                                          : ws.alloc(act, {tokens, conv_dim + value_dim});
+  const Tensor ba =
+      one_gemm ? all.slice(1, conv_dim + value_dim, conv_dim + value_dim + 2 * hv) : ws.alloc(act, {tokens, 2 * hv});
+  if (one_gemm) {
+    kernels::linear(x, *in_proj_, all);
+  } else if (!qkvz_proj_.empty()) {
     kernels::linear(x, qkvz_proj_, projected);
     kernels::linear(x, ba_proj_, ba);
   } else {
@@ -225,8 +247,8 @@ void GatedDeltaNet::forward(const StepContext& step, const BlockCache& cache, co
   // Decode and verify take the token-by-token form (a verify row computes exactly what decoding it
   // would); prefill the chunked one.
   const Tensor core = ws.alloc(act, {tokens, hv, dv});  // [T, Hv, dv] delta-rule output
-  delta_rule(step, conv_out, g, beta, cache.tensors[kRecurrent], batch.cu_q, batch.kv_lens, batch.state_slots, batch.max_q_len,
-             batch.all_decode() || batch.verify, /*write_state=*/!batch.verify, core);
+  delta_rule(step, conv_out, g, beta, cache.tensors[kRecurrent], batch.cu_q, batch.kv_lens, batch.state_slots,
+             batch.max_q_len, batch.all_decode() || batch.verify, /*write_state=*/!batch.verify, core);
 
   const Tensor z(projected.slice(1, conv_dim, conv_dim + value_dim).data(), act, {tokens, hv, dv},
                  {projected.stride(0), dv, 1}, projected.device());
@@ -249,8 +271,8 @@ void GatedDeltaNet::commit(const StepContext& step, const BlockCache& cache, con
   kernels::causal_conv1d(kept.projected.slice(1, 0, conv_dim), conv_weight_, cache.tensors[kConv], kept_rows.cu_parts,
                          kept_rows.kv_lens, kept_rows.slots, conv_out, {true, kept_rows.max_rows});
   const Tensor core = ws.alloc(act, {tokens, hv, dv});  // the outputs again; only the state matters here
-  delta_rule(step, conv_out, kept.g, kept.beta, cache.tensors[kRecurrent], kept_rows.cu_parts, kept_rows.kv_lens, kept_rows.slots,
-             kept_rows.max_rows, true, /*write_state=*/true, core);
+  delta_rule(step, conv_out, kept.g, kept.beta, cache.tensors[kRecurrent], kept_rows.cu_parts, kept_rows.kv_lens,
+             kept_rows.slots, kept_rows.max_rows, true, /*write_state=*/true, core);
 }
 
 }  // namespace metrale

@@ -87,12 +87,15 @@ class GatedDeltaNet : public Mixer {
   // weights; otherwise the four split projections after them are used (plain or FP8).
   kernels::LinearWeight qkvz_proj_, ba_proj_;
   OwnedTensor in_proj_qkvz_, in_proj_ba_;
+  // Plain projections in one weight [conv_dim + value_dim + 2 Hv, H] ([QKV | Z | B | A] in the
+  // kernels' order): one GEMM; qkvz_proj_ and ba_proj_ are its row slices.
+  OwnedTensor in_proj_;
   // [conv_dim, H], [value_dim, H], [Hv, H], [Hv, H]
   kernels::LinearWeight in_proj_qkv_, in_proj_z_, in_proj_b_, in_proj_a_;
-  Tensor conv_weight_;                                      // [conv_dim, K] (conv1d.weight [conv_dim, 1, K])
-  Tensor dt_bias_, a_log_;                                  // [Hv]
-  Tensor norm_weight_;                                      // [dv] (gated RMSNorm, plain weight)
-  kernels::LinearWeight out_proj_;                          // [H, value_dim]
+  Tensor conv_weight_;              // [conv_dim, K] (conv1d.weight [conv_dim, 1, K])
+  Tensor dt_bias_, a_log_;          // [Hv]
+  Tensor norm_weight_;              // [dv] (gated RMSNorm, plain weight)
+  kernels::LinearWeight out_proj_;  // [H, value_dim]
 };
 
 }  // namespace metrale
