@@ -16,7 +16,9 @@ namespace metrale {
 namespace {
 
 // Qwen3-Next: the MTP head's tensors (read when the config declares MTP layers).
-bool ignores_mtp(const ModelConfig&, std::string_view name) { return name.starts_with("mtp."); }
+bool ignores_mtp(const ModelConfig&, std::string_view name) {
+  return name.starts_with("mtp.");
+}
 // Qwen3.5 and qwen4_exp: the vision tower of the composite checkpoint and the MTP head's tensors
 // (qwen4_exp has no MTP drafter here; its hub files may carry mtp.*).
 bool ignores_vision_and_mtp(const ModelConfig&, std::string_view name) {
@@ -42,7 +44,9 @@ constexpr ArchEntry kArchitectures[] = {
 
 }  // namespace
 
-std::span<const ArchEntry> registered_architectures() { return kArchitectures; }
+std::span<const ArchEntry> registered_architectures() {
+  return kArchitectures;
+}
 
 const ArchEntry* find_architecture(std::string_view model_type) {
   for (const auto& entry : kArchitectures)
@@ -62,7 +66,8 @@ const ArchEntry& require_architecture(const ModelConfig& config) {
   if (entry == nullptr) entry = find_architecture(config.outer_model_type);
   if (entry == nullptr) {
     std::string supported;
-    for (const auto& known : kArchitectures) supported += (supported.empty() ? "" : ", ") + std::string(known.model_type);
+    for (const auto& known : kArchitectures)
+      supported += (supported.empty() ? "" : ", ") + std::string(known.model_type);
     raise(ErrorCode::kUnsupported, "{}: unknown model_type '{}' (supported: {})", config.source.string(),
           config.model_type, supported);
   }
@@ -89,18 +94,21 @@ void report_kv_scales(const Weights& weights) {
   if (options.dtype != DType::kF8E4M3) return;
   using Source = KvScaleTally::Source;
   if (tally.total() == 0) {
-    METRALE_LOG_WARN("--kv-cache-dtype fp8: this model has no attention layer with an FP8 KV cache (MLA latents, "
-                     "indexer keys and QSA attention keep the activation dtype)");
+    METRALE_LOG_WARN(
+        "--kv-cache-dtype fp8: this model has no attention layer with an FP8 KV cache (MLA latents, "
+        "indexer keys and QSA attention keep the activation dtype)");
     return;
   }
-  METRALE_LOG_INFO("FP8 (e4m3) KV cache in {} attention layers: scales from the checkpoint in {}, calibrated on the "
-                   "first step served in {}",
-                   tally.total(), tally.count(Source::kCheckpoint), tally.count(Source::kCalibration));
+  METRALE_LOG_INFO(
+      "FP8 (e4m3) KV cache in {} attention layers: scales from the checkpoint in {}, calibrated on the "
+      "first step served in {}",
+      tally.total(), tally.count(Source::kCheckpoint), tally.count(Source::kCalibration));
   if (const int unit = tally.count(Source::kUnit); unit > 0) {
-    METRALE_LOG_WARN("FP8 KV cache: {} attention layers have no k_scale / v_scale in the checkpoint and "
-                     "--calculate-kv-scales is off: they use a scale of 1.0 (keys and values beyond +-448 saturate, "
-                     "small ones lose precision)",
-                     unit);
+    METRALE_LOG_WARN(
+        "FP8 KV cache: {} attention layers have no k_scale / v_scale in the checkpoint and "
+        "--calculate-kv-scales is off: they use a scale of 1.0 (keys and values beyond +-448 saturate, "
+        "small ones lose precision)",
+        unit);
   }
 }
 
@@ -136,7 +144,8 @@ void check_unused_tensors(const ArchEntry& entry, const ModelConfig& config, con
       unexpected.push_back(name);
     }
   }
-  if (ignored > 0) METRALE_LOG_INFO("{} checkpoint tensors are not used by {} (ignored on purpose)", ignored, entry.model_type);
+  if (ignored > 0)
+    METRALE_LOG_INFO("{} checkpoint tensors are not used by {} (ignored on purpose)", ignored, entry.model_type);
   if (unexpected.empty()) return;
   constexpr size_t kNamed = 8;
   std::string names;
@@ -167,16 +176,16 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   weights.set_kv_cache(options.kv_cache);
   METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {} computing in {}{}", entry->model_type, dir.string(),
                    weights.prefix(), device.to_string(), dtype_name(weights.compute_dtype()),
-                   checkpoint_fp8                                         ? " with the checkpoint's FP8 weights"
-                   : options.quantization == WeightQuantization::kFp8 ? ", quantising projections to FP8" : "");
+                   checkpoint_fp8                                     ? " with the checkpoint's FP8 weights"
+                   : options.quantization == WeightQuantization::kFp8 ? ", quantising projections to FP8"
+                                                                      : "");
   // The pages come in on a pool of threads while the model is built from them.
   WeightPrefetcher prefetcher(store->mapped_ranges(), options.load_threads);
   // Counted as they are read; the count may end below the total (tensors an architecture skips).
   auto progress = std::make_shared<StageProgress>(
       "weights",
       fmt::format("loading weights of {} from {} on {}", entry->model_type, dir.string(), device.to_string()),
-      "loaded weights", "tensors",
-      static_cast<int64_t>(store->names().size()), store->total_bytes());
+      "loaded weights", "tensors", static_cast<int64_t>(store->names().size()), store->total_bytes());
   weights.set_progress(progress);
   const auto start = std::chrono::steady_clock::now();
   std::unique_ptr<Model> model = entry->build(config, weights);
@@ -184,8 +193,8 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   METRALE_LOG_INFO("loaded {} tensors, {:.2f} GB in {:.2f} s ({:.2f} GB/s; {} reader thread{})", progress->items(),
                    static_cast<double>(progress->bytes()) / 1e9, seconds,
-                   seconds > 0 ? static_cast<double>(progress->bytes()) / 1e9 / seconds : 0.0,
-                   prefetcher.num_threads(), prefetcher.num_threads() == 1 ? "" : "s");
+                   seconds > 0 ? static_cast<double>(progress->bytes()) / 1e9 / seconds : 0.0, prefetcher.num_threads(),
+                   prefetcher.num_threads() == 1 ? "" : "s");
   progress->finish();
   check_unused_tensors(*entry, config, *store, options);
   report_kv_scales(weights);

@@ -1,11 +1,11 @@
 #include "model/weight_store.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
-#include <utility>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "core/error.h"
 #include "core/strings.h"
@@ -29,7 +29,8 @@ WeightStore::WeightStore(const std::filesystem::path& dir) : dir_(dir) {
       raise(ErrorCode::kBadFormat, "{}: no weight_map object", index_path.string());
     weight_map = index["weight_map"];
     for (const auto& [name, file] : weight_map.items()) {
-      if (!file.is_string()) raise(ErrorCode::kBadFormat, "{}: weight_map['{}'] is not a file name", index_path.string(), name);
+      if (!file.is_string())
+        raise(ErrorCode::kBadFormat, "{}: weight_map['{}'] is not a file name", index_path.string(), name);
       const std::string shard = file.get<std::string>();
       if (shard.find('/') != std::string::npos || shard == "..")
         raise(ErrorCode::kBadFormat, "{}: shard name '{}' must be a plain file name", index_path.string(), shard);
@@ -50,7 +51,8 @@ WeightStore::WeightStore(const std::filesystem::path& dir) : dir_(dir) {
   } else {
     for (const auto& [name, file] : weight_map.items()) {
       const std::string shard = file.get<std::string>();
-      const auto it = std::find_if(files_.begin(), files_.end(), [&](const auto& f) { return f->path().filename() == shard; });
+      const auto it =
+          std::find_if(files_.begin(), files_.end(), [&](const auto& f) { return f->path().filename() == shard; });
       if (!(*it)->contains(name)) {
         raise(ErrorCode::kBadFormat, "{}: the index places tensor '{}' in {}, which does not contain it", dir.string(),
               name, shard);
@@ -159,7 +161,9 @@ const WeightStore& Weights::store() const {
   return *store_;
 }
 
-std::string Weights::source_name() const { return store_ ? store_->dir().string() : std::string("random weights"); }
+std::string Weights::source_name() const {
+  return store_ ? store_->dir().string() : std::string("random weights");
+}
 
 void Weights::add_alias(const std::string& canonical, const std::string& stored) {
   (*aliases_)[canonical] = stored;
@@ -188,14 +192,16 @@ Tensor Weights::synthesize(const std::string& name, const Shape& shape) {
   Tensor tensor(buffer.data(), dtype, shape, device_);
   // Vectors are norm weights and gates: near 1 keeps activations in range through deep stacks.
   const bool vector = shape.ndim() == 1;
-  kernels::random_fill(tensor, {random_.seed * 1000003u + random_index_++, vector ? 1.0f : 0.0f,
-                                vector ? 0.01f : random_.stddev});
+  kernels::random_fill(
+      tensor, {random_.seed * 1000003u + random_index_++, vector ? 1.0f : 0.0f, vector ? 0.01f : random_.stddev});
   buffers_.push_back(std::move(buffer));
   (void)name;
   return tensor;
 }
 
-Tensor Weights::get(const std::string& key, const Shape& shape) { return get_root(prefix_ + key, shape); }
+Tensor Weights::get(const std::string& key, const Shape& shape) {
+  return get_root(prefix_ + key, shape);
+}
 
 std::vector<float> Weights::read_host_values(const std::string& key) {
   const std::string name = resolve(prefix_ + key);
@@ -238,7 +244,8 @@ void Weights::load_into(const std::string& key, const Tensor& destination) {
   std::vector<char> converted(static_cast<size_t>(slice) * destination.element_size());
   for (int64_t begin = 0; begin < total; begin += slice) {
     const int64_t count = std::min(slice, total - begin);
-    convert_to_f32(view.dtype(), static_cast<const char*>(view.data()) + begin * static_cast<int64_t>(view.element_size()),
+    convert_to_f32(view.dtype(),
+                   static_cast<const char*>(view.data()) + begin * static_cast<int64_t>(view.element_size()),
                    values.data(), static_cast<size_t>(count));
     convert_from_f32(destination.dtype(), values.data(), converted.data(), static_cast<size_t>(count));
     copy_bytes(static_cast<char*>(destination.data()) + begin * static_cast<int64_t>(destination.element_size()),
@@ -280,7 +287,8 @@ Tensor Weights::get_root(const std::string& requested, const Shape& shape) {
     std::vector<float> row(static_cast<size_t>(std::min<int64_t>(view.numel(), 1 << 20)));
     for (int64_t begin = 0; begin < view.numel(); begin += static_cast<int64_t>(row.size())) {
       const int64_t count = std::min<int64_t>(static_cast<int64_t>(row.size()), view.numel() - begin);
-      convert_to_f32(view.dtype(), static_cast<const char*>(view.data()) + begin * static_cast<int64_t>(view.element_size()),
+      convert_to_f32(view.dtype(),
+                     static_cast<const char*>(view.data()) + begin * static_cast<int64_t>(view.element_size()),
                      row.data(), static_cast<size_t>(count));
       convert_from_f32(dtype, row.data(), converted.data() + begin * static_cast<int64_t>(dtype_size(dtype)),
                        static_cast<size_t>(count));

@@ -34,8 +34,8 @@ Attention::Attention(const AttentionConfig& config, Weights& weights, const std:
 
 size_t Attention::scratch_bytes(const ForwardBatch& batch, Device device) const {
   if (!device.is_cuda()) return 0;  // only the CUDA kernels split the keys
-  return kernels::paged_attention_workspace_bytes(batch.num_seqs, batch.num_tokens, config_.num_heads,
-                                                  config_.head_dim, batch.max_kv_len);
+  return kernels::paged_attention_workspace_bytes(batch.num_seqs, batch.num_tokens, config_.num_heads, config_.head_dim,
+                                                  batch.max_kv_len);
 }
 
 CacheSpec Attention::cache_spec() const {
@@ -75,8 +75,8 @@ void Attention::forward(const StepContext& step, const BlockCache& cache, const 
   params.max_kv_len = batch.max_kv_len;
   if (!step.layer_scratch.empty()) params.workspace = step.layer_scratch;
   params.kv_scales = kv_scales_.scales_for(cache.tensors[kKeys].dtype());
-  kernels::paged_attention(q, cache.tensors[kKeys], cache.tensors[kValues], batch.cu_q, batch.kv_lens, batch.block_tables, attn,
-                           params);
+  kernels::paged_attention(q, cache.tensors[kKeys], cache.tensors[kValues], batch.cu_q, batch.kv_lens,
+                           batch.block_tables, attn, params);
   if (config_.output_gate) {
     const Tensor gate(qkv.slice(1, d, q_rows).data(), act, {tokens, config_.num_heads, d}, {row, q_head_stride, 1},
                       qkv.device());

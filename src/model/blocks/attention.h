@@ -24,9 +24,9 @@ struct AttentionConfig {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   double rms_norm_eps = 1e-6;
-  bool qk_norm = true;                                    // q_norm / k_norm over head_dim
+  bool qk_norm = true;  // q_norm / k_norm over head_dim
   kernels::RmsNormKind norm_kind = kernels::RmsNormKind::kPlain;
-  int window = 0;                                         // sliding window (0 = full causal)
+  int window = 0;  // sliding window (0 = full causal)
   // Gated attention: q_proj has 2 * num_heads * head_dim outputs, per head [query (D) | gate (D)];
   // the attention output is multiplied by sigmoid(gate) before o_proj.
   bool output_gate = false;
@@ -62,7 +62,7 @@ class Attention : public Mixer {
   // 2 nH * D with the output gate (query and gate interleaved per head).
   kernels::LinearWeight qkv_proj_;
   kernels::LinearWeight q_proj_, k_proj_, v_proj_, o_proj_;  // [Q, H], [nKV*D, H], [nKV*D, H], [H, nH*D]
-  std::optional<RmsNorm> q_norm_, k_norm_;    // [D]
+  std::optional<RmsNorm> q_norm_, k_norm_;                   // [D]
   std::shared_ptr<const RotaryEmbedding> rope_;
   float scale_;
   AttentionKvScales kv_scales_;

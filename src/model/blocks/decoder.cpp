@@ -36,8 +36,8 @@ DecoderModel::DecoderModel(ModelConfig config, Weights& weights, DecoderParts pa
       trunk_(std::move(parts.layers), std::move(parts.residual), "layer"),
       mtp_(std::move(parts.mtp)) {
   METRALE_CHECK(trunk_.num_layers() > 0, "{}: a decoder without layers", config_.source.string());
-  METRALE_CHECK(trunk_.residual().hidden_size() == config_.hidden_size, "residual scheme of width {} for hidden size {}",
-                trunk_.residual().hidden_size(), config_.hidden_size);
+  METRALE_CHECK(trunk_.residual().hidden_size() == config_.hidden_size,
+                "residual scheme of width {} for hidden size {}", trunk_.residual().hidden_size(), config_.hidden_size);
 }
 
 ModelCapabilities DecoderModel::capabilities() const {
@@ -103,7 +103,7 @@ void DecoderModel::forward(const ForwardBatch& batch, const ModelCaches& caches,
                   "hidden_out {} for {} rows of {} ({})", batch.hidden_out.describe(), tokens, hidden, dtype_name(act));
   }
   const ResidualScheme& scheme = trunk_.residual();
-  const ResidualStreams streams = scheme.allocate(step);          // the residual streams [T, W]
+  const ResidualStreams streams = scheme.allocate(step);           // the residual streams [T, W]
   const Tensor normed = workspace.alloc(act, {tokens, hidden});    // [T, H] site input
   const Tensor sublayer = workspace.alloc(act, {tokens, hidden});  // [T, H] site output
   // [T, H] the final hidden state: the caller's hidden_out when asked for.

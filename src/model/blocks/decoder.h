@@ -23,8 +23,8 @@ struct DecoderParts {
   Tensor embed_tokens;  // [V, H]
   std::vector<DecoderLayer> layers;
   std::unique_ptr<ResidualScheme> residual;  // two sites per layer, and the final norm
-  Tensor lm_head;                // [V, H] (the embedding when tied)
-  std::unique_ptr<MtpHead> mtp;  // optional draft head
+  Tensor lm_head;                            // [V, H] (the embedding when tied)
+  std::unique_ptr<MtpHead> mtp;              // optional draft head
 };
 
 class DecoderModel : public Model {

@@ -54,7 +54,9 @@ AttentionKvScales::AttentionKvScales(Weights& weights, const std::string& prefix
   scales_ = OwnedTensor(DType::kF32, {2, num_kv_heads}, weights.device());
   upload(k_scales, v_scales);
   using Source = KvScaleTally::Source;
-  weights.kv_scale_tally().add(calibrate_ ? Source::kCalibration : from_checkpoint ? Source::kCheckpoint : Source::kUnit);
+  weights.kv_scale_tally().add(calibrate_        ? Source::kCalibration
+                               : from_checkpoint ? Source::kCheckpoint
+                                                 : Source::kUnit);
 }
 
 void AttentionKvScales::upload(const std::vector<float>& k_scales, const std::vector<float>& v_scales) {
@@ -70,7 +72,8 @@ kernels::KvScales AttentionKvScales::scales_for(DType cache_dtype) const {
   return {scales_.tensor.row(0), scales_.tensor.row(1)};
 }
 
-void AttentionKvScales::calibrate(const ForwardBatch& batch, DType activation, int64_t head_dim, const KvWriter& write) {
+void AttentionKvScales::calibrate(const ForwardBatch& batch, DType activation, int64_t head_dim,
+                                  const KvWriter& write) {
   const int64_t tokens = batch.num_tokens;
   if (tokens == 0) return;
   const Device device = batch.slot_mapping.device();
@@ -104,7 +107,8 @@ void AttentionKvScales::calibrate(const ForwardBatch& batch, DType activation, i
       for (int64_t h = 0; h < num_kv_heads_; ++h) {
         convert_to_f32(activation, raw.data() + static_cast<size_t>(t * num_kv_heads_ + h) * row_bytes, row.data(),
                        row.size());
-        for (const float x : row) result[static_cast<size_t>(h)] = std::max(result[static_cast<size_t>(h)], std::fabs(x));
+        for (const float x : row)
+          result[static_cast<size_t>(h)] = std::max(result[static_cast<size_t>(h)], std::fabs(x));
       }
     }
     return result;

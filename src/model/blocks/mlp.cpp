@@ -35,6 +35,8 @@ Mlp::Mlp(Weights& weights, const std::string& prefix, int64_t hidden_size, int64
   weights_.down = weights.get_linear(prefix + "down_proj.weight", {hidden_size, intermediate_size});
 }
 
-void Mlp::forward(const StepContext& step, const Tensor& x, const Tensor& out) { weights_.run(step, x, out); }
+void Mlp::forward(const StepContext& step, const Tensor& x, const Tensor& out) {
+  weights_.run(step, x, out);
+}
 
 }  // namespace metrale

@@ -14,7 +14,7 @@ struct SwiGluWeights {
   kernels::LinearWeight up;       // [I, H]
   kernels::LinearWeight down;     // [H, I]
   kernels::LinearWeight gate_up;  // [2I, H]: gate rows then up rows, when both live in one tensor (one GEMM)
-  float limit = 0.0f;  // > 0: the clamped SwiGLU (swiglu_limit, glm_deepseek.md §1)
+  float limit = 0.0f;             // > 0: the clamped SwiGLU (swiglu_limit, glm_deepseek.md §1)
 
   int64_t intermediate_size() const { return down.size(1); }
   // x [n, H] -> out [n, H] (overwritten, or added to with `accumulate`).
