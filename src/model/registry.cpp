@@ -122,6 +122,7 @@ std::unique_ptr<Model> make_random_model(const ModelConfig& config, Device devic
   apply_compute_dtype(weights, options.compute_dtype);
   weights.set_fp8(false, options.quantization);
   weights.set_kv_cache(options.kv_cache);
+  weights.set_tensor_parallel(options.tensor_parallel);
   std::unique_ptr<Model> model = entry.build(config, weights);
   report_kv_scales(weights);
   return model;
@@ -172,6 +173,7 @@ std::unique_ptr<Model> load_model(const std::filesystem::path& dir, Device devic
   Weights weights(store, device);
   const bool checkpoint_fp8 = checkpoint_has_fp8_weights(config);
   weights.set_fp8(checkpoint_fp8, options.quantization);
+  weights.set_tensor_parallel(options.tensor_parallel);
   apply_compute_dtype(weights, options.compute_dtype);
   weights.set_kv_cache(options.kv_cache);
   METRALE_LOG_INFO("loading {} from {} (prefix '{}') on {} computing in {}{}", entry->model_type, dir.string(),

@@ -11,6 +11,7 @@
 #include "model/fp8_weights.h"
 #include "model/kv_cache_options.h"
 #include "model/model.h"
+#include "model/tensor_parallel.h"
 
 namespace metrale {
 
@@ -48,6 +49,9 @@ struct LoadOptions {
   int32_t load_threads = 0;
   // The attention blocks' KV-cache dtype and FP8 scale source (--kv-cache-dtype, --calculate-kv-scales).
   KvCacheOptions kv_cache = {};
+  // The tensor-parallel rank this model is built for (model/tensor_parallel.h): its share of every
+  // block that splits. The default is one rank, the whole model.
+  TensorParallel tensor_parallel = {};
 };
 
 std::span<const ArchEntry> registered_architectures();

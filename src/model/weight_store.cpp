@@ -136,6 +136,7 @@ Weights Weights::with_prefix(std::string prefix) const {
     derived.compute_dtype_ = compute_dtype_;
     derived.kv_cache_ = kv_cache_;
     derived.kv_scale_tally_ = kv_scale_tally_;
+    derived.tensor_parallel_ = tensor_parallel_;
     return derived;
   }
   RandomWeights random = random_;
@@ -146,6 +147,7 @@ Weights Weights::with_prefix(std::string prefix) const {
   derived.compute_dtype_ = compute_dtype_;
   derived.kv_cache_ = kv_cache_;
   derived.kv_scale_tally_ = kv_scale_tally_;
+  derived.tensor_parallel_ = tensor_parallel_;
   return derived;
 }
 
@@ -268,34 +270,38 @@ Tensor Weights::get_root(const std::string& requested, const Shape& shape) {
           store_->file_of(name).path().string(), name, dtype_name(view.dtype()));
   }
   if (progress_) progress_->advance(1, view.nbytes());
+  // Mapped tensors are used in place on the CPU, unless the file leaves them misaligned for their dtype.
+  if (device_.is_cpu() && reinterpret_cast<uintptr_t>(view.data()) % view.element_size() == 0) return view;
+  return place_copy(view);
+}
+
+Tensor Weights::place_copy(const Tensor& host) {
   if (device_.is_cpu()) {
-    // Mapped tensors are used in place, unless the file leaves them misaligned for their dtype.
-    if (reinterpret_cast<uintptr_t>(view.data()) % view.element_size() == 0) return view;
-    Buffer buffer(device_, view.nbytes());
-    std::memcpy(buffer.data(), view.data(), view.nbytes());
-    Tensor placed(buffer.data(), view.dtype(), view.shape(), device_);
+    Buffer buffer(device_, host.nbytes());
+    std::memcpy(buffer.data(), host.data(), host.nbytes());
+    Tensor placed(buffer.data(), host.dtype(), host.shape(), device_);
     buffers_.push_back(std::move(buffer));
     return placed;
   }
   // The GPU computes with weights of its compute dtype: other float dtypes are converted on the way up.
   const DType dtype = compute_dtype_;
-  Buffer buffer(device_, static_cast<size_t>(view.numel()) * dtype_size(dtype));
-  if (view.dtype() == dtype) {
-    copy_bytes(buffer.data(), device_, view.data(), Device::cpu(), view.nbytes());
+  Buffer buffer(device_, static_cast<size_t>(host.numel()) * dtype_size(dtype));
+  if (host.dtype() == dtype) {
+    copy_bytes(buffer.data(), device_, host.data(), Device::cpu(), host.nbytes());
   } else {
-    std::vector<char> converted(static_cast<size_t>(view.numel()) * dtype_size(dtype));
-    std::vector<float> row(static_cast<size_t>(std::min<int64_t>(view.numel(), 1 << 20)));
-    for (int64_t begin = 0; begin < view.numel(); begin += static_cast<int64_t>(row.size())) {
-      const int64_t count = std::min<int64_t>(static_cast<int64_t>(row.size()), view.numel() - begin);
-      convert_to_f32(view.dtype(),
-                     static_cast<const char*>(view.data()) + begin * static_cast<int64_t>(view.element_size()),
+    std::vector<char> converted(static_cast<size_t>(host.numel()) * dtype_size(dtype));
+    std::vector<float> row(static_cast<size_t>(std::min<int64_t>(host.numel(), 1 << 20)));
+    for (int64_t begin = 0; begin < host.numel(); begin += static_cast<int64_t>(row.size())) {
+      const int64_t count = std::min<int64_t>(static_cast<int64_t>(row.size()), host.numel() - begin);
+      convert_to_f32(host.dtype(),
+                     static_cast<const char*>(host.data()) + begin * static_cast<int64_t>(host.element_size()),
                      row.data(), static_cast<size_t>(count));
       convert_from_f32(dtype, row.data(), converted.data() + begin * static_cast<int64_t>(dtype_size(dtype)),
                        static_cast<size_t>(count));
     }
     copy_bytes(buffer.data(), device_, converted.data(), Device::cpu(), converted.size());
   }
-  Tensor placed(buffer.data(), dtype, view.shape(), device_);
+  Tensor placed(buffer.data(), dtype, host.shape(), device_);
   buffers_.push_back(std::move(buffer));
   return placed;
 }
@@ -431,18 +437,7 @@ kernels::LinearWeight Weights::get_linear(const std::string& key, const Shape& s
   METRALE_CHECK(shape.ndim() == 2, "get_linear {}: a projection weight is [N, K], not {}", key, shape.to_string());
   if (!store_) {
     if (quantization_ != WeightQuantization::kFp8) return synthesize(prefix_ + key, shape);
-    Buffer code_buffer(device_, static_cast<size_t>(shape.numel()));
-    Buffer scale_buffer(
-        device_,
-        static_cast<size_t>(kernels::fp8_scale_blocks(shape[0]) * kernels::fp8_scale_blocks(shape[1])) * sizeof(float));
-    kernels::LinearWeight placed(
-        Tensor(code_buffer.data(), DType::kF8E4M3, shape, device_),
-        Tensor(scale_buffer.data(), DType::kF32,
-               {kernels::fp8_scale_blocks(shape[0]), kernels::fp8_scale_blocks(shape[1])}, device_));
-    fill_random_fp8(placed.weight, placed.scale_inv);
-    buffers_.push_back(std::move(code_buffer));
-    buffers_.push_back(std::move(scale_buffer));
-    return placed;
+    return random_linear(shape);
   }
   const std::string name = resolve(prefix_ + key);
   const DType stored = store_->file_of(name).view(name).dtype();
@@ -458,25 +453,60 @@ kernels::LinearWeight Weights::get_linear(const std::string& key, const Shape& s
   return quantize(view);
 }
 
+kernels::LinearWeight Weights::random_linear(const Shape& shape) {
+  Buffer code_buffer(device_, static_cast<size_t>(shape.numel()));
+  Buffer scale_buffer(
+      device_,
+      static_cast<size_t>(kernels::fp8_scale_blocks(shape[0]) * kernels::fp8_scale_blocks(shape[1])) * sizeof(float));
+  kernels::LinearWeight placed(
+      Tensor(code_buffer.data(), DType::kF8E4M3, shape, device_),
+      Tensor(scale_buffer.data(), DType::kF32,
+             {kernels::fp8_scale_blocks(shape[0]), kernels::fp8_scale_blocks(shape[1])}, device_));
+  fill_random_fp8(placed.weight, placed.scale_inv);
+  buffers_.push_back(std::move(code_buffer));
+  buffers_.push_back(std::move(scale_buffer));
+  return placed;
+}
+
 kernels::LinearWeight Weights::get_fused_linear(std::span<const std::string> keys, std::span<const int64_t> rows,
-                                                int64_t in_features) {
+                                                int64_t in_features, std::span<const TensorSlice> slices,
+                                                std::span<const int64_t> full_rows) {
   METRALE_CHECK(!keys.empty() && keys.size() == rows.size(), "get_fused_linear: {} keys for {} row counts", keys.size(),
                 rows.size());
+  METRALE_CHECK(slices.empty() || (slices.size() == keys.size() && full_rows.size() == keys.size()),
+                "get_fused_linear: {} slices and {} full row counts for {} keys", slices.size(), full_rows.size(),
+                keys.size());
   if (!device_.is_cuda()) return {};
+  const auto sliced = [&](size_t i) { return !slices.empty() && !slices[i].whole(); };
+  // The first source row of part i when it is one run of rows starting on a 128-row block (FP8 parts
+  // copy whole scale blocks); -1 otherwise.
+  const auto fp8_row_begin = [&](size_t i) -> int64_t {
+    if (!sliced(i)) return 0;
+    const TensorSlice& slice = slices[i];
+    if (slice.col_begin != 0 || slice.col_end >= 0 || slice.rows.empty()) return -1;
+    for (size_t r = 1; r < slice.rows.size(); ++r)
+      if (slice.rows[r] != slice.rows[0] + static_cast<int64_t>(r)) return -1;
+    return slice.rows[0] % kernels::kFp8Block == 0 ? slice.rows[0] : -1;
+  };
   int64_t total = 0;
   size_t fp8_parts = 0;
   bool whole_blocks = true;
   for (size_t i = 0; i < keys.size(); ++i) {
     total += rows[i];
     if (linear_is_fp8(keys[i])) ++fp8_parts;
-    if (rows[i] % kernels::kFp8Block != 0) whole_blocks = false;
+    if (rows[i] % kernels::kFp8Block != 0 || fp8_row_begin(i) < 0) whole_blocks = false;
   }
   if (fp8_parts == 0) {
     const DType dtype = compute_dtype();
     Buffer buffer(device_, static_cast<size_t>(total * in_features) * dtype_size(dtype));
     const Tensor fused(buffer.data(), dtype, {total, in_features}, device_);
     for (size_t i = 0, row = 0; i < keys.size(); row += static_cast<size_t>(rows[i]), ++i) {
-      load_into(keys[i], fused.slice(0, static_cast<int64_t>(row), static_cast<int64_t>(row) + rows[i]));
+      const Tensor part = fused.slice(0, static_cast<int64_t>(row), static_cast<int64_t>(row) + rows[i]);
+      if (sliced(i)) {
+        load_into(keys[i], {full_rows[i], in_features}, slices[i], part);
+      } else {
+        load_into(keys[i], part);
+      }
     }
     buffers_.push_back(std::move(buffer));
     return fused;
@@ -491,7 +521,7 @@ kernels::LinearWeight Weights::get_fused_linear(std::span<const std::string> key
   for (size_t i = 0, row = 0; i < keys.size(); row += static_cast<size_t>(rows[i]), ++i) {
     const auto begin = static_cast<int64_t>(row), end = begin + rows[i];
     load_fp8_into(keys[i], fused.weight.slice(0, begin, end),
-                  fused.scale_inv.slice(0, begin / kernels::kFp8Block, end / kernels::kFp8Block));
+                  fused.scale_inv.slice(0, begin / kernels::kFp8Block, end / kernels::kFp8Block), -1, fp8_row_begin(i));
   }
   buffers_.push_back(std::move(code_buffer));
   buffers_.push_back(std::move(scale_buffer));

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -20,6 +21,7 @@
 #include "model/fp8_weights.h"
 #include "model/kv_cache_options.h"
 #include "model/safetensors.h"
+#include "model/tensor_parallel.h"
 
 namespace metrale {
 
@@ -96,8 +98,28 @@ class Weights {
   // on the GPU, so that one launch runs them all: in the compute dtype when no part is FP8, in FP8
   // when every part is and each part's rows are a multiple of 128 (the parts' scale blocks then stack
   // whole). Empty on the CPU or when neither holds (the block then keeps its parts).
+  // With `slices` (one per key), part i is slices[i] of a stored [full_rows[i], in_features] tensor and
+  // rows[i] is the slice's row count; an FP8 part then fuses only when its slice is one run of whole
+  // 128-row blocks.
   kernels::LinearWeight get_fused_linear(std::span<const std::string> keys, std::span<const int64_t> rows,
-                                         int64_t in_features);
+                                         int64_t in_features, std::span<const TensorSlice> slices = {},
+                                         std::span<const int64_t> full_rows = {});
+  // --- Slices: a tensor-parallel rank's part of a weight (tensor_parallel.h) ----------------------
+  // `slice` of the tensor `prefix + key`, whose stored shape must be `full`, as get() would place it
+  // (contiguous; on the CPU an owned copy). A whole slice is get(key, full).
+  Tensor get(const std::string& key, const Shape& full, const TensorSlice& slice);
+  Tensor get_root(const std::string& name, const Shape& full, const TensorSlice& slice);  // no prefix
+  // get_linear() of `slice` of `prefix + key` [N, K] = `full`: plain, or FP8 (an f8e4m3 tensor whose
+  // slice keeps its 128x128 scale blocks whole copies codes and scales; any other slice of it is
+  // dequantised, sliced and quantised again; a plain one under WeightQuantization::kFp8 is sliced,
+  // then quantised).
+  kernels::LinearWeight get_linear(const std::string& key, const Shape& full, const TensorSlice& slice);
+  // load_into() of `slice` of `prefix + key` (stored shape `full`); `destination` has the sliced shape.
+  void load_into(const std::string& key, const Shape& full, const TensorSlice& slice, const Tensor& destination);
+  // The rank this model is built for (every weight whole when size == 1). Copied by with_prefix().
+  void set_tensor_parallel(const TensorParallel& tensor_parallel);
+  const TensorParallel& tensor_parallel() const { return tensor_parallel_; }
+
   // get() for a weight that blocks use as plain matrices (e.g. absorbed into attention): an f8e4m3
   // one is dequantised with its scales (f32 on the CPU, bf16 on the GPU).
   Tensor get_dequantized(const std::string& key, const Shape& shape);
@@ -169,6 +191,17 @@ class Weights {
   void check_quantizable(const std::string& name, const Tensor& view) const;
   // A CPU tensor on the model's device: in place on the CPU when aligned for its dtype, else a copy kept here.
   Tensor place(const Tensor& host);
+  // A copy of the host tensor on the model's device, kept here: as stored on the CPU, in the compute
+  // dtype on the GPU.
+  Tensor place_copy(const Tensor& host);
+  // The checked host view of a plain (bf16, f16, f32) tensor `name` of shape `full`, counted as read.
+  Tensor plain_view(const std::string& name, const Shape& full);
+  // `slice` of the plain host tensor `view` as contiguous host bytes of its dtype.
+  static std::vector<char> slice_bytes(const Tensor& view, const TensorSlice& slice);
+  kernels::LinearWeight random_linear(const Shape& shape);
+  // The FP8 slice of an f8e4m3 tensor whose slice keeps its scale blocks whole; nullopt otherwise.
+  std::optional<kernels::LinearWeight> exact_fp8_slice(const std::string& name, const Shape& full,
+                                                       const TensorSlice& slice);
 
   std::shared_ptr<const WeightStore> store_;  // null for random weights
   RandomWeights random_;
@@ -184,6 +217,7 @@ class Weights {
   WeightQuantization quantization_ = WeightQuantization::kNone;
   DType compute_dtype_ = DType::kBF16;  // the GPU's (compute_dtype())
   KvCacheOptions kv_cache_;
+  TensorParallel tensor_parallel_;
   std::shared_ptr<KvScaleTally> kv_scale_tally_ = std::make_shared<KvScaleTally>();
 };
 

@@ -6,29 +6,64 @@
 #include "kernels/linear_weight.h"
 #include "kernels/qk_norm_rope.h"
 #include "kernels/sigmoid_gate.h"
+#include "model/tensor_parallel.h"
 
 namespace metrale {
 
+// This rank's heads of the layer: the whole layer unless tensor parallelism splits its heads.
+struct Attention::Share {
+  AttentionConfig local;
+  std::optional<TensorParallel::GroupedHeads> heads;  // nullopt: whole
+};
+
+Attention::Share Attention::share_of(const AttentionConfig& config, const TensorParallel& tensor_parallel) {
+  Share share{config, std::nullopt};
+  if (!tensor_parallel.active()) return share;
+  share.heads = tensor_parallel.grouped_heads(config.num_heads, config.num_kv_heads);
+  if (share.heads) {
+    share.local.num_heads = share.heads->heads.size();
+    share.local.num_kv_heads = share.heads->groups.size();
+  }
+  return share;
+}
+
 Attention::Attention(const AttentionConfig& config, Weights& weights, const std::string& prefix,
                      std::shared_ptr<const RotaryEmbedding> rope)
-    : config_(config),
+    : Attention(share_of(config, weights.tensor_parallel()), config, weights, prefix, std::move(rope)) {}
+
+Attention::Attention(const Share& share, const AttentionConfig& full, Weights& weights, const std::string& prefix,
+                     std::shared_ptr<const RotaryEmbedding> rope)
+    : config_(share.local),
+      partial_(share.heads.has_value()),
       rope_(std::move(rope)),
-      scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))),
-      kv_scales_(weights, prefix, config.num_kv_heads) {
-  const int64_t h = config.hidden_size, d = config.head_dim;
-  const int64_t q_rows = config.num_heads * d * (config.output_gate ? 2 : 1), kv_rows = config.num_kv_heads * d;
+      scale_(1.0f / std::sqrt(static_cast<float>(full.head_dim))),
+      kv_scales_(weights, prefix, full.num_kv_heads,
+                 share.heads ? share.heads->groups : IndexRange{0, full.num_kv_heads}) {
+  const int64_t h = full.hidden_size, d = full.head_dim;
+  const int64_t q_head_rows = d * (full.output_gate ? 2 : 1);
+  const int64_t q_rows = config_.num_heads * q_head_rows, kv_rows = config_.num_kv_heads * d;
+  const int64_t full_rows[] = {full.num_heads * q_head_rows, full.num_kv_heads * d, full.num_kv_heads * d};
+  // The rows of this rank's heads (query and gate rows interleave per head, so a run of heads is a
+  // run of rows) and the o_proj columns they feed.
+  TensorSlice q_slice, kv_slice, o_slice;
+  if (share.heads) {
+    append_rows(q_slice.rows, unit_rows(0, share.heads->heads.begin, config_.num_heads, q_head_rows));
+    append_rows(kv_slice.rows, unit_rows(0, share.heads->groups.begin, config_.num_kv_heads, d));
+    o_slice = TensorSlice::of_columns(share.heads->heads.begin * d, share.heads->heads.end * d);
+  }
   const std::string keys[] = {prefix + "q_proj.weight", prefix + "k_proj.weight", prefix + "v_proj.weight"};
   const int64_t rows[] = {q_rows, kv_rows, kv_rows};
-  qkv_proj_ = weights.get_fused_linear(keys, rows, h);
+  const TensorSlice slices[] = {q_slice, kv_slice, kv_slice};
+  qkv_proj_ = weights.get_fused_linear(keys, rows, h, slices, full_rows);
   if (qkv_proj_.empty()) {
-    q_proj_ = weights.get_linear(keys[0], {q_rows, h});
-    k_proj_ = weights.get_linear(keys[1], {kv_rows, h});
-    v_proj_ = weights.get_linear(keys[2], {kv_rows, h});
+    q_proj_ = weights.get_linear(keys[0], {full_rows[0], h}, q_slice);
+    k_proj_ = weights.get_linear(keys[1], {full_rows[1], h}, kv_slice);
+    v_proj_ = weights.get_linear(keys[2], {full_rows[2], h}, kv_slice);
   }
-  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, config.num_heads * d});
-  if (config.qk_norm) {
-    q_norm_ = RmsNorm::load(weights, prefix + "q_norm.weight", d, config.rms_norm_eps, config.norm_kind);
-    k_norm_ = RmsNorm::load(weights, prefix + "k_norm.weight", d, config.rms_norm_eps, config.norm_kind);
+  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, full.num_heads * d}, o_slice);
+  if (config_.qk_norm) {
+    q_norm_ = RmsNorm::load(weights, prefix + "q_norm.weight", d, config_.rms_norm_eps, config_.norm_kind);
+    k_norm_ = RmsNorm::load(weights, prefix + "k_norm.weight", d, config_.rms_norm_eps, config_.norm_kind);
   }
 }
 

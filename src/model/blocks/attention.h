@@ -32,11 +32,16 @@ struct AttentionConfig {
   bool output_gate = false;
 };
 
+// Under tensor parallelism (Weights::tensor_parallel) a rank keeps its share of the query heads and
+// of the KV heads they read (TensorParallel::grouped_heads: split, or one KV head per rank when there
+// are fewer KV heads than ranks), the matching rows of q/k/v_proj and columns of o_proj; its output
+// is a partial sum. Head counts that do not split keep the layer whole on every rank.
 class Attention : public Mixer {
  public:
   // Loads `<prefix>q_proj.weight` etc. `rope` is shared by the layers of a model.
   Attention(const AttentionConfig& config, Weights& weights, const std::string& prefix,
             std::shared_ptr<const RotaryEmbedding> rope);
+  bool output_is_partial() const override { return partial_; }
 
   CacheSpec cache_spec() const override;
   size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
@@ -44,6 +49,10 @@ class Attention : public Mixer {
   void write_keys(const StepContext& step, const BlockCache& cache, const Tensor& x) override;
 
  private:
+  struct Share;  // this rank's heads
+  static Share share_of(const AttentionConfig& config, const TensorParallel& tensor_parallel);
+  Attention(const Share& share, const AttentionConfig& full, Weights& weights, const std::string& prefix,
+            std::shared_ptr<const RotaryEmbedding> rope);
   // q [T, nH or 0, D] rotated (and normalised) in place; k normalised and rotated, and v, written to
   // the cache at the batch's slots.
   void write_rotated_keys(const ForwardBatch& batch, const BlockCache& cache, const Tensor& q, const Tensor& k,
@@ -55,7 +64,8 @@ class Attention : public Mixer {
 
   static constexpr size_t kKeys = 0, kValues = 1;  // BlockCache::tensors
 
-  AttentionConfig config_;
+  AttentionConfig config_;  // this rank's heads
+  bool partial_ = false;    // a tensor-parallel share of the heads
   // On the GPU q, k and v are one fused projection [(Q + 2 nKV * D), H] (one launch per step; compute
   // dtype, or FP8 when all three are, Weights::get_fused_linear); on the CPU, and where they cannot
   // be fused, they stay three weights (views into the mapped checkpoint when plain). Q = nH * D, or

@@ -7,6 +7,7 @@
 #include "kernels/linear.h"
 #include "kernels/moe.h"
 #include "runtime/buffer.h"
+#include "runtime/communicator.h"
 
 namespace metrale {
 
@@ -15,14 +16,18 @@ Tensor load_embedding(Weights& weights, const ModelConfig& config) {
 }
 
 Tensor load_lm_head(Weights& weights, const ModelConfig& config, const Tensor& embedding) {
-  if (weights.has_root("lm_head.weight")) {
-    return weights.get_root("lm_head.weight", {config.vocab_size, config.hidden_size});
-  }
+  const Shape full{config.vocab_size, config.hidden_size};
+  // Tensor parallelism: this rank's share of the hidden columns (DecoderModel sums the partial logits).
+  const TensorParallel& tensor_parallel = weights.tensor_parallel();
+  const std::optional<IndexRange> columns =
+      tensor_parallel.active() ? tensor_parallel.even_share(config.hidden_size) : std::nullopt;
+  const TensorSlice slice = columns ? TensorSlice::of_columns(columns->begin, columns->end) : TensorSlice{};
+  if (weights.has_root("lm_head.weight")) return weights.get_root("lm_head.weight", full, slice);
   if (!config.tie_word_embeddings) {
     raise(ErrorCode::kNotFound, "{}: checkpoint has no 'lm_head.weight' and tie_word_embeddings is false",
           weights.source_name());
   }
-  return embedding;
+  return columns ? weights.get("embed_tokens.weight", full, slice) : embedding;
 }
 
 DecoderModel::DecoderModel(ModelConfig config, Weights& weights, DecoderParts parts)
@@ -34,7 +39,15 @@ DecoderModel::DecoderModel(ModelConfig config, Weights& weights, DecoderParts pa
       embed_tokens_(parts.embed_tokens),
       lm_head_(parts.lm_head),
       trunk_(std::move(parts.layers), std::move(parts.residual), "layer"),
-      mtp_(std::move(parts.mtp)) {
+      mtp_(std::move(parts.mtp)),
+      communicator_(weights.tensor_parallel().communicator),
+      lm_head_columns_{0, config_.hidden_size} {
+  if (lm_head_.size(1) != config_.hidden_size) {
+    const std::optional<IndexRange> columns = weights.tensor_parallel().even_share(config_.hidden_size);
+    METRALE_CHECK(columns && columns->size() == lm_head_.size(1) && communicator_ != nullptr,
+                  "an LM head of {} columns for hidden size {}", lm_head_.size(1), config_.hidden_size);
+    lm_head_columns_ = *columns;
+  }
   METRALE_CHECK(trunk_.num_layers() > 0, "{}: a decoder without layers", config_.source.string());
   METRALE_CHECK(trunk_.residual().hidden_size() == config_.hidden_size,
                 "residual scheme of width {} for hidden size {}", trunk_.residual().hidden_size(), config_.hidden_size);
@@ -80,7 +93,13 @@ void DecoderModel::compute_logits(const ForwardBatch& batch, const Tensor& final
                 logits.describe(), rows);
   const Tensor selected = workspace.alloc(final_hidden.dtype(), {rows, config_.hidden_size});
   kernels::gather_rows(final_hidden, batch.logit_rows, selected);
-  kernels::linear(selected, lm_head_, logits);
+  if (lm_head_columns_.size() == config_.hidden_size) {
+    kernels::linear(selected, lm_head_, logits);
+    return;
+  }
+  // A tensor-parallel share of the hidden columns: the logits are the sum of the ranks' partials.
+  kernels::linear(selected.slice(1, lm_head_columns_.begin, lm_head_columns_.end), lm_head_, logits);
+  communicator_->all_reduce_sum(logits);
 }
 
 void DecoderModel::forward(const ForwardBatch& batch, const ModelCaches& caches, const Tensor& logits,
@@ -88,6 +107,7 @@ void DecoderModel::forward(const ForwardBatch& batch, const ModelCaches& caches,
   const int64_t tokens = batch.num_tokens, hidden = config_.hidden_size;
   const DType act = activation_dtype();
   StepContext step{batch, workspace, act, Tensor(), Tensor()};
+  step.communicator = communicator_;
   const size_t scratch = trunk_.scratch_bytes(batch, device_, 0, trunk_.num_layers());
   if (scratch > 0) step.layer_scratch = workspace.alloc(DType::kU8, {static_cast<int64_t>(scratch)});
   std::vector<size_t> verify_offsets;
@@ -145,7 +165,8 @@ void DecoderModel::commit_kept_rows(const ForwardBatch& batch, const VerifyCommi
   const std::vector<size_t> offsets = trunk_.verify_scratch_offsets(batch.num_tokens, batch.num_seqs, act);
   METRALE_CHECK(batch.verify_scratch.nbytes() >= offsets.back(), "verify_scratch {} for {} bytes",
                 batch.verify_scratch.describe(), offsets.back());
-  const StepContext step{batch, workspace, act, Tensor(), Tensor()};
+  StepContext step{batch, workspace, act, Tensor(), Tensor()};
+  step.communicator = communicator_;
   trunk_.commit(step, caches.blocks, kept, offsets);
 }
 
@@ -160,7 +181,8 @@ MtpHead& DecoderModel::mtp_head(int64_t mtp_layer) const {
 void DecoderModel::mtp_write_keys(const ForwardBatch& batch, const ModelCaches& caches, const Tensor& hidden,
                                   Arena& workspace, int64_t mtp_layer) {
   MtpHead& head = mtp_head(mtp_layer);
-  const StepContext step{batch, workspace, activation_dtype(), Tensor(), Tensor()};
+  StepContext step{batch, workspace, activation_dtype(), Tensor(), Tensor()};
+  step.communicator = communicator_;
   head.write_keys(step, caches.mtp, mtp_layer, embed_tokens_, hidden);
 }
 
@@ -169,6 +191,7 @@ void DecoderModel::mtp_forward(const ForwardBatch& batch, const ModelCaches& cac
   MtpHead& head = mtp_head(mtp_layer);
   const DType act = activation_dtype();
   StepContext step{batch, workspace, act, Tensor(), Tensor()};
+  step.communicator = communicator_;
   const size_t scratch = head.scratch_bytes(mtp_layer, batch, device_);
   if (scratch > 0) step.layer_scratch = workspace.alloc(DType::kU8, {static_cast<int64_t>(scratch)});
   const Tensor out = batch.hidden_out.empty() ? workspace.alloc(act, {batch.num_tokens, config_.hidden_size})

@@ -71,9 +71,15 @@ class DecoderModel : public Model {
   Tensor embed_tokens_, lm_head_;
   LayerStack trunk_;
   std::unique_ptr<MtpHead> mtp_;
+  Communicator* communicator_;  // the tensor-parallel group (null: one rank)
+  // The hidden columns lm_head_ [V, columns] covers: all of them, or a tensor-parallel rank's share.
+  IndexRange lm_head_columns_;
 };
 
-// Loads the embedding and the LM head (tied or not) of a decoder model.
+// Loads the embedding and the LM head (tied or not) of a decoder model. Under tensor parallelism the
+// LM head is the rank's share of the hidden columns [V, H / size] (when H splits evenly): the same
+// weight and FLOP share as a vocabulary split, summed by one all-reduce of the logits instead of an
+// all-gather and a transpose.
 Tensor load_embedding(Weights& weights, const ModelConfig& config);
 Tensor load_lm_head(Weights& weights, const ModelConfig& config, const Tensor& embedding);
 

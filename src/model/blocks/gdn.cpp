@@ -1,7 +1,7 @@
 #include "model/blocks/gdn.h"
 
 #include <cmath>
-#include <functional>
+#include <optional>
 #include <vector>
 
 #include "core/error.h"
@@ -14,39 +14,77 @@
 namespace metrale {
 namespace {
 
-// Reads the 2-D checkpoint tensor `key` [rows, cols] into `destination` (same shape, on the model's
-// device) with source row r placed at destination row destination_row(r). Random weights have no row
-// order to keep and are filled directly.
-void load_rows_permuted(Weights& weights, const std::string& key,
-                        const std::function<int64_t(int64_t)>& destination_row, const Tensor& destination) {
-  if (weights.is_random()) {
-    weights.load_into(key, destination);
-    return;
+// The source rows of the kernels' rows [Q | K | V | Z] and [B | A] of this rank's heads (all of them
+// when the mixer is whole), for either checkpoint layout: the gathers that load in_proj_*.
+struct GdnRows {
+  TensorSlice qkv, z, ba_b, ba_a;        // kSplit: rows of in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+  TensorSlice qkvz, ba;                  // kGroupedQkvz: rows of in_proj_qkvz, in_proj_ba (kernel order)
+  TensorSlice conv, heads, out_columns;  // conv1d channels, value heads (dt_bias, A_log), out_proj columns
+};
+
+GdnRows gdn_rows(const GdnConfig& full, const TensorParallel::GroupedHeads* share) {
+  const int64_t hk = full.num_k_heads, hv = full.num_v_heads, dk = full.head_k_dim, dv = full.head_v_dim;
+  const int64_t key_dim = full.key_dim(), conv_dim = full.conv_dim();
+  const IndexRange v_heads = share ? share->heads : IndexRange{0, hv};
+  const IndexRange k_heads = share ? share->groups : IndexRange{0, hk};
+  // Full kernel-order rows of this rank, in the local kernel order.
+  std::vector<int64_t> qkv, z, b, a;
+  append_rows(qkv, unit_rows(0, k_heads.begin, k_heads.size(), dk));
+  append_rows(qkv, unit_rows(key_dim, k_heads.begin, k_heads.size(), dk));
+  append_rows(qkv, unit_rows(2 * key_dim, v_heads.begin, v_heads.size(), dv));
+  append_rows(z, unit_rows(0, v_heads.begin, v_heads.size(), dv));
+  append_rows(b, v_heads);
+  append_rows(a, v_heads);
+  GdnRows rows;
+  if (share) {
+    rows.conv = TensorSlice::of_rows(qkv);
+    rows.heads = TensorSlice::of_rows(b);
+    rows.out_columns = TensorSlice::of_columns(v_heads.begin * dv, v_heads.end * dv);
   }
-  const std::string name = weights.prefix() + key;
-  const Tensor view = weights.store().get(name);
-  const std::string file = weights.store().file_of(name).path().string();
-  if (!(view.shape() == destination.shape())) {
-    raise(ErrorCode::kBadFormat, "{}: tensor '{}' has shape {}, expected {}", file, name, view.shape().to_string(),
-          destination.shape().to_string());
+  if (full.layout == GdnProjectionLayout::kSplit) {
+    if (share) {
+      rows.qkv = TensorSlice::of_rows(qkv);
+      rows.z = TensorSlice::of_rows(z);
+      rows.ba_b = TensorSlice::of_rows(b);
+      rows.ba_a = TensorSlice::of_rows(a);
+    }
+    return rows;
   }
-  if (!is_floating(view.dtype()) || view.dtype() == DType::kF8E4M3) {
-    raise(ErrorCode::kUnsupported, "{}: tensor '{}' has dtype {}; weights must be bf16, f16 or f32", file, name,
-          dtype_name(view.dtype()));
+  // Qwen3-Next groups the rows by key head g: [q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)] and
+  // [b_g (r) | a_g (r)]. source_of_* maps a kernel-order row [Q | K | V | Z], [B | A] to its stored row.
+  const int64_t ratio = hv / hk, group = 2 * dk + 2 * ratio * dv;
+  std::vector<int64_t> source_of_qkvz(static_cast<size_t>(conv_dim + full.value_dim()));
+  for (int64_t r = 0; r < static_cast<int64_t>(source_of_qkvz.size()); ++r) {
+    const int64_t g = r / group, offset = r % group;
+    int64_t kernel_row;
+    if (offset < dk) {
+      kernel_row = g * dk + offset;
+    } else if (offset < 2 * dk) {
+      kernel_row = key_dim + g * dk + (offset - dk);
+    } else if (offset < 2 * dk + ratio * dv) {
+      kernel_row = 2 * key_dim + g * ratio * dv + (offset - 2 * dk);
+    } else {
+      kernel_row = conv_dim + g * ratio * dv + (offset - 2 * dk - ratio * dv);
+    }
+    source_of_qkvz[static_cast<size_t>(kernel_row)] = r;
   }
-  const int64_t rows = view.size(0), cols = view.size(1);
-  const auto row_bytes = static_cast<int64_t>(static_cast<size_t>(cols) * destination.element_size());
-  std::vector<char> staging(static_cast<size_t>(rows * row_bytes));
-  std::vector<float> row(static_cast<size_t>(cols));
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t to = destination_row(r);
-    METRALE_CHECK(to >= 0 && to < rows, "row {} of '{}' maps to {}", r, name, to);
-    convert_to_f32(view.dtype(),
-                   static_cast<const char*>(view.data()) + r * cols * static_cast<int64_t>(view.element_size()),
-                   row.data(), row.size());
-    convert_from_f32(destination.dtype(), row.data(), staging.data() + to * row_bytes, row.size());
+  std::vector<int64_t> source_of_ba(static_cast<size_t>(2 * hv));
+  for (int64_t r = 0; r < 2 * hv; ++r) {
+    const int64_t g = r / (2 * ratio), offset = r % (2 * ratio);
+    source_of_ba[static_cast<size_t>(offset < ratio ? g * ratio + offset : hv + g * ratio + (offset - ratio))] = r;
   }
-  copy_bytes(destination.data(), destination.device(), staging.data(), Device::cpu(), staging.size());
+  for (const int64_t row : qkv) rows.qkvz.rows.push_back(source_of_qkvz[static_cast<size_t>(row)]);
+  for (const int64_t row : z) rows.qkvz.rows.push_back(source_of_qkvz[static_cast<size_t>(conv_dim + row)]);
+  for (const int64_t row : b) rows.ba.rows.push_back(source_of_ba[static_cast<size_t>(row)]);
+  for (const int64_t row : a) rows.ba.rows.push_back(source_of_ba[static_cast<size_t>(hv + row)]);
+  return rows;
+}
+
+// This rank's heads: the whole mixer unless tensor parallelism splits its value heads (with the key
+// heads they read, as grouped-query attention does).
+std::optional<TensorParallel::GroupedHeads> gdn_share(const GdnConfig& config, const TensorParallel& tensor_parallel) {
+  if (!tensor_parallel.active()) return std::nullopt;
+  return tensor_parallel.grouped_heads(config.num_v_heads, config.num_k_heads);
 }
 
 }  // namespace
@@ -60,7 +98,16 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
           "{}, conv kernel {}); value heads must be a multiple of key heads",
           weights.source_name(), hk, hv, dk, dv, config.conv_kernel);
   }
-  const int64_t key_dim = config.key_dim(), value_dim = config.value_dim(), conv_dim = config.conv_dim();
+  const std::optional<TensorParallel::GroupedHeads> share = gdn_share(config, weights.tensor_parallel());
+  const GdnRows rows = gdn_rows(config, share ? &*share : nullptr);
+  partial_ = share.has_value();
+  if (share) {
+    config_.num_v_heads = share->heads.size();
+    config_.num_k_heads = share->groups.size();
+  }
+  // Stored (full) and local sizes.
+  const int64_t full_conv = config.conv_dim(), full_value = config.value_dim();
+  const int64_t local_hv = config_.num_v_heads, conv_dim = config_.conv_dim(), value_dim = config_.value_dim();
   const Device device = weights.device();
   // Owned projections take the dtype weights have on the device (the compute dtype on the GPU, as
   // stored on the CPU).
@@ -69,72 +116,62 @@ GatedDeltaNet::GatedDeltaNet(const GdnConfig& config, Weights& weights, const st
     return weights.device_dtype(weights.store().get(weights.prefix() + key).dtype());
   };
   if (config.layout == GdnProjectionLayout::kGroupedQkvz) {
-    // Per key head g: [q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)] -> [Q | K | V | Z]; [b_g (r) | a_g (r)] -> [B |
-    // A].
-    const int64_t ratio = hv / hk, group = 2 * dk + 2 * ratio * dv;
-    const auto qkvz_row = [=](int64_t r) {
-      const int64_t g = r / group, offset = r % group;
-      if (offset < dk) return g * dk + offset;
-      if (offset < 2 * dk) return key_dim + g * dk + (offset - dk);
-      if (offset < 2 * dk + ratio * dv) return 2 * key_dim + g * ratio * dv + (offset - 2 * dk);
-      return conv_dim + g * ratio * dv + (offset - 2 * dk - ratio * dv);
-    };
-    const auto ba_row = [=](int64_t r) {
-      const int64_t g = r / (2 * ratio), offset = r % (2 * ratio);
-      return offset < ratio ? g * ratio + offset : hv + g * ratio + (offset - ratio);
-    };
-    // FP8 (stored, or quantised at load): permuted on the host in fp32, then block-quantised.
+    // The grouped rows are gathered into the kernels' order (FP8: dequantised, gathered and
+    // block-quantised again, Weights::get_linear of a row slice).
     const std::string qkvz_key = prefix + "in_proj_qkvz.weight", ba_key = prefix + "in_proj_ba.weight";
+    const Shape qkvz_full{full_conv + full_value, h}, ba_full{2 * hv, h};
     if (!weights.linear_is_fp8(qkvz_key) && !weights.linear_is_fp8(ba_key) &&
         owned_dtype(qkvz_key) == owned_dtype(ba_key)) {
       // Both plain: one weight [QKVZ; BA], one GEMM for every projection of the mixer.
-      in_proj_ = OwnedTensor(owned_dtype(qkvz_key), {conv_dim + value_dim + 2 * hv, h}, device);
-      load_rows_permuted(weights, qkvz_key, qkvz_row, in_proj_->slice(0, 0, conv_dim + value_dim));
-      load_rows_permuted(weights, ba_key, ba_row,
-                         in_proj_->slice(0, conv_dim + value_dim, conv_dim + value_dim + 2 * hv));
-    } else if (weights.linear_is_fp8(qkvz_key)) {
-      qkvz_proj_ = weights.get_linear_permuted(qkvz_key, {conv_dim + value_dim, h}, qkvz_row);
+      in_proj_ = OwnedTensor(owned_dtype(qkvz_key), {conv_dim + value_dim + 2 * local_hv, h}, device);
+      weights.load_into(qkvz_key, qkvz_full, rows.qkvz, in_proj_->slice(0, 0, conv_dim + value_dim));
+      weights.load_into(ba_key, ba_full, rows.ba,
+                        in_proj_->slice(0, conv_dim + value_dim, conv_dim + value_dim + 2 * local_hv));
     } else {
-      in_proj_qkvz_ = OwnedTensor(owned_dtype(qkvz_key), {conv_dim + value_dim, h}, device);
-      load_rows_permuted(weights, qkvz_key, qkvz_row, *in_proj_qkvz_);
-      qkvz_proj_ = *in_proj_qkvz_;
-    }
-    if (!in_proj_->empty()) {
-      // loaded above
-    } else if (weights.linear_is_fp8(ba_key)) {
-      ba_proj_ = weights.get_linear_permuted(ba_key, {2 * hv, h}, ba_row);
-    } else {
-      in_proj_ba_ = OwnedTensor(owned_dtype(ba_key), {2 * hv, h}, device);
-      load_rows_permuted(weights, ba_key, ba_row, *in_proj_ba_);
-      ba_proj_ = *in_proj_ba_;
+      if (weights.linear_is_fp8(qkvz_key)) {
+        qkvz_proj_ = weights.get_linear(qkvz_key, qkvz_full, rows.qkvz);
+      } else {
+        in_proj_qkvz_ = OwnedTensor(owned_dtype(qkvz_key), {conv_dim + value_dim, h}, device);
+        weights.load_into(qkvz_key, qkvz_full, rows.qkvz, *in_proj_qkvz_);
+        qkvz_proj_ = *in_proj_qkvz_;
+      }
+      if (weights.linear_is_fp8(ba_key)) {
+        ba_proj_ = weights.get_linear(ba_key, ba_full, rows.ba);
+      } else {
+        in_proj_ba_ = OwnedTensor(owned_dtype(ba_key), {2 * local_hv, h}, device);
+        weights.load_into(ba_key, ba_full, rows.ba, *in_proj_ba_);
+        ba_proj_ = *in_proj_ba_;
+      }
     }
   } else if (device.is_cuda() && !weights.fp8_linears()) {
     // One GEMM for every projection on the GPU: the checkpoint's rows placed side by side,
     // [QKV; Z; B; A].
     const int64_t qkvz_rows = conv_dim + value_dim;
-    in_proj_ = OwnedTensor(weights.compute_dtype(), {qkvz_rows + 2 * hv, h}, device);
-    weights.load_into(prefix + "in_proj_qkv.weight", in_proj_->slice(0, 0, conv_dim));
-    weights.load_into(prefix + "in_proj_z.weight", in_proj_->slice(0, conv_dim, qkvz_rows));
-    weights.load_into(prefix + "in_proj_b.weight", in_proj_->slice(0, qkvz_rows, qkvz_rows + hv));
-    weights.load_into(prefix + "in_proj_a.weight", in_proj_->slice(0, qkvz_rows + hv, qkvz_rows + 2 * hv));
+    in_proj_ = OwnedTensor(weights.compute_dtype(), {qkvz_rows + 2 * local_hv, h}, device);
+    weights.load_into(prefix + "in_proj_qkv.weight", {full_conv, h}, rows.qkv, in_proj_->slice(0, 0, conv_dim));
+    weights.load_into(prefix + "in_proj_z.weight", {full_value, h}, rows.z, in_proj_->slice(0, conv_dim, qkvz_rows));
+    weights.load_into(prefix + "in_proj_b.weight", {hv, h}, rows.ba_b,
+                      in_proj_->slice(0, qkvz_rows, qkvz_rows + local_hv));
+    weights.load_into(prefix + "in_proj_a.weight", {hv, h}, rows.ba_a,
+                      in_proj_->slice(0, qkvz_rows + local_hv, qkvz_rows + 2 * local_hv));
   } else {
-    in_proj_qkv_ = weights.get_linear(prefix + "in_proj_qkv.weight", {conv_dim, h});
-    in_proj_z_ = weights.get_linear(prefix + "in_proj_z.weight", {value_dim, h});
-    in_proj_b_ = weights.get_linear(prefix + "in_proj_b.weight", {hv, h});
-    in_proj_a_ = weights.get_linear(prefix + "in_proj_a.weight", {hv, h});
+    in_proj_qkv_ = weights.get_linear(prefix + "in_proj_qkv.weight", {full_conv, h}, rows.qkv);
+    in_proj_z_ = weights.get_linear(prefix + "in_proj_z.weight", {full_value, h}, rows.z);
+    in_proj_b_ = weights.get_linear(prefix + "in_proj_b.weight", {hv, h}, rows.ba_b);
+    in_proj_a_ = weights.get_linear(prefix + "in_proj_a.weight", {hv, h}, rows.ba_a);
   }
   if (!in_proj_->empty()) {
     const int64_t qkvz_rows = conv_dim + value_dim;
     qkvz_proj_ = in_proj_->slice(0, 0, qkvz_rows);
-    ba_proj_ = in_proj_->slice(0, qkvz_rows, qkvz_rows + 2 * hv);
+    ba_proj_ = in_proj_->slice(0, qkvz_rows, qkvz_rows + 2 * local_hv);
   }
   // conv1d.weight [conv_dim, 1, K] as the [conv_dim, K] the kernel takes.
-  conv_weight_ =
-      weights.get(prefix + "conv1d.weight", {conv_dim, 1, config.conv_kernel}).reshape({conv_dim, config.conv_kernel});
-  dt_bias_ = weights.get(prefix + "dt_bias", {hv});
-  a_log_ = weights.get(prefix + "A_log", {hv});
+  conv_weight_ = weights.get(prefix + "conv1d.weight", {full_conv, 1, config.conv_kernel}, rows.conv)
+                     .reshape({conv_dim, config.conv_kernel});
+  dt_bias_ = weights.get(prefix + "dt_bias", {hv}, rows.heads);
+  a_log_ = weights.get(prefix + "A_log", {hv}, rows.heads);
   norm_weight_ = weights.get(prefix + "norm.weight", {dv});
-  out_proj_ = weights.get_linear(prefix + "out_proj.weight", {h, value_dim});
+  out_proj_ = weights.get_linear(prefix + "out_proj.weight", {h, full_value}, rows.out_columns);
 }
 
 CacheSpec GatedDeltaNet::cache_spec() const {

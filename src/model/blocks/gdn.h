@@ -56,6 +56,10 @@ struct GdnConfig {
   int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
 };
 
+// Under tensor parallelism (Weights::tensor_parallel) a rank keeps its share of the value heads and of
+// the key heads they read (TensorParallel::grouped_heads), their rows of the input projections, conv
+// channels, gates and state, and the matching out_proj columns; its output is a partial sum. Head
+// counts that do not split keep the mixer whole on every rank.
 class GatedDeltaNet : public Mixer {
  public:
   // Loads `<prefix>in_proj_*`, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`, `out_proj.weight`.
@@ -64,6 +68,7 @@ class GatedDeltaNet : public Mixer {
   CacheSpec cache_spec() const override;
   size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
   void forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) override;
+  bool output_is_partial() const override { return partial_; }
   size_t verify_scratch_bytes(int64_t num_tokens, int64_t num_seqs, DType activation) const override;
   void commit(const StepContext& step, const BlockCache& cache, const VerifyCommit& kept_rows) override;
 
@@ -81,7 +86,8 @@ class GatedDeltaNet : public Mixer {
 
   static constexpr size_t kConv = 0, kRecurrent = 1;  // BlockCache::tensors
 
-  GdnConfig config_;
+  GdnConfig config_;  // this rank's heads
+  bool partial_ = false;
   // [conv_dim + value_dim, H] rows [Q | K | V | Z] and [2 Hv, H] rows [B | A], when fused (GPU with
   // bf16 weights, or the permuted Qwen3-Next layout): views of the owned plain copies below, or FP8
   // weights; otherwise the four split projections after them are used (plain or FP8).

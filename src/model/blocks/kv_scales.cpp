@@ -39,10 +39,16 @@ std::string format_scales(const std::vector<float>& values) {
 }  // namespace
 
 AttentionKvScales::AttentionKvScales(Weights& weights, const std::string& prefix, int64_t num_kv_heads)
+    : AttentionKvScales(weights, prefix, num_kv_heads, {0, num_kv_heads}) {}
+
+AttentionKvScales::AttentionKvScales(Weights& weights, const std::string& prefix, int64_t num_kv_heads,
+                                     IndexRange heads)
     : name_(weights.prefix() + prefix.substr(0, prefix.ends_with('.') ? prefix.size() - 1 : prefix.size())),
-      num_kv_heads_(num_kv_heads),
+      num_kv_heads_(heads.size()),
       dtype_(weights.kv_cache().dtype),
       calibrate_(weights.kv_cache().calculate_scales) {
+  METRALE_CHECK(heads.begin >= 0 && heads.begin < heads.end && heads.end <= num_kv_heads, "KV heads [{}, {}) of {}",
+                heads.begin, heads.end, num_kv_heads);
   std::vector<float> k_scales(static_cast<size_t>(num_kv_heads), 1.0f), v_scales = k_scales;
   bool from_checkpoint = false;
   if (weights.has_stored(prefix + "k_scale") || weights.has_stored(prefix + "v_scale")) {
@@ -50,8 +56,11 @@ AttentionKvScales::AttentionKvScales(Weights& weights, const std::string& prefix
     v_scales = per_head(weights.read_host_values(prefix + "v_scale"), num_kv_heads, weights, prefix + "v_scale");
     from_checkpoint = true;
   }
+  // This block's heads only (a tensor-parallel rank's share).
+  k_scales = {k_scales.begin() + heads.begin, k_scales.begin() + heads.end};
+  v_scales = {v_scales.begin() + heads.begin, v_scales.begin() + heads.end};
   if (dtype_ != DType::kF8E4M3) return;  // other caches store keys and values as they are
-  scales_ = OwnedTensor(DType::kF32, {2, num_kv_heads}, weights.device());
+  scales_ = OwnedTensor(DType::kF32, {2, num_kv_heads_}, weights.device());
   upload(k_scales, v_scales);
   using Source = KvScaleTally::Source;
   weights.kv_scale_tally().add(calibrate_        ? Source::kCalibration

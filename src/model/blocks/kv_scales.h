@@ -24,6 +24,8 @@ namespace metrale {
 class AttentionKvScales {
  public:
   AttentionKvScales(Weights& weights, const std::string& prefix, int64_t num_kv_heads);
+  // The scales of KV heads `heads` of the layer's `num_kv_heads` (a tensor-parallel rank's share).
+  AttentionKvScales(Weights& weights, const std::string& prefix, int64_t num_kv_heads, IndexRange heads);
 
   // The dtype the layer declares for its K and V cache tensors (nullopt: the activation dtype).
   std::optional<DType> cache_dtype() const { return dtype_; }

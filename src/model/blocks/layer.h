@@ -14,6 +14,8 @@
 
 namespace metrale {
 
+class Communicator;
+
 // What a block needs from the step besides its input: the batch metadata and the scratch arena.
 struct StepContext {
   const ForwardBatch& batch;
@@ -32,6 +34,8 @@ struct StepContext {
   // layer of the forward, so it outlives the per-layer temporaries and later blocks of the same
   // forward can read it; its address is the same for every step of one batch shape (graph replays).
   Tensor step_output = Tensor();
+  // The tensor-parallel group that partial block outputs are summed over (null: one rank).
+  Communicator* communicator = nullptr;
 };
 
 // What a stateful block lets the engine do; the model reports the conjunction (disjunction for
@@ -86,6 +90,9 @@ class Mixer : public StatefulBlock {
   virtual size_t scratch_bytes(const ForwardBatch& /*batch*/, Device /*device*/) const { return 0; }
   // x [T, H] (the site input); out [T, H] is overwritten.
   virtual void forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) = 0;
+  // Whether `out` is this tensor-parallel rank's partial sum of the output (model/tensor_parallel.h):
+  // the layer stack all-reduces it over the group before the residual scheme takes it.
+  virtual bool output_is_partial() const { return false; }
   // Only what forward() writes to the cache for x's rows (the batch's positions and slot_mapping),
   // without computing the output: the MTP head's keys of positions that draft nothing. Attention
   // mixers only.
@@ -108,6 +115,8 @@ class FeedForward {
   virtual ~FeedForward() = default;
   // x [T, H]; out [T, H] is overwritten.
   virtual void forward(const StepContext& step, const Tensor& x, const Tensor& out) = 0;
+  // As Mixer::output_is_partial.
+  virtual bool output_is_partial() const { return false; }
   // Expected bytes of weights that a step of `rows` rows reads only because some row selected them
   // (weights every step reads do not count): the cost feature of blocks whose weight traffic grows
   // with the rows, such as routed experts. 0 for a block that reads all its weights for any row.

@@ -3,12 +3,19 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "runtime/communicator.h"
 
 namespace metrale {
 namespace {
 
 // Regions of the verify scratch start on 256-byte boundaries (vectorised device access).
 constexpr size_t kVerifyRegionAlignment = 256;
+
+// A tensor-parallel block's partial site output [T, H] becomes the sum over the group.
+void sum_partial_output(const StepContext& step, const Tensor& out) {
+  METRALE_CHECK(step.communicator != nullptr, "a tensor-parallel share of a block ran without its group");
+  step.communicator->all_reduce_sum(out);
+}
 
 }  // namespace
 
@@ -186,8 +193,10 @@ void LayerStack::forward(const StepContext& step, std::span<const BlockCache> ca
       }
       const size_t mixer_block = layer_first_block_[static_cast<size_t>(i) + 1] - 1;
       layer.mixer->forward(block_step(step, mixer_block, verify_offsets, step_outputs), caches[mixer_block], x, out);
+      if (layer.mixer->output_is_partial()) sum_partial_output(step, out);
       scheme.post_pre(step, streams, 2 * i, out, x);
       layer.ffn->forward(step, x, out);
+      if (layer.ffn->output_is_partial()) sum_partial_output(step, out);
       if (i + 1 == last) {
         scheme.post_finish(step, streams, 2 * i + 1, out, hidden);
       } else if (layers_[static_cast<size_t>(i) + 1].stream_blocks.empty()) {

@@ -24,15 +24,33 @@ void SwiGluWeights::run(const StepContext& step, const Tensor& x, const Tensor& 
 
 Mlp::Mlp(Weights& weights, const std::string& prefix, int64_t hidden_size, int64_t intermediate_size,
          float swiglu_limit) {
-  weights_.limit = swiglu_limit;
-  const std::string keys[] = {prefix + "gate_proj.weight", prefix + "up_proj.weight"};
-  const int64_t rows[] = {intermediate_size, intermediate_size};
-  weights_.gate_up = weights.get_fused_linear(keys, rows, hidden_size);
-  if (weights_.gate_up.empty()) {
-    weights_.gate = weights.get_linear(keys[0], {intermediate_size, hidden_size});
-    weights_.up = weights.get_linear(keys[1], {intermediate_size, hidden_size});
+  weights_ = load_swiglu(weights, prefix, hidden_size, intermediate_size, swiglu_limit, /*fuse=*/true);
+  partial_ = weights_.intermediate_size() != intermediate_size;
+}
+
+SwiGluWeights load_swiglu(Weights& weights, const std::string& prefix, int64_t hidden_size, int64_t intermediate_size,
+                          float swiglu_limit, bool fuse) {
+  SwiGluWeights loaded;
+  loaded.limit = swiglu_limit;
+  const TensorParallel& tensor_parallel = weights.tensor_parallel();
+  const std::optional<IndexRange> share =
+      tensor_parallel.active() ? tensor_parallel.even_share(intermediate_size) : std::nullopt;
+  const int64_t width = share ? share->size() : intermediate_size;
+  TensorSlice rows, columns;  // gate and up rows, down columns: this rank's intermediate units
+  if (share) {
+    append_rows(rows.rows, *share);
+    columns = TensorSlice::of_columns(share->begin, share->end);
   }
-  weights_.down = weights.get_linear(prefix + "down_proj.weight", {hidden_size, intermediate_size});
+  const std::string keys[] = {prefix + "gate_proj.weight", prefix + "up_proj.weight"};
+  const int64_t local_rows[] = {width, width}, full_rows[] = {intermediate_size, intermediate_size};
+  const TensorSlice slices[] = {rows, rows};
+  if (fuse) loaded.gate_up = weights.get_fused_linear(keys, local_rows, hidden_size, slices, full_rows);
+  if (loaded.gate_up.empty()) {
+    loaded.gate = weights.get_linear(keys[0], {intermediate_size, hidden_size}, rows);
+    loaded.up = weights.get_linear(keys[1], {intermediate_size, hidden_size}, rows);
+  }
+  loaded.down = weights.get_linear(prefix + "down_proj.weight", {hidden_size, intermediate_size}, columns);
+  return loaded;
 }
 
 void Mlp::forward(const StepContext& step, const Tensor& x, const Tensor& out) {

@@ -21,15 +21,25 @@ struct SwiGluWeights {
   void run(const StepContext& step, const Tensor& x, const Tensor& out, bool accumulate = false) const;
 };
 
+// Loads `<prefix>{gate,up,down}_proj.weight` of a SwiGLU of `intermediate_size` units; `fuse`: gate and
+// up in one weight where Weights::get_fused_linear can. Under tensor parallelism
+// (Weights::tensor_parallel) the rank's even share of the units when they split evenly: the matching
+// gate and up rows and down columns (the result's intermediate_size() tells), whose output is then a
+// partial sum; otherwise all of them.
+SwiGluWeights load_swiglu(Weights& weights, const std::string& prefix, int64_t hidden_size, int64_t intermediate_size,
+                          float swiglu_limit, bool fuse);
+
 class Mlp : public FeedForward {
  public:
   // Loads `<prefix>{gate,up,down}_proj.weight`; swiglu_limit > 0 clamps the projections.
   Mlp(Weights& weights, const std::string& prefix, int64_t hidden_size, int64_t intermediate_size,
       float swiglu_limit = 0.0f);
   void forward(const StepContext& step, const Tensor& x, const Tensor& out) override;
+  bool output_is_partial() const override { return partial_; }
 
  private:
   SwiGluWeights weights_;
+  bool partial_ = false;  // a tensor-parallel share of the units
 };
 
 }  // namespace metrale

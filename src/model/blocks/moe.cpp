@@ -24,17 +24,21 @@ bool decode_fusion_enabled() {
 
 }  // namespace
 
-Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) : config_(config) {
+Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix)
+    : config_(config), full_intermediate_(config.expert_intermediate_size) {
   const int64_t e_count = config.num_experts, h = config.hidden_size;
   if (!weights.has(prefix + "experts.gate_up_proj") && !weights.has(prefix + "experts.0.gate_proj.weight")) {
     raise(ErrorCode::kNotFound, "{}: no experts under '{}{}experts.' (neither fused gate_up_proj nor per-expert keys)",
           weights.source_name(), weights.prefix(), prefix);
   }
   const bool on_cpu = weights.device().is_cpu();
+  const bool fused = weights.has(prefix + "experts.gate_up_proj");
+  const bool fp8_experts =
+      weights.linear_is_fp8(prefix + (fused ? "experts.gate_up_proj" : "experts.0.gate_proj.weight"));
+  choose_share(weights.tensor_parallel(), fp8_experts);
   router_ = on_cpu ? weights.get(prefix + "gate.weight", {e_count, h})
                    : load_device(weights, prefix + "gate.weight", {e_count, h});
-  const bool fused = weights.has(prefix + "experts.gate_up_proj");
-  if (weights.linear_is_fp8(prefix + (fused ? "experts.gate_up_proj" : "experts.0.gate_proj.weight"))) {
+  if (fp8_experts) {
     load_experts_fp8(weights, prefix, fused);
   } else if (on_cpu) {
     load_experts_cpu(weights, prefix);
@@ -48,32 +52,7 @@ Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) :
     correction_bias_ = *bias;
     owned_.push_back(std::move(bias));
   }
-  if (config.shared_expert_intermediate_size > 0) {
-    const int64_t s = config.shared_expert_intermediate_size;
-    // Plain on the CPU (views into the mapping), compute-dtype copies on the GPU, or FP8 on either.
-    const auto get = [&](const std::string& key, const Shape& shape) -> kernels::LinearWeight {
-      if (on_cpu || weights.linear_is_fp8(prefix + key)) return weights.get_linear(prefix + key, shape);
-      return load_device(weights, prefix + key, shape);
-    };
-    const std::string& shared = config.shared_expert_prefix;
-    shared_expert_ = SwiGluWeights{get(shared + "gate_proj.weight", {s, h}), get(shared + "up_proj.weight", {s, h}),
-                                   get(shared + "down_proj.weight", {h, s}), Tensor(), config.swiglu_limit};
-    if (config.shared_expert_gated && on_cpu) {
-      shared_expert_gate_ = weights.get(prefix + "shared_expert_gate.weight", {1, h});
-    } else if (config.shared_expert_gated) {
-      // On the GPU the gate is row E of the router's weight: one GEMV computes both logits.
-      OwnedTensor router_and_gate(weights.compute_dtype(), {e_count + 1, h}, weights.device());
-      weights.load_into(prefix + "gate.weight", router_and_gate->slice(0, 0, e_count));
-      weights.load_into(prefix + "shared_expert_gate.weight", router_and_gate->slice(0, e_count, e_count + 1));
-      router_and_gate_ = *router_and_gate;
-      router_ = router_and_gate_.slice(0, 0, e_count);
-      shared_expert_gate_ = router_and_gate_.slice(0, e_count, e_count + 1);
-      owned_.push_back(std::move(router_and_gate));
-    }
-    if (s == config.expert_intermediate_size) {
-      shared_slot_ = kernels::MoeSharedExpert{shared_expert_->gate, shared_expert_->up, shared_expert_->down};
-    }
-  }
+  if (config.shared_expert_intermediate_size > 0) load_shared_expert(weights, prefix);
   // The decode path folds the shared expert into the routed expert kernels (one more slot per
   // token) and the combine into the down projections when the shapes and formats allow it.
   fused_decode_ = kernels::moe_shared_expert_fits(experts_, shared_slot_) &&
@@ -82,42 +61,105 @@ Moe::Moe(const MoeConfig& config, Weights& weights, const std::string& prefix) :
   if (!fused_decode_) shared_slot_ = {};
 }
 
+void Moe::choose_share(const TensorParallel& tensor_parallel, bool fp8_experts) {
+  // Split only when the routed and the shared experts' units both split: a partial output is all
+  // partial. FP8 experts stay whole (their fused loads read whole rows of 128-column scale blocks).
+  if (!tensor_parallel.active() || fp8_experts) return;
+  const std::optional<IndexRange> units = tensor_parallel.even_share(config_.expert_intermediate_size);
+  const int64_t shared = config_.shared_expert_intermediate_size;
+  const std::optional<IndexRange> shared_units = tensor_parallel.even_share(shared);
+  if (!units || (shared > 0 && !shared_units)) return;
+  partial_ = true;
+  append_rows(expert_rows_.rows, *units);
+  append_rows(expert_rows_.rows, {full_intermediate_ + units->begin, full_intermediate_ + units->end});
+  expert_columns_ = TensorSlice::of_columns(units->begin, units->end);
+  config_.expert_intermediate_size = units->size();
+  if (shared > 0) {
+    full_shared_intermediate_ = shared;
+    append_rows(shared_rows_.rows, *shared_units);
+    shared_columns_ = TensorSlice::of_columns(shared_units->begin, shared_units->end);
+    config_.shared_expert_intermediate_size = shared_units->size();
+  }
+}
+
+void Moe::load_shared_expert(Weights& weights, const std::string& prefix) {
+  const int64_t e_count = config_.num_experts, h = config_.hidden_size, s = config_.shared_expert_intermediate_size;
+  const int64_t full = partial_ ? full_shared_intermediate_ : s;
+  const bool on_cpu = weights.device().is_cpu();
+  // Plain on the CPU (views into the mapping), compute-dtype copies on the GPU, or FP8 on either.
+  const auto get = [&](const std::string& key, const Shape& shape, const TensorSlice& slice) -> kernels::LinearWeight {
+    if (on_cpu || weights.linear_is_fp8(prefix + key)) return weights.get_linear(prefix + key, shape, slice);
+    return load_device(weights, prefix + key, shape, slice);
+  };
+  const std::string& shared = config_.shared_expert_prefix;
+  shared_expert_ =
+      SwiGluWeights{get(shared + "gate_proj.weight", {full, h}, shared_rows_),
+                    get(shared + "up_proj.weight", {full, h}, shared_rows_),
+                    get(shared + "down_proj.weight", {h, full}, shared_columns_), Tensor(), config_.swiglu_limit};
+  if (config_.shared_expert_gated && on_cpu) {
+    shared_expert_gate_ = weights.get(prefix + "shared_expert_gate.weight", {1, h});
+  } else if (config_.shared_expert_gated) {
+    // On the GPU the gate is row E of the router's weight: one GEMV computes both logits.
+    OwnedTensor router_and_gate(weights.compute_dtype(), {e_count + 1, h}, weights.device());
+    weights.load_into(prefix + "gate.weight", router_and_gate->slice(0, 0, e_count));
+    weights.load_into(prefix + "shared_expert_gate.weight", router_and_gate->slice(0, e_count, e_count + 1));
+    router_and_gate_ = *router_and_gate;
+    router_ = router_and_gate_.slice(0, 0, e_count);
+    shared_expert_gate_ = router_and_gate_.slice(0, e_count, e_count + 1);
+    owned_.push_back(std::move(router_and_gate));
+  }
+  if (s == config_.expert_intermediate_size) {
+    shared_slot_ = kernels::MoeSharedExpert{shared_expert_->gate, shared_expert_->up, shared_expert_->down};
+  }
+}
+
 void Moe::load_experts_cpu(Weights& weights, const std::string& prefix) {
-  const int64_t e_count = config_.num_experts, h = config_.hidden_size, i = config_.expert_intermediate_size;
+  const int64_t e_count = config_.num_experts, h = config_.hidden_size, i = config_.expert_intermediate_size,
+                full = full_intermediate_;
   if (weights.has(prefix + "experts.gate_up_proj")) {
-    experts_ = kernels::MoeExpertWeights::from_fused(weights.get(prefix + "experts.gate_up_proj", {e_count, 2 * i, h}),
-                                                     weights.get(prefix + "experts.down_proj", {e_count, h, i}));
+    TensorSlice rows = expert_rows_;
+    rows.row_dim = 1;  // [E, 2I, H]: the rows of each expert
+    experts_ = kernels::MoeExpertWeights::from_fused(
+        weights.get(prefix + "experts.gate_up_proj", {e_count, 2 * full, h}, rows),
+        weights.get(prefix + "experts.down_proj", {e_count, h, full}, expert_columns_));
     return;
   }
   experts_.num_experts = e_count;
   experts_.hidden_size = h;
   experts_.intermediate_size = i;
+  // Per expert: this rank's gate rows and up rows (the first and second half of expert_rows_).
+  const TensorSlice gate_rows =
+      partial_ ? TensorSlice::of_rows({expert_rows_.rows.begin(), expert_rows_.rows.begin() + i}) : TensorSlice{};
   for (int64_t e = 0; e < e_count; ++e) {
     const std::string key = prefix + "experts." + std::to_string(e) + ".";
-    experts_.gate.push_back(weights.get(key + "gate_proj.weight", {i, h}));
-    experts_.up.push_back(weights.get(key + "up_proj.weight", {i, h}));
-    experts_.down.push_back(weights.get(key + "down_proj.weight", {h, i}));
+    experts_.gate.push_back(weights.get(key + "gate_proj.weight", {full, h}, gate_rows));
+    experts_.up.push_back(weights.get(key + "up_proj.weight", {full, h}, gate_rows));
+    experts_.down.push_back(weights.get(key + "down_proj.weight", {h, full}, expert_columns_));
   }
 }
 
 void Moe::load_experts_device(Weights& weights, const std::string& prefix) {
   // The checkpoint's expert tensors are read from the mapping and placed straight into the fused
   // buffers (Weights::get would keep a second device copy of every expert alive).
-  const auto place = [&](const std::string& key, const Tensor& destination) { weights.load_into(key, destination); };
-  const int64_t e_count = config_.num_experts, h = config_.hidden_size, i = config_.expert_intermediate_size;
+  const int64_t e_count = config_.num_experts, h = config_.hidden_size, i = config_.expert_intermediate_size,
+                full = full_intermediate_;
   const Device device = weights.device();
   OwnedTensor gate_up(weights.compute_dtype(), {e_count, 2 * i, h}, device);
   OwnedTensor down(weights.compute_dtype(), {e_count, h, i}, device);
   if (weights.has(prefix + "experts.gate_up_proj")) {
-    place(prefix + "experts.gate_up_proj", *gate_up);
-    place(prefix + "experts.down_proj", *down);
+    TensorSlice rows = expert_rows_;
+    rows.row_dim = 1;
+    weights.load_into(prefix + "experts.gate_up_proj", {e_count, 2 * full, h}, rows, *gate_up);
+    weights.load_into(prefix + "experts.down_proj", {e_count, h, full}, expert_columns_, *down);
   } else {
+    const TensorSlice gate_rows =
+        partial_ ? TensorSlice::of_rows({expert_rows_.rows.begin(), expert_rows_.rows.begin() + i}) : TensorSlice{};
     for (int64_t e = 0; e < e_count; ++e) {
       const std::string key = prefix + "experts." + std::to_string(e) + ".";
       const Tensor expert = gate_up->select(0, e);  // [2I, H]: gate rows, then up rows
-      place(key + "gate_proj.weight", expert.slice(0, 0, i));
-      place(key + "up_proj.weight", expert.slice(0, i, 2 * i));
-      place(key + "down_proj.weight", down->select(0, e));
+      weights.load_into(key + "gate_proj.weight", {full, h}, gate_rows, expert.slice(0, 0, i));
+      weights.load_into(key + "up_proj.weight", {full, h}, gate_rows, expert.slice(0, i, 2 * i));
+      weights.load_into(key + "down_proj.weight", {h, full}, expert_columns_, down->select(0, e));
     }
   }
   experts_ = kernels::MoeExpertWeights::from_fused(*gate_up, *down);
@@ -152,9 +194,9 @@ void Moe::load_experts_fp8(Weights& weights, const std::string& prefix, bool fus
   for (OwnedTensor* owned : {&gate_up, &gate_up_scale, &down, &down_scale}) owned_.push_back(std::move(*owned));
 }
 
-Tensor Moe::load_device(Weights& weights, const std::string& key, const Shape& shape) {
-  OwnedTensor placed(weights.compute_dtype(), shape, weights.device());
-  weights.load_into(key, *placed);
+Tensor Moe::load_device(Weights& weights, const std::string& key, const Shape& shape, const TensorSlice& slice) {
+  OwnedTensor placed(weights.compute_dtype(), slice.shape_of(shape), weights.device());
+  weights.load_into(key, shape, slice, *placed);
   const Tensor view = *placed;
   owned_.push_back(std::move(placed));
   return view;

@@ -62,15 +62,23 @@ struct MoeConfig {
   bool shared_expert_gated = true;
 };
 
+// Under tensor parallelism (Weights::tensor_parallel) a rank keeps its even share of every expert's
+// intermediate units (and of the shared expert's): the matching gate and up rows and down columns;
+// the router and the shared expert's gate stay whole (every rank routes alike), and the output is a
+// partial sum. Units that do not split evenly, and FP8 experts, keep the block whole on every rank.
 class Moe : public FeedForward {
  public:
   Moe(const MoeConfig& config, Weights& weights, const std::string& prefix);
   void forward(const StepContext& step, const Tensor& x, const Tensor& out) override;
+  bool output_is_partial() const override { return partial_; }
   // Uniform routing: `rows` rows choosing top_k of E experts touch E (1 - (1 - top_k / E)^rows)
   // distinct experts in expectation, each 3 x H x I weights (gate, up, down).
   double routed_weight_bytes(int64_t rows) const override;
 
  private:
+  // Sets the tensor-parallel share (partial_, the slices, the local sizes in config_).
+  void choose_share(const TensorParallel& tensor_parallel, bool fp8_experts);
+  void load_shared_expert(Weights& weights, const std::string& prefix);
   void load_experts_cpu(Weights& weights, const std::string& prefix);
   void load_experts_device(Weights& weights, const std::string& prefix);
   // FP8 experts (an f8e4m3 checkpoint, --quantization fp8, or random FP8) on either device: fused
@@ -78,9 +86,15 @@ class Moe : public FeedForward {
   void load_experts_fp8(Weights& weights, const std::string& prefix, bool fused);
   // The checkpoint tensor `prefix + key` in the compute dtype on the model's (CUDA) device, owned by
   // the block.
-  Tensor load_device(Weights& weights, const std::string& key, const Shape& shape);
+  Tensor load_device(Weights& weights, const std::string& key, const Shape& shape, const TensorSlice& slice = {});
 
-  MoeConfig config_;
+  MoeConfig config_;  // the sizes of this rank's share
+  // Tensor parallelism: the stored sizes, and this rank's rows and columns of an expert's [gate; up]
+  // [2I, H] and down [H, I] (and of the shared expert's gate or up [S, H] and down [H, S]); whole
+  // slices unless partial_.
+  int64_t full_intermediate_ = 0, full_shared_intermediate_ = 0;
+  bool partial_ = false;
+  TensorSlice expert_rows_, expert_columns_, shared_rows_, shared_columns_;
   Tensor router_;  // [E, H]
   kernels::MoeExpertWeights experts_;
   std::optional<SwiGluWeights> shared_expert_;
