@@ -11,5 +11,8 @@ namespace metrale {
 void* current_stream(Device device);
 // Waits until all work queued on `device` has finished (no-op on the CPU).
 void synchronize(Device device);
+// Makes `device` the calling thread's current CUDA device (no-op on the CPU): a thread that launches
+// kernels on a GPU other than 0 (a tensor-parallel rank) calls it first.
+void set_current_device(Device device);
 
 }  // namespace metrale

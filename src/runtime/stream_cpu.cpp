@@ -7,5 +7,6 @@ namespace metrale {
 DeviceHooks* cuda_hooks() { return nullptr; }
 void* current_stream(Device /*device*/) { return nullptr; }
 void synchronize(Device /*device*/) {}
+void set_current_device(Device /*device*/) {}
 
 }  // namespace metrale

@@ -33,6 +33,22 @@ bool is_sticky(cudaError_t error) {
   }
 }
 
+// The current stream of the GPU that holds `device_pointer` (device 0 for memory CUDA does not
+// know), made the calling thread's device: a copy or memset queues behind the kernels of the device
+// whose memory it touches, whichever device the thread worked on before (tensor-parallel ranks).
+cudaStream_t stream_of_pointer(const void* device_pointer) {
+  cudaPointerAttributes attributes{};
+  int device = 0;
+  if (cudaPointerGetAttributes(&attributes, device_pointer) == cudaSuccess) {
+    if (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged) device = attributes.device;
+  } else {
+    cudaGetLastError();
+  }
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device) METRALE_CUDA_CHECK(cudaSetDevice(device));
+  return static_cast<cudaStream_t>(current_stream(Device::cuda(device)));
+}
+
 class CudaHooks final : public DeviceHooks {
  public:
   int device_count() const override {
@@ -66,14 +82,14 @@ class CudaHooks final : public DeviceHooks {
   void copy(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes) override {
     const cudaMemcpyKind kind = dst_on_device ? (src_on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
                                               : (src_on_device ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
-    auto stream = static_cast<cudaStream_t>(current_stream(Device::cuda(0)));
+    const cudaStream_t stream = stream_of_pointer(dst_on_device ? dst : src);
     METRALE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream));
     // Host memory may be pageable and reused right after: complete the copy before returning.
     if (!dst_on_device || !src_on_device) METRALE_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
   void memset(void* pointer, int value, size_t bytes) override {
-    METRALE_CUDA_CHECK(cudaMemsetAsync(pointer, value, bytes, static_cast<cudaStream_t>(current_stream(Device::cuda(0)))));
+    METRALE_CUDA_CHECK(cudaMemsetAsync(pointer, value, bytes, stream_of_pointer(pointer)));
   }
 
   void* allocate_pinned(size_t bytes) override {
@@ -90,7 +106,7 @@ class CudaHooks final : public DeviceHooks {
   void copy_async(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes) override {
     const cudaMemcpyKind kind = dst_on_device ? (src_on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
                                               : (src_on_device ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
-    METRALE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, static_cast<cudaStream_t>(current_stream(Device::cuda(0)))));
+    METRALE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream_of_pointer(dst_on_device ? dst : src)));
   }
 
   void memory_info(int device_index, size_t& free_bytes, size_t& total_bytes) override {
@@ -133,6 +149,10 @@ void* current_stream(Device device) {
 
 void synchronize(Device device) {
   if (device.is_cuda()) cuda_hooks()->synchronize(device.index);
+}
+
+void set_current_device(Device device) {
+  if (device.is_cuda()) METRALE_CUDA_CHECK(cudaSetDevice(device.index));
 }
 
 void cuda_fail(cudaError_t error, const char* what, const char* file, int line) {
