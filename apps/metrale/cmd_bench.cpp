@@ -196,14 +196,14 @@ GenerationResult bench_generation(std::unique_ptr<Model> model, const EngineConf
 }
 
 // `bench --speculative-method ...`: decode tokens/s with and without speculation per batch size.
-int run_speculative_bench(const BenchOptions& options, Device device) {
+int run_speculative_bench(const BenchOptions& options) {
   const auto batches = parse_int_list(options.batches, "--batch");
   const auto load = [&]() -> std::unique_ptr<Model> {
     if (options.random_weights) {
       const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
-      return make_random_model(config, device, 1, load_options(options.engine));
+      return random_engine_model(options.engine, config);
     }
-    return load_model(resolve_model_dir(options.engine), device, load_options(options.engine));
+    return load_engine_model(options.engine, resolve_model_dir(options.engine));
   };
   EngineConfig spec_config = engine_config_from(options.engine);
   const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
@@ -287,7 +287,7 @@ int run_bench(const BenchOptions& options) {
   }
   apply_cpu_threads(options.engine);
   const Device device = chosen_device(options.engine);
-  if (options.engine.speculative_method != "none") return run_speculative_bench(options, device);
+  if (options.engine.speculative_method != "none") return run_speculative_bench(options);
   const auto batches = parse_int_list(options.batches, "--batch");
   const auto prefills = parse_int_list(options.prefills, "--prefill");
   const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
@@ -302,11 +302,11 @@ int run_bench(const BenchOptions& options) {
   if (options.random_weights) {
     const ModelConfig config = parse_model_config(nlohmann::json::parse(read_file(options.config)), options.config);
     const LoadOptions load = load_options(options.engine);
-    model = make_random_model(config, device, 1, load);
+    model = random_engine_model(options.engine, config);
     source = options.config +
              (load.quantization == WeightQuantization::kFp8 ? " (random FP8 weights)" : " (random weights)");
   } else {
-    model = load_model(resolve_model_dir(options.engine), device, load_options(options.engine));
+    model = load_engine_model(options.engine, resolve_model_dir(options.engine));
     source = options.engine.model;
   }
   const ModelConfig config = model->config();

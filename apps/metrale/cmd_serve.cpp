@@ -74,7 +74,7 @@ std::unique_ptr<Engine> build_engine(const ServeOptions& options) {
   if (!options.random_weights) raise(ErrorCode::kInvalidArgument, "--config needs --random-weights (a preset has no weights)");
   if (!options.engine.model.empty()) raise(ErrorCode::kInvalidArgument, "give either --model or --config, not both");
   apply_cpu_threads(options.engine);
-  const Device device = chosen_device(options.engine);
+  rank_devices(options.engine);  // --device and --tensor-parallel-size name devices that exist
   const std::string text = read_file(options.config);
   nlohmann::json preset;
   try {
@@ -82,9 +82,8 @@ std::unique_ptr<Engine> build_engine(const ServeOptions& options) {
   } catch (const nlohmann::json::exception& e) {
     raise(ErrorCode::kBadFormat, "{}: invalid JSON: {}", options.config, e.what());
   }
-  return make_engine_for(
-      make_random_model(parse_model_config(preset, options.config), device, 1, load_options(options.engine)),
-      options.engine);
+  return make_engine_for(random_engine_model(options.engine, parse_model_config(preset, options.config)),
+                         options.engine);
 }
 
 // The API key from --api-key, --api-key-file or $METRALE_API_KEY. An empty key is an error, never

@@ -11,7 +11,9 @@
 #include "core/strings.h"
 #include "core/log.h"
 #include "core/startup.h"
+#include "engine/tensor_parallel_model.h"
 #include "model/registry.h"
+#include "runtime/device_hooks.h"
 #include "runtime/thread_pool.h"
 
 namespace metrale::cli {
@@ -76,6 +78,10 @@ void add_device_options(CLI::App& command, EngineOptions& options) {
                    "FP8 KV cache: calibrate the per-head scales on the keys and values of the first step served, "
                    "then freeze them (logged); default: the checkpoint's k_scale / v_scale, else 1.0");
   command.add_option("--device", options.device, "cpu, cuda or cuda:N (default: the GPU when present, else cpu)");
+  command.add_option("--tensor-parallel-size,--tp", options.tensor_parallel_size,
+                     "tensor-parallel ranks, threads of this process: attention, linear-attention and expert heads, "
+                     "MLP units and the LM head split over N GPUs from --device on (NCCL), or over N CPU threads")
+      ->capture_default_str()->check(CLI::Range(1, 64));
   command.add_option("--threads", options.threads, "CPU threads (default: all cores; at most 4 per core)")
       ->check(CLI::Range(0, ThreadPool::kMaxThreads));
 }
@@ -269,6 +275,29 @@ void apply_cpu_threads(const EngineOptions& options) {
   if (options.threads > 0) set_cpu_threads(options.threads);
 }
 
+std::vector<Device> rank_devices(const EngineOptions& options) {
+  const Device first = chosen_device(options);
+  std::vector<Device> devices;
+  for (int r = 0; r < options.tensor_parallel_size; ++r)
+    devices.push_back(first.is_cpu() ? Device::cpu() : Device::cuda(first.index + r));
+  if (first.is_cuda() && (cuda_hooks() == nullptr || devices.back().index >= cuda_hooks()->device_count())) {
+    raise(ErrorCode::kInvalidArgument, "--tensor-parallel-size {} from {}: there is no {}",
+          options.tensor_parallel_size, first.to_string(), devices.back().to_string());
+  }
+  return devices;
+}
+
+std::unique_ptr<Model> load_engine_model(const EngineOptions& options, const std::filesystem::path& dir) {
+  if (options.tensor_parallel_size > 1) return TensorParallelModel::load(dir, rank_devices(options), load_options(options));
+  return load_model(dir, chosen_device(options), load_options(options));
+}
+
+std::unique_ptr<Model> random_engine_model(const EngineOptions& options, const ModelConfig& config) {
+  if (options.tensor_parallel_size > 1)
+    return TensorParallelModel::random(config, rank_devices(options), 1, load_options(options));
+  return make_random_model(config, chosen_device(options), 1, load_options(options));
+}
+
 Device chosen_device(const EngineOptions& options) {
   const Device device = options.device.empty() ? default_device() : parse_device(options.device);
   if (device.is_cuda() && !cuda_available()) {
@@ -320,12 +349,11 @@ std::unique_ptr<Engine> make_engine_for(std::unique_ptr<Model> model, const Engi
 
 std::unique_ptr<Engine> make_engine(const EngineOptions& options, int max_prefill_chunk) {
   apply_cpu_threads(options);
-  const Device device = chosen_device(options);
+  rank_devices(options);         // --device and --tensor-parallel-size name devices that exist
   engine_config_from(options);  // the flags' own errors (sizes) before the model loads
   const std::filesystem::path dir = resolve_model_dir(options);
   check_engine_options(options, load_model_config(dir));  // before the weights load
-  return make_engine_for(load_model(dir, device, load_options(options)), options,
-                         max_prefill_chunk);
+  return make_engine_for(load_engine_model(options, dir), options, max_prefill_chunk);
 }
 
 std::vector<int32_t> parse_token_ids(const std::string& text, const std::string& what, int64_t vocab_size) {

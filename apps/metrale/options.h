@@ -25,6 +25,7 @@ struct EngineOptions {
   std::string kv_cache_dtype = "auto";  // auto | bf16 | fp32 | fp8 (fp8_e4m3): the attention KV cache's dtype
   bool calculate_kv_scales = false;     // FP8 KV cache: calibrate the scales on the first step served
   int threads = 0;                    // CPU threads; 0: all cores
+  int tensor_parallel_size = 1;       // ranks (engine/tensor_parallel_model.h): CPU threads or GPUs
   int block_size = 16;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
@@ -93,6 +94,13 @@ void check_engine_options(const EngineOptions& options, const ModelConfig& confi
 void apply_cpu_threads(const EngineOptions& options);
 // The device --device names (default: the GPU when present), or kInvalidArgument when it cannot run.
 Device chosen_device(const EngineOptions& options);
+// --tensor-parallel-size N: the ranks' devices, rank r on the r-th: N CPU ranks (threads) on the CPU,
+// or the N GPUs from the chosen one on (cuda:i .. cuda:i+N-1). One device without the flag.
+std::vector<Device> rank_devices(const EngineOptions& options);
+// The model of `dir` (or, from random weights, of `config`) on the chosen device, or split over
+// rank_devices() when --tensor-parallel-size is above 1 (engine/tensor_parallel_model.h).
+std::unique_ptr<Model> load_engine_model(const EngineOptions& options, const std::filesystem::path& dir);
+std::unique_ptr<Model> random_engine_model(const EngineOptions& options, const ModelConfig& config);
 
 // Parses a comma-separated list of token ids, each in [0, vocab_size) (vocab_size 0: only
 // non-negative and within int32); throws kInvalidArgument naming `what` and the id.

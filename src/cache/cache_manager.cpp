@@ -4,16 +4,28 @@
 
 #include "core/error.h"
 #include "runtime/buffer.h"
+#include "runtime/stream.h"
 
 namespace metrale {
 
 CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& config, Device device)
+    : CacheManager(specs, config, std::span<const Device>(&device, 1)) {}
+
+CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& config,
+                           std::span<const Device> rank_devices)
     : config_(config),
-      device_(device),
+      device_(rank_devices.empty() ? Device::cpu() : rank_devices.front()),
+      devices_(rank_devices.begin(), rank_devices.end()),
       pool_(config.num_blocks),
       prefix_(config.num_blocks, std::max(config.block_size, 1)),
       specs_(specs.begin(), specs.end()) {
   if (config.block_size <= 0) raise(ErrorCode::kInvalidArgument, "block size must be positive, got {}", config.block_size);
+  if (devices_.empty()) raise(ErrorCode::kInvalidArgument, "a cache needs at least one device");
+  for (const Device& device : devices_) {
+    if (device.kind != device_.kind)
+      raise(ErrorCode::kInvalidArgument, "cache ranks on {} and {}: one kind of device", device_.to_string(),
+            device.to_string());
+  }
   if (config.num_state_slots < 0 || config.num_checkpoint_slots < 0)
     raise(ErrorCode::kInvalidArgument, "negative state slot counts ({} sequence, {} checkpoint)", config.num_state_slots,
           config.num_checkpoint_slots);
@@ -34,19 +46,22 @@ CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& 
     checkpoint_used_at_.assign(static_cast<size_t>(checkpoints), 0);
   }
   const int64_t total_slots = has_slots_ ? padding_slot_ + 1 : 0;
-  caches_.resize(specs_.size());
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    for (const CacheTensorSpec& tensor : specs_[i].tensors) {
-      const Shape shape = tensor.storage_shape(config.num_blocks, config.block_size, total_slots);
-      const DType dtype = tensor.dtype_or(config.activation_dtype);
-      std::vector<OwnedTensor>& storage = tensor.paged() ? paged_storage_ : slot_storage_;
-      storage.emplace_back(dtype, shape, device);
-      // Paged tensors on the GPU and every per-slot tensor start as zeros: padding rows of graph
-      // layouts read rows nobody wrote, and slots are only read after a forward wrote them, but zeros
-      // keep stray reads finite. (CPU blocks come from fresh zero pages, and zeroing would commit
-      // all of them.)
-      if (!tensor.paged() || device.is_cuda()) storage.back().buffer.zero();
-      caches_[i].tensors.push_back(storage.back().tensor);
+  rank_caches_.assign(devices_.size(), std::vector<BlockCache>(specs_.size()));
+  for (size_t rank = 0; rank < devices_.size(); ++rank) {
+    const Device device = devices_[rank];
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      for (const CacheTensorSpec& tensor : specs_[i].tensors) {
+        const Shape shape = tensor.storage_shape(config.num_blocks, config.block_size, total_slots);
+        const DType dtype = tensor.dtype_or(config.activation_dtype);
+        std::vector<OwnedTensor>& storage = tensor.paged() ? paged_storage_ : slot_storage_;
+        storage.emplace_back(dtype, shape, device);
+        // Paged tensors on the GPU and every per-slot tensor start as zeros: padding rows of graph
+        // layouts read rows nobody wrote, and slots are only read after a forward wrote them, but
+        // zeros keep stray reads finite. (CPU blocks come from fresh zero pages, and zeroing would
+        // commit all of them.)
+        if (!tensor.paged() || device.is_cuda()) storage.back().buffer.zero();
+        rank_caches_[rank][i].tensors.push_back(storage.back().tensor);
+      }
     }
   }
   if (config.num_host_blocks > 0 || config.num_host_slots > 0) {
@@ -55,7 +70,7 @@ CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& 
       block_bytes.push_back(config.num_blocks > 0 ? tensor.tensor.nbytes() / static_cast<size_t>(config.num_blocks) : 0);
     for (const OwnedTensor& tensor : slot_storage_)
       slot_bytes.push_back(tensor.tensor.nbytes() / static_cast<size_t>(tensor.tensor.size(0)));
-    host_ = HostTier(device, std::move(block_bytes), std::move(slot_bytes), config.num_host_blocks,
+    host_ = HostTier(devices_, std::move(block_bytes), std::move(slot_bytes), config.num_host_blocks,
                      has_slots_ ? config.num_host_slots : 0);
     host_prefix_ = PrefixCache(host_.num_blocks(), config.block_size);
     host_checkpoints_ = CheckpointIndex(host_.num_slots());
@@ -70,6 +85,10 @@ CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& 
     disk_prefix_ = PrefixCache(disk_->num_blocks(), config.block_size);
     disk_checkpoints_ = CheckpointIndex(disk_->num_slots());
   }
+}
+
+void CacheManager::synchronize_devices() const {
+  for (const Device& device : devices_) synchronize(device);
 }
 
 uint64_t CacheManager::kv_memory_bytes() const {
@@ -318,18 +337,21 @@ void CacheManager::checkpoint_state(int64_t seq_id, int64_t position) {
 
 void CacheManager::check_integrity() const {
   const int64_t total_slots = has_slots_ ? padding_slot_ + 1 : 0;
-  METRALE_CHECK(caches_.size() == specs_.size(), "{} caches for {} specs", caches_.size(), specs_.size());
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    const auto& tensors = specs_[i].tensors;
-    METRALE_CHECK(caches_[i].tensors.size() == tensors.size(), "cache {} holds {} tensors for {} declared", i,
-                  caches_[i].tensors.size(), tensors.size());
-    for (size_t j = 0; j < tensors.size(); ++j) {
-      const Tensor& tensor = caches_[i].tensors[j];
-      const Shape expected = tensors[j].storage_shape(config_.num_blocks, config_.block_size, total_slots);
-      METRALE_CHECK(tensor.shape() == expected && tensor.dtype() == tensors[j].dtype_or(config_.activation_dtype) &&
-                        tensor.is_contiguous(),
-                    "cache {} tensor '{}' is {}, declared {} {}", i, tensors[j].name, tensor.describe(),
-                    expected.to_string(), dtype_name(tensors[j].dtype_or(config_.activation_dtype)));
+  for (size_t rank = 0; rank < rank_caches_.size(); ++rank) {
+    const std::vector<BlockCache>& caches = rank_caches_[rank];
+    METRALE_CHECK(caches.size() == specs_.size(), "rank {}: {} caches for {} specs", rank, caches.size(), specs_.size());
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const auto& tensors = specs_[i].tensors;
+      METRALE_CHECK(caches[i].tensors.size() == tensors.size(), "rank {} cache {} holds {} tensors for {} declared",
+                    rank, i, caches[i].tensors.size(), tensors.size());
+      for (size_t j = 0; j < tensors.size(); ++j) {
+        const Tensor& tensor = caches[i].tensors[j];
+        const Shape expected = tensors[j].storage_shape(config_.num_blocks, config_.block_size, total_slots);
+        METRALE_CHECK(tensor.shape() == expected && tensor.dtype() == tensors[j].dtype_or(config_.activation_dtype) &&
+                          tensor.is_contiguous() && tensor.device() == devices_[rank],
+                      "rank {} cache {} tensor '{}' is {}, declared {} {}", rank, i, tensors[j].name, tensor.describe(),
+                      expected.to_string(), dtype_name(tensors[j].dtype_or(config_.activation_dtype)));
+      }
     }
   }
   const int32_t total = pool_.num_blocks();

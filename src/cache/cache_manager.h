@@ -31,6 +31,11 @@
 //
 // Slot layout: [0, num_state_slots) sequences, then num_checkpoint_slots checkpoints, then the
 // padding slot.
+//
+// Tensor-parallel ranks (engine/tensor_parallel_model.h): with one device per rank, every declared
+// tensor exists once per rank, on the rank's device, under the same block numbering and slot ids;
+// block_caches(r) is rank r's. Every copy the manager makes (state checkpoints, swaps, tiers) covers
+// every rank's tensors, and a host or disk entry holds every rank's bytes.
 #pragma once
 
 #include <cstdint>
@@ -108,12 +113,16 @@ class CacheManager {
   // One BlockCache per spec, in order. Throws kInvalidArgument when a spec cannot be allocated
   // (check_cache_spec).
   CacheManager(std::span<const CacheSpec> specs, const CacheConfig& config, Device device);
+  // The same tensors once per rank, rank r's on rank_devices[r] (devices of one kind).
+  CacheManager(std::span<const CacheSpec> specs, const CacheConfig& config, std::span<const Device> rank_devices);
 
   const CacheConfig& config() const { return config_; }
   int32_t block_size() const { return config_.block_size; }
   const BlockPool& pool() const { return pool_; }
   const PrefixCache& prefix_cache() const { return prefix_; }
-  std::span<const BlockCache> block_caches() const { return caches_; }
+  std::span<const BlockCache> block_caches() const { return rank_caches_.front(); }
+  std::span<const BlockCache> block_caches(int rank) const { return rank_caches_.at(static_cast<size_t>(rank)); }
+  int num_ranks() const { return static_cast<int>(rank_caches_.size()); }
   std::span<const CacheSpec> specs() const { return specs_; }  // block_caches()[i] holds specs()[i]
   uint64_t memory_bytes() const { return kv_memory_bytes() + state_memory_bytes(); }
   uint64_t kv_memory_bytes() const;     // every paged tensor (per token and per group)
@@ -243,7 +252,8 @@ class CacheManager {
   void touch_checkpoint(int32_t slot);
 
   CacheConfig config_;
-  Device device_;
+  Device device_;                // rank 0's (the kind of every rank's)
+  std::vector<Device> devices_;  // per rank
   BlockPool pool_;
   PrefixCache prefix_;
   bool has_slots_ = false;  // some spec has a per-slot tensor
@@ -253,7 +263,8 @@ class CacheManager {
   std::vector<CacheSpec> specs_;
   std::vector<OwnedTensor> paged_storage_;  // every per-token and per-group tensor
   std::vector<OwnedTensor> slot_storage_;   // every per-slot tensor
-  std::vector<BlockCache> caches_;          // one per spec, views of the storage
+  // Per rank, one per spec: views of the storage (which holds rank 0's tensors, then rank 1's, ...).
+  std::vector<std::vector<BlockCache>> rank_caches_;
   std::unordered_map<int64_t, SequenceEntry> sequences_;
   struct SwappedEntry {
     std::vector<int32_t> blocks;  // the block table's contents, in order: host blocks, or disk blocks
@@ -322,6 +333,8 @@ class CacheManager {
   SwapIn load_swapped(int64_t seq_id, SwappedEntry& swapped, SequenceEntry& entry);
   SwapCounters swap_counters_;
   void check_host_tier_integrity() const;
+  // Waits for the queued work of every rank's device.
+  void synchronize_devices() const;
   void check_disk_tier_integrity() const;
   // Per checkpoint slot (index slot - first checkpoint slot): the block it belongs to and when it
   // was last made or used, for LRU eviction among checkpoints.

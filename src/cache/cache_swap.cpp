@@ -128,7 +128,7 @@ SwapIn CacheManager::load_swapped(int64_t seq_id, SwappedEntry& swapped, Sequenc
       host_.free_slot(swapped.slot);
     }
   }
-  if (swapped.on_disk) synchronize(device_);  // the copies read `reads`, freed on return
+  if (swapped.on_disk) synchronize_devices();  // the copies read `reads`, freed on return
   return SwapIn::kDone;
 }
 

@@ -307,7 +307,7 @@ bool CacheManager::restore_tier_hits(SequenceEntry& entry, std::span<const int32
     pool_.mark_cached(block);
     pool_of(hits[h].tier).release(hits[h].block);  // stays cached in its tier, most recently used
   }
-  if (packed_copies) synchronize(device_);  // the copies read `data`, freed on return
+  if (packed_copies) synchronize_devices();  // the copies read `data`, freed on return
   return restored;
 }
 

@@ -17,7 +17,15 @@ std::byte* HostTier::Area::data() const {
 
 HostTier::HostTier(Device device, std::vector<size_t> block_bytes, std::vector<size_t> slot_bytes, int32_t num_blocks,
                    int32_t num_slots)
-    : device_(device), blocks_(std::max(num_blocks, 0)), slots_(0, std::max(num_slots, 0)) {
+    : HostTier(std::span<const Device>(&device, 1), std::move(block_bytes), std::move(slot_bytes), num_blocks,
+               num_slots) {}
+
+HostTier::HostTier(std::span<const Device> devices, std::vector<size_t> block_bytes, std::vector<size_t> slot_bytes,
+                   int32_t num_blocks, int32_t num_slots)
+    : device_(devices.empty() ? Device::cpu() : devices.front()),
+      devices_(devices.begin(), devices.end()),
+      blocks_(std::max(num_blocks, 0)),
+      slots_(0, std::max(num_slots, 0)) {
   if (num_blocks < 0 || num_slots < 0)
     raise(ErrorCode::kInvalidArgument, "negative host tier size ({} blocks, {} slots)", num_blocks, num_slots);
   const auto allocate = [&](std::span<const size_t> unit_bytes, int32_t count, std::vector<Area>& areas) {
@@ -28,7 +36,7 @@ HostTier::HostTier(Device device, std::vector<size_t> block_bytes, std::vector<s
       const size_t bytes = checked_mul<size_t>(unit_bytes[i], static_cast<size_t>(count), "host tier bytes",
                                                ErrorCode::kOutOfMemory);
       if (bytes == 0) continue;
-      if (device.is_cuda()) {
+      if (device_.is_cuda()) {
         area.pinned = PinnedBuffer(bytes);
       } else {
         area.plain = Buffer(Device::cpu(), bytes);
@@ -132,7 +140,7 @@ void HostTier::mark_stored(Seals& seals, const std::vector<Area>& areas, int32_t
 
 void HostTier::seal_pending() {
   if (block_seals_.pending.empty() && slot_seals_.pending.empty()) return;
-  synchronize(device_);
+  for (const Device& device : devices_) synchronize(device);
   for (auto [seals, areas] : {std::pair{&block_seals_, &block_areas_}, std::pair{&slot_seals_, &slot_areas_}}) {
     for (const int32_t index : seals->pending) {
       seals->checksum[static_cast<size_t>(index)] = checksum_of(*areas, index);

@@ -42,6 +42,10 @@ class HostTier {
   // per-slot tensor j. Host memory for `num_blocks` blocks and `num_slots` slots of all of them.
   HostTier(Device device, std::vector<size_t> block_bytes, std::vector<size_t> slot_bytes, int32_t num_blocks,
            int32_t num_slots);
+  // The device tensors live on `devices` (tensor-parallel ranks: devices of one kind); seal_pending
+  // waits for all of them.
+  HostTier(std::span<const Device> devices, std::vector<size_t> block_bytes, std::vector<size_t> slot_bytes,
+           int32_t num_blocks, int32_t num_slots);
 
   int32_t num_blocks() const { return blocks_.num_blocks(); }
   int32_t num_free_blocks() const { return blocks_.num_free(); }  // empty + cached
@@ -112,6 +116,7 @@ class HostTier {
   std::vector<std::byte> pack(Seals& seals, const std::vector<Area>& areas, int32_t host_index);
 
   Device device_;
+  std::vector<Device> devices_;  // every device the tensors live on (device_ is the first)
   std::vector<Area> block_areas_;  // per paged tensor
   std::vector<Area> slot_areas_;   // per per-slot tensor
   Seals block_seals_;

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/strings.h"
+#include "engine/tensor_parallel_model.h"
 #include "runtime/buffer.h"
 #include "runtime/stream.h"
 
@@ -167,6 +168,7 @@ EngineStats Engine::stats() const {
 
 Engine::Engine(std::unique_ptr<Model> model, const EngineConfig& config)
     : model_(std::move(model)), config_(config), scheduler_(config.scheduler), seed_source_(std::random_device{}()) {
+  tensor_parallel_ = dynamic_cast<TensorParallelModel*>(model_.get());
   faults_ = config_.fault_injection ? FaultInjector::parse(*config_.fault_injection) : FaultInjector::from_environment();
   if (faults_.armed()) METRALE_LOG_WARN("fault injection armed: {} (METRALE_FAULT_INJECT)", faults_.describe());
   configure_speculation(config_.speculative, *model_);
@@ -335,7 +337,12 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
     cache_config.num_disk_blocks = disk.num_blocks;
     cache_config.num_disk_slots = disk.num_slots;
   }
-  cache_ = std::make_unique<CacheManager>(specs, cache_config, device);
+  if (tensor_parallel_ != nullptr) {
+    cache_ = std::make_unique<CacheManager>(specs, cache_config, tensor_parallel_->devices());
+    tensor_parallel_->bind_caches(cache_.get());
+  } else {
+    cache_ = std::make_unique<CacheManager>(specs, cache_config, device);
+  }
   plan_.num_host_blocks = cache_->host_tier().num_blocks();
   plan_.num_host_slots = cache_->host_tier().num_slots();
   plan_.host_tier_bytes = cache_->host_tier().memory_bytes();

@@ -26,6 +26,8 @@
 
 namespace metrale {
 
+class TensorParallelModel;
+
 struct EngineConfig {
   int32_t block_size = 16;
   int32_t num_kv_blocks = 0;            // 0: planned from kv_cache_bytes and the limits below
@@ -226,6 +228,8 @@ class Engine {
   std::optional<FinishReason> stop_reason(const Sequence& sequence, int32_t token) const;
 
   std::unique_ptr<Model> model_;
+  // model_ when it is a group of tensor-parallel ranks (its cache then holds every rank's tensors).
+  TensorParallelModel* tensor_parallel_ = nullptr;
   EngineConfig config_;
   EnginePlan plan_;
   EngineStats stats_;  // counters kept by step(); stats() adds the cache's gauges

@@ -5,12 +5,15 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "common/step_runner.h"
 #include "core/error.h"
 #include "cuda_test_helpers.h"
+#include "engine/engine.h"
+#include "engine/tensor_parallel_model.h"
 #include "kernels/kernel_helpers.h"
 #include "model/registry.h"
 #include "runtime/device_hooks.h"
@@ -175,6 +178,48 @@ TEST(TensorParallelGpu, GoldensAtTwoRanksGiveTheLogitsOfOne) {
     ASSERT_EQ(failures[1], "");
     EXPECT_LE(relative_l2(results[0], expected), 1e-5);
     EXPECT_LE(relative_l2(results[1], expected), 1e-5);
+  }
+}
+
+// The engine over TensorParallelModel on the GPU: one rank (graphs on) and, with two GPUs, two
+// ranks (eager) give the greedy tokens of the plain engine.
+TEST(TensorParallelGpu, EngineOverRanksGivesThePlainTokens) {
+  if (gpu_count() < 1) GTEST_SKIP() << "no GPU";
+  for (const char* name : {"qwen3_tied", "qwen3_5", "qwen4_exp"}) {
+    SCOPED_TRACE(name);
+    const std::filesystem::path dir = kGoldens / name / "model";
+    std::vector<int32_t> tokens;
+    std::ifstream file(kGoldens / name / "input_ids.json");
+    for (const auto& id : nlohmann::json::parse(file)) tokens.push_back(id.get<int32_t>());
+    const auto run = [&](std::unique_ptr<Model> model) {
+      EngineConfig config;
+      config.max_model_len = 256;
+      config.scheduler.max_num_seqs = 4;
+      config.gpu_memory_utilization = 0.3;
+      config.graph_batch_sizes = {1, 2, 4};
+      Engine engine(std::move(model), config);
+      for (size_t begin : {size_t{0}, size_t{9}}) {
+        Request request;
+        request.prompt.assign(tokens.begin() + static_cast<int64_t>(begin),
+                              tokens.begin() + static_cast<int64_t>(begin + 20));
+        request.max_tokens = 10;
+        request.ignore_eos = true;
+        request.sampling.temperature = 0.0f;
+        engine.add_request(request);
+      }
+      std::map<int64_t, std::vector<int32_t>> out;
+      while (engine.has_unfinished())
+        for (const TokenEvent& event : engine.step())
+          if (event.sampled.token >= 0) out[event.request_id].push_back(event.sampled.token);
+      return out;
+    };
+    LoadOptions f32;
+    f32.compute_dtype = DType::kF32;
+    const auto expected = run(load_model(dir, Device::cuda(0), f32));
+    EXPECT_EQ(run(TensorParallelModel::load(dir, {Device::cuda(0)}, f32)), expected);
+    if (gpu_count() >= 2) {
+      EXPECT_EQ(run(TensorParallelModel::load(dir, {Device::cuda(0), Device::cuda(1)}, f32)), expected);
+    }
   }
 }
 
