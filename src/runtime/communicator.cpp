@@ -109,6 +109,7 @@ void InProcessGroup::combine(Op op) {
     }
     const size_t bytes = first.nbytes();
     for (const Tensor& out : outputs_) {
+      if (bytes == 0) break;
       for (int r = 0; r < size_; ++r) {
         std::memcpy(static_cast<char*>(out.data()) + static_cast<size_t>(r) * bytes,
                     inputs_[static_cast<size_t>(r)].data(), bytes);
@@ -154,7 +155,7 @@ void InProcessGroup::run(int rank, Op op, const Tensor& in, const Tensor& out) {
   if (op == Op::kAllReduceSum) {
     // This rank's own tensor from the shared fp32 sum; the next collective waits for every rank here.
     lock.unlock();
-    convert_from_f32(in.dtype(), sum_.data(), in.data(), sum_.size());
+    if (!sum_.empty()) convert_from_f32(in.dtype(), sum_.data(), in.data(), sum_.size());  // an empty tensor may have no data
     lock.lock();
   }
   if (--leaving_ == 0) changed_.notify_all();

@@ -109,6 +109,23 @@ TEST(CudaEmbedding, OutOfRangeIdsGiveZeroRows) {
   }
 }
 
+TEST(CudaEmbedding, ShardMatchesTheCpu) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(5103);
+  const int64_t rows = 40, hidden = 256, first = 40;  // the second shard of a vocabulary of 120
+  const OwnedTensor table = testing::random_tensor(DType::kBF16, {rows, hidden}, rng, -1.0f, 1.0f);
+  std::vector<int32_t> ids = {41, 3, 79, 80, 40, 119, 55};
+  const Tensor ids_host(ids.data(), DType::kI32, {7});
+  for (const DType out_dtype : {DType::kBF16, DType::kF32}) {
+    OwnedTensor expected(out_dtype, {7, hidden}), out(out_dtype, {7, hidden});
+    testing::poison(*out);
+    kernels::embedding_shard(ids_host, *table, first, *expected);
+    const OwnedTensor out_device = to_device(*out);
+    kernels::embedding_shard(*to_device(ids_host), *to_device(*table), first, *out_device);
+    EXPECT_EQ(testing::to_doubles(*to_host(*out_device)), testing::to_doubles(*expected));
+  }
+}
+
 // ----------------------------------------------------------------------------------------------
 // rms_norm and add_rms_norm
 

@@ -122,8 +122,8 @@ TEST(TensorParallelEngineSpeculation, NgramDraftsGiveThePlainTokens) {
 TEST(TensorParallelEngineFailure, AFailingRankFailsTheCallWithItsError) {
   const GoldenCase golden("qwen3_tied");
   auto model = TensorParallelModel::load(golden.dir / "model", {Device::cpu(), Device::cpu()});
-  // A batch whose token ids are outside the vocabulary: every rank's embedding throws.
-  std::vector<int32_t> ids{1 << 20}, positions{0}, cu_q{0, 1}, kv_lens{1}, slots{0}, rows{0}, tables{0};
+  // A logits tensor one column short: every rank's LM head check throws after the layers ran.
+  std::vector<int32_t> ids{1}, positions{0}, cu_q{0, 1}, kv_lens{1}, slots{0}, rows{0}, tables{0};
   ForwardBatch batch;
   batch.num_tokens = 1;
   batch.num_seqs = 1;
@@ -147,14 +147,17 @@ TEST(TensorParallelEngineFailure, AFailingRankFailsTheCallWithItsError) {
     }
     caches.push_back(cache);
   }
-  OwnedTensor logits(DType::kF32, {1, model->config().vocab_size});
+  OwnedTensor logits(DType::kF32, {1, model->config().vocab_size - 1});
   Arena workspace(Device::cpu(), 1 << 20);
   try {
     model->forward(batch, {caches, {}}, *logits, workspace);
-    ADD_FAILURE() << "a forward of out-of-vocabulary ids returned";
+    ADD_FAILURE() << "a forward into mis-shaped logits returned";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("outside the vocabulary"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("logits"), std::string::npos) << error.what();
   }
+  // The group is aborted: the next call fails at once instead of waiting for a collective.
+  OwnedTensor good(DType::kF32, {1, model->config().vocab_size});
+  EXPECT_THROW(model->forward(batch, {caches, {}}, *good, workspace), Error);
 }
 
 }  // namespace

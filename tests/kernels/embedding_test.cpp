@@ -82,5 +82,34 @@ TEST(Embedding, RejectsIdsOutsideTheVocabulary) {
   }
 }
 
+TEST(EmbeddingShard, LooksUpItsRowsAndZerosEveryOtherId) {
+  // A rank holding ids [10, 20) of a vocabulary of 30: the shards' lookups sum to the whole one.
+  Random rng(103);
+  const int64_t vocab = 30, hidden = 8;
+  const OwnedTensor table = random_tensor(DType::kF32, {vocab, hidden}, rng);
+  std::vector<int32_t> ids = {12, 3, 19, 20, 10, 29};
+  const Tensor ids_tensor(ids.data(), DType::kI32, {6});
+  OwnedTensor whole(DType::kF32, {6, hidden}), sum(DType::kF32, {6, hidden});
+  kernels::embedding(ids_tensor, *table, *whole);
+  std::vector<double> total(static_cast<size_t>(6 * hidden), 0.0);
+  for (const int64_t first : {0, 10, 20}) {
+    OwnedTensor part(DType::kF32, {6, hidden});
+    testing::poison(*part);
+    kernels::embedding_shard(ids_tensor, table->slice(0, first, first + 10), first, *part);
+    const std::vector<double> values = testing::to_doubles(*part);
+    for (size_t t = 0; t < ids.size(); ++t) {
+      const bool own = ids[t] >= first && ids[t] < first + 10;
+      for (int64_t c = 0; c < hidden; ++c) {
+        const double v = values[t * static_cast<size_t>(hidden) + static_cast<size_t>(c)];
+        if (!own) {
+          EXPECT_EQ(v, 0.0) << "id " << ids[t] << " in the shard from " << first;
+        }
+        total[t * static_cast<size_t>(hidden) + static_cast<size_t>(c)] += v;
+      }
+    }
+  }
+  EXPECT_EQ(total, testing::to_doubles(*whole));
+}
+
 }  // namespace
 }  // namespace metrale

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -62,6 +63,20 @@ TEST(Communicator, AllReduceSumsInRankOrderOnEveryRank) {
     });
     for (int r = 0; r < size; ++r) EXPECT_EQ(data[static_cast<size_t>(r)], expected) << "rank " << r;
   }
+}
+
+TEST(Communicator, EmptyTensorsPassThrough) {
+  // A step with no logit rows all-reduces a [0, V] tensor without data.
+  InProcessGroup group(2);
+  int done = 0;
+  std::mutex mutex;
+  run_ranks(group, [&](Communicator& comm) {
+    comm.all_reduce_sum(Tensor(nullptr, DType::kF32, {0, 8}));
+    comm.all_gather(Tensor(nullptr, DType::kF32, {0, 8}), Tensor(nullptr, DType::kF32, {0, 8}));
+    const std::lock_guard lock(mutex);
+    ++done;
+  });
+  EXPECT_EQ(done, 2);
 }
 
 TEST(Communicator, Bf16SumsInFp32AndRoundOnce) {

@@ -11,13 +11,14 @@ constexpr int kThreads = 128;
 // stride of table_stride vectors; out [T, row_vectors] with out_stride. An id outside [0, V) gets a
 // row of zeros: the kernel cannot throw, and the engine validates ids before they reach the GPU
 // (Engine::add_request), so such a row means a bug upstream, made visible rather than a wild read.
+// A vocabulary shard (embedding_shard) passes the id of its first row: id - first_id indexes it.
 __global__ void __launch_bounds__(kThreads) embedding_copy_kernel(const int32_t* __restrict__ ids,
                                                                   const uint4* __restrict__ table,
                                                                   int64_t table_stride, int64_t vocab,
                                                                   uint4* __restrict__ out, int64_t out_stride,
-                                                                  int row_vectors) {
+                                                                  int row_vectors, int64_t first_id) {
   const int64_t t = blockIdx.x;
-  const int32_t id = ids[t];
+  const int64_t id = ids[t] - first_id;
   uint4* dst = out + t * out_stride;
   if (id < 0 || id >= vocab) {
     for (int i = threadIdx.x; i < row_vectors; i += kThreads) dst[i] = make_uint4(0, 0, 0, 0);
@@ -33,9 +34,9 @@ __global__ void __launch_bounds__(kThreads) embedding_convert_kernel(const int32
                                                                      const TTable* __restrict__ table,
                                                                      int64_t table_stride, int64_t vocab,
                                                                      TOut* __restrict__ out, int64_t out_stride,
-                                                                     int hidden) {
+                                                                     int hidden, int64_t first_id) {
   const int64_t t = blockIdx.x;
-  const int32_t id = ids[t];
+  const int64_t id = ids[t] - first_id;
   TOut* dst = out + t * out_stride;
   const bool valid = id >= 0 && id < vocab;
   const TTable* src = table + (valid ? id : 0) * table_stride;
@@ -44,9 +45,8 @@ __global__ void __launch_bounds__(kThreads) embedding_convert_kernel(const int32
 
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
-}  // namespace
 
-void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) {
+void lookup_rows(const Tensor& ids, const Tensor& table, int64_t first_id, const Tensor& out) {
   METRALE_EXPECT(ids.device().is_cuda() && table.device().is_cuda() && out.device().is_cuda(),
                  "embedding: tensors must be on the GPU");
   METRALE_EXPECT(ids.dtype() == DType::kI32 && ids.ndim() == 1 && (ids.numel() <= 1 || ids.stride(0) == 1),
@@ -67,7 +67,8 @@ void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) {
     const int64_t vector_elements = 16 / static_cast<int64_t>(out.element_size());
     embedding_copy_kernel<<<grid, kThreads, 0, stream_of(out)>>>(
         ids.data_as<const int32_t>(), static_cast<const uint4*>(table.data()), table.stride(0) / vector_elements, vocab,
-        static_cast<uint4*>(out.data()), out.stride(0) / vector_elements, static_cast<int>(row_bytes / 16));
+        static_cast<uint4*>(out.data()), out.stride(0) / vector_elements, static_cast<int>(row_bytes / 16),
+        first_id);
     METRALE_CHECK_LAUNCH("embedding_copy_kernel");
     return;
   }
@@ -76,10 +77,18 @@ void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) {
     METRALE_DISPATCH_FLOAT(out.dtype(), "embedding out", [&] {
       embedding_convert_kernel<table_t, scalar_t><<<grid, kThreads, 0, stream_of(out)>>>(
           ids.data_as<const int32_t>(), table.data_as<const table_t>(), table.stride(0), vocab,
-          out.data_as<scalar_t>(), out.stride(0), static_cast<int>(hidden));
+          out.data_as<scalar_t>(), out.stride(0), static_cast<int>(hidden), first_id);
     });
   });
   METRALE_CHECK_LAUNCH("embedding_convert_kernel");
+}
+
+}  // namespace
+
+void embedding(const Tensor& ids, const Tensor& table, const Tensor& out) { lookup_rows(ids, table, 0, out); }
+
+void embedding_shard(const Tensor& ids, const Tensor& table, int64_t first_id, const Tensor& out) {
+  lookup_rows(ids, table, first_id, out);
 }
 
 }  // namespace metrale::kernels::cuda

@@ -11,11 +11,11 @@
 
 namespace metrale {
 
-Tensor load_embedding(Weights& weights, const ModelConfig& config) {
-  return weights.get("embed_tokens.weight", {config.vocab_size, config.hidden_size});
+TokenEmbedding load_embedding(Weights& weights, const ModelConfig& config) {
+  return load_token_embedding(weights, config);
 }
 
-Tensor load_lm_head(Weights& weights, const ModelConfig& config, const Tensor& embedding) {
+Tensor load_lm_head(Weights& weights, const ModelConfig& config, const TokenEmbedding& embedding) {
   const Shape full{config.vocab_size, config.hidden_size};
   // Tensor parallelism: this rank's share of the hidden columns (DecoderModel sums the partial logits).
   const TensorParallel& tensor_parallel = weights.tensor_parallel();
@@ -27,7 +27,8 @@ Tensor load_lm_head(Weights& weights, const ModelConfig& config, const Tensor& e
     raise(ErrorCode::kNotFound, "{}: checkpoint has no 'lm_head.weight' and tie_word_embeddings is false",
           weights.source_name());
   }
-  return columns ? weights.get("embed_tokens.weight", full, slice) : embedding;
+  // Tied: the embedding's table when whole, else the head's own share read again.
+  return columns || !embedding.whole() ? weights.get("embed_tokens.weight", full, slice) : embedding.table;
 }
 
 DecoderModel::DecoderModel(ModelConfig config, Weights& weights, DecoderParts parts)
@@ -128,7 +129,7 @@ void DecoderModel::forward(const ForwardBatch& batch, const ModelCaches& caches,
   const Tensor sublayer = workspace.alloc(act, {tokens, hidden});  // [T, H] site output
   // [T, H] the final hidden state: the caller's hidden_out when asked for.
   const Tensor final_hidden = batch.hidden_out.empty() ? normed : batch.hidden_out;
-  kernels::embedding(batch.token_ids, embed_tokens_, streams.input);
+  embed_tokens_.lookup(step, batch.token_ids, streams.input);
   scheme.begin(step, streams);
   trunk_.forward(step, caches.blocks, streams, 0, trunk_.num_layers(), normed, sublayer, final_hidden, verify_offsets);
   compute_logits(batch, final_hidden, logits, workspace);

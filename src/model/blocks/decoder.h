@@ -15,12 +15,13 @@
 #include "model/blocks/layer_stack.h"
 #include "model/blocks/mtp.h"
 #include "model/blocks/residual.h"
+#include "model/blocks/token_embedding.h"
 #include "model/model.h"
 
 namespace metrale {
 
 struct DecoderParts {
-  Tensor embed_tokens;  // [V, H]
+  TokenEmbedding embed_tokens;  // [V, H], or a tensor-parallel rank's rows
   std::vector<DecoderLayer> layers;
   std::unique_ptr<ResidualScheme> residual;  // two sites per layer, and the final norm
   Tensor lm_head;                            // [V, H] (the embedding when tied)
@@ -68,7 +69,8 @@ class DecoderModel : public Model {
   DType activation_dtype_;                    // Weights::compute_dtype() of the load
   std::shared_ptr<const WeightStore> store_;  // keeps mapped weights alive
   std::vector<Buffer> device_weights_;        // owned device copies (GPU builds)
-  Tensor embed_tokens_, lm_head_;
+  TokenEmbedding embed_tokens_;
+  Tensor lm_head_;
   LayerStack trunk_;
   std::unique_ptr<MtpHead> mtp_;
   Communicator* communicator_;  // the tensor-parallel group (null: one rank)
@@ -80,7 +82,7 @@ class DecoderModel : public Model {
 // LM head is the rank's share of the hidden columns [V, H / size] (when H splits evenly): the same
 // weight and FLOP share as a vocabulary split, summed by one all-reduce of the logits instead of an
 // all-gather and a transpose.
-Tensor load_embedding(Weights& weights, const ModelConfig& config);
-Tensor load_lm_head(Weights& weights, const ModelConfig& config, const Tensor& embedding);
+TokenEmbedding load_embedding(Weights& weights, const ModelConfig& config);
+Tensor load_lm_head(Weights& weights, const ModelConfig& config, const TokenEmbedding& embedding);
 
 }  // namespace metrale

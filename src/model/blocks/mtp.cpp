@@ -26,7 +26,7 @@ size_t MtpHead::scratch_bytes(int64_t layer, const ForwardBatch& batch, Device d
   return layers_.scratch_bytes(batch, device, layer, layer + 1);
 }
 
-void MtpHead::fused_input(const StepContext& step, const Tensor& trunk_embedding, const Tensor& hidden,
+void MtpHead::fused_input(const StepContext& step, const TokenEmbedding& trunk_embedding, const Tensor& hidden,
                           const Tensor& residual) {
   const int64_t tokens = step.batch.num_tokens, h = fc_.size(0);
   METRALE_CHECK(
@@ -36,14 +36,18 @@ void MtpHead::fused_input(const StepContext& step, const Tensor& trunk_embedding
   const DType act = step.activation_dtype;
   const Tensor embedded = ws.alloc(act, {tokens, h});    // [T, H] embed(x_{t+1})
   const Tensor joined = ws.alloc(act, {tokens, 2 * h});  // [T, 2H] [e_t | g_t]
-  kernels::embedding(step.batch.token_ids, embed_tokens_.empty() ? trunk_embedding : embed_tokens_, embedded);
+  if (embed_tokens_.empty()) {
+    trunk_embedding.lookup(step, step.batch.token_ids, embedded);
+  } else {
+    kernels::embedding(step.batch.token_ids, embed_tokens_, embedded);
+  }
   pre_fc_norm_embedding_.apply(embedded, joined.slice(1, 0, h));
   pre_fc_norm_hidden_.apply(hidden, joined.slice(1, h, 2 * h));
   kernels::linear(joined, fc_, residual);
 }
 
 void MtpHead::write_keys(const StepContext& step, std::span<const BlockCache> caches, int64_t layer,
-                         const Tensor& trunk_embedding, const Tensor& hidden) {
+                         const TokenEmbedding& trunk_embedding, const Tensor& hidden) {
   METRALE_CHECK(layer >= 0 && layer < num_layers(), "MTP layer {} of {}", layer, num_layers());
   const int64_t tokens = step.batch.num_tokens, h = fc_.size(0);
   const ResidualScheme& scheme = layers_.residual();
@@ -55,7 +59,7 @@ void MtpHead::write_keys(const StepContext& step, std::span<const BlockCache> ca
 }
 
 void MtpHead::forward(const StepContext& step, std::span<const BlockCache> caches, int64_t layer,
-                      const Tensor& trunk_embedding, const Tensor& hidden, const Tensor& out) {
+                      const TokenEmbedding& trunk_embedding, const Tensor& hidden, const Tensor& out) {
   METRALE_CHECK(layer >= 0 && layer < num_layers(), "MTP layer {} of {}", layer, num_layers());
   const int64_t tokens = step.batch.num_tokens, h = fc_.size(0);
   METRALE_CHECK(out.ndim() == 2 && out.size(0) == tokens && out.size(1) == h, "MTP output {}", out.describe());

@@ -31,6 +31,7 @@
 #include "model/blocks/layer_stack.h"
 #include "model/blocks/norms.h"
 #include "model/blocks/residual.h"
+#include "model/blocks/token_embedding.h"
 #include "runtime/buffer.h"
 
 namespace metrale {
@@ -56,18 +57,19 @@ class MtpHead {
   BlockCapabilities capabilities() const { return layers_.capabilities(); }
   // Bytes of StepContext::layer_scratch layer `layer` needs for `batch`.
   size_t scratch_bytes(int64_t layer, const ForwardBatch& batch, Device device) const;
-  // hidden [T, H], out [T, H] (o_t) in the activation dtype; `trunk_embedding` [V, H] is used unless
-  // the head has its own. `caches`: one per layer (ModelCaches::mtp).
+  // hidden [T, H], out [T, H] (o_t) in the activation dtype; `trunk_embedding` (the trunk's table,
+  // or a tensor-parallel rank's rows of it) is used unless the head has its own. `caches`: one per
+  // layer (ModelCaches::mtp).
   void forward(const StepContext& step, std::span<const BlockCache> caches, int64_t layer,
-               const Tensor& trunk_embedding, const Tensor& hidden, const Tensor& out);
+               const TokenEmbedding& trunk_embedding, const Tensor& hidden, const Tensor& out);
   // Only the keys forward() writes for these rows (u, the layer's input norm, its K/V projection):
   // rows whose output nobody reads, e.g. every catch-up row but a sequence's last.
   void write_keys(const StepContext& step, std::span<const BlockCache> caches, int64_t layer,
-                  const Tensor& trunk_embedding, const Tensor& hidden);
+                  const TokenEmbedding& trunk_embedding, const Tensor& hidden);
 
  private:
   // u = fc · [e | g] of the rows (see above) into `residual` [T, H]; checks the shapes.
-  void fused_input(const StepContext& step, const Tensor& trunk_embedding, const Tensor& hidden,
+  void fused_input(const StepContext& step, const TokenEmbedding& trunk_embedding, const Tensor& hidden,
                    const Tensor& residual);
 
   RmsNorm pre_fc_norm_embedding_, pre_fc_norm_hidden_;
