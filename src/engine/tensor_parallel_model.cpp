@@ -66,9 +66,9 @@ Tensor on_device(const Tensor& source, Device device, Arena& arena) {
 
 }  // namespace
 
-std::unique_ptr<TensorParallelModel> TensorParallelModel::load(const std::filesystem::path& dir,
-                                                               std::vector<Device> devices,
-                                                               const LoadOptions& options) {
+std::unique_ptr<TensorParallelModel> TensorParallelModel::build(
+    std::vector<Device> devices, const LoadOptions& options,
+    const std::function<std::unique_ptr<Model>(Device, const LoadOptions&)>& make_rank) {
   Group group = make_group(devices);
   std::vector<std::unique_ptr<Model>> models;
   for (size_t r = 0; r < devices.size(); ++r) {
@@ -76,7 +76,7 @@ std::unique_ptr<TensorParallelModel> TensorParallelModel::load(const std::filesy
     rank.tensor_parallel = {static_cast<int>(r), static_cast<int>(devices.size()),
                             devices.size() > 1 ? group.communicators[r] : nullptr};
     set_current_device(devices[r]);
-    models.push_back(load_model(dir, devices[r], rank));
+    models.push_back(make_rank(devices[r], rank));
   }
   set_current_device(devices.front());
   auto model = std::unique_ptr<TensorParallelModel>(
@@ -85,22 +85,17 @@ std::unique_ptr<TensorParallelModel> TensorParallelModel::load(const std::filesy
   return model;
 }
 
+std::unique_ptr<TensorParallelModel> TensorParallelModel::load(const std::filesystem::path& dir,
+                                                               std::vector<Device> devices,
+                                                               const LoadOptions& options) {
+  return build(std::move(devices), options,
+               [&](Device device, const LoadOptions& rank) { return load_model(dir, device, rank); });
+}
+
 std::unique_ptr<TensorParallelModel> TensorParallelModel::random(const ModelConfig& config, std::vector<Device> devices,
                                                                  uint64_t seed, const LoadOptions& options) {
-  Group group = make_group(devices);
-  std::vector<std::unique_ptr<Model>> models;
-  for (size_t r = 0; r < devices.size(); ++r) {
-    LoadOptions rank = options;
-    rank.tensor_parallel = {static_cast<int>(r), static_cast<int>(devices.size()),
-                            devices.size() > 1 ? group.communicators[r] : nullptr};
-    set_current_device(devices[r]);
-    models.push_back(make_random_model(config, devices[r], seed, rank));
-  }
-  set_current_device(devices.front());
-  auto model = std::unique_ptr<TensorParallelModel>(
-      new TensorParallelModel(std::move(models), std::move(devices), std::move(group.cpu), std::move(group.gpu)));
-  model->communicators_ = std::move(group.communicators);
-  return model;
+  return build(std::move(devices), options,
+               [&](Device device, const LoadOptions& rank) { return make_random_model(config, device, seed, rank); });
 }
 
 TensorParallelModel::TensorParallelModel(std::vector<std::unique_ptr<Model>> models, std::vector<Device> devices,

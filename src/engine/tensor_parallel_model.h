@@ -108,6 +108,10 @@ class TensorParallelModel final : public Model {
 
   TensorParallelModel(std::vector<std::unique_ptr<Model>> models, std::vector<Device> devices,
                       std::unique_ptr<InProcessGroup> cpu_group, std::shared_ptr<void> gpu_group);
+  // Builds every rank with make_rank(its device, options with its TensorParallel) in its group.
+  static std::unique_ptr<TensorParallelModel> build(
+      std::vector<Device> devices, const LoadOptions& options,
+      const std::function<std::unique_ptr<Model>(Device, const LoadOptions&)>& make_rank);
   const Model& rank0() const { return *ranks_.front()->model; }
   // Runs `call(r, rank model, its view)` on every rank at once (rank 0 here, the others on their
   // threads) and waits for all; the first error aborts the group and is rethrown.
