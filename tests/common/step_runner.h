@@ -128,4 +128,15 @@ std::vector<T> slice(const std::vector<T>& v, size_t begin, size_t end) {
 double relative_l2(const std::vector<std::vector<float>>& actual, const std::vector<std::vector<double>>& expected);
 double relative_l2(const std::vector<std::vector<float>>& actual, const std::vector<std::vector<float>>& expected);
 
+using StepLogits = std::vector<std::vector<std::vector<float>>>;  // [step][row][vocab]
+
+// Two sequences of `tokens` (cycled) through one ForwardRunner: prefill chunks of 7 + 5 and 9 + 11
+// tokens, then four decode steps of both; the logits of every row of every step. The same calls on
+// two models (one rank against several, one device against another) must give the same logits.
+StepLogits run_two_sequence_steps(Model& model, const std::vector<int32_t>& tokens, int64_t block_size,
+                                  int64_t num_blocks);
+
+// Relative L2 distance over every step, row and logit.
+double relative_l2(const StepLogits& actual, const StepLogits& expected);
+
 }  // namespace metrale::testing

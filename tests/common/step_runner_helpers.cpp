@@ -236,4 +236,38 @@ double relative_l2(const std::vector<std::vector<float>>& actual, const std::vec
   return relative_l2_of(actual, expected);
 }
 
+StepLogits run_two_sequence_steps(Model& model, const std::vector<int32_t>& tokens, int64_t block_size,
+                                  int64_t num_blocks) {
+  ForwardRunner runner(model, block_size, num_blocks, /*seed=*/5, /*num_state_slots=*/8);
+  const auto piece = [&](size_t begin, size_t count) {
+    std::vector<int32_t> ids;
+    for (size_t i = 0; i < count; ++i) ids.push_back(tokens[(begin + i) % tokens.size()]);
+    return ids;
+  };
+  StepLogits steps;
+  steps.push_back(runner.step({{0, piece(0, 7)}, {1, piece(20, 5)}}));
+  steps.push_back(runner.step({{0, piece(7, 9)}, {1, piece(25, 11)}}));
+  for (size_t d = 0; d < 4; ++d) steps.push_back(runner.step({{0, piece(16 + d, 1)}, {1, piece(36 + d, 1)}}));
+  return steps;
+}
+
+double relative_l2(const StepLogits& actual, const StepLogits& expected) {
+  METRALE_CHECK(actual.size() == expected.size(), "{} steps vs {}", actual.size(), expected.size());
+  double diff = 0.0, norm = 0.0;
+  for (size_t s = 0; s < expected.size(); ++s) {
+    METRALE_CHECK(actual[s].size() == expected[s].size(), "step {}: {} rows vs {}", s, actual[s].size(),
+                  expected[s].size());
+    for (size_t r = 0; r < expected[s].size(); ++r) {
+      METRALE_CHECK(actual[s][r].size() == expected[s][r].size());
+      for (size_t v = 0; v < expected[s][r].size(); ++v) {
+        const double e = expected[s][r][v], a = actual[s][r][v];
+        if (!std::isfinite(a)) return INFINITY;
+        diff += (a - e) * (a - e);
+        norm += e * e;
+      }
+    }
+  }
+  return std::sqrt(diff / std::max(norm, 1e-30));
+}
+
 }  // namespace metrale::testing

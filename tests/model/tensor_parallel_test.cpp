@@ -116,36 +116,11 @@ class CountingCommunicator final : public Communicator {
   Communicator& inner_;
 };
 
-using StepLogits = std::vector<std::vector<std::vector<float>>>;  // [step][row][vocab]
+using testing::relative_l2;
+using testing::StepLogits;
 
-// Two sequences of the case's tokens: prefill chunks of 7 + 5 and 9 + 11 tokens, then four decode
-// steps of both.
 StepLogits run_steps(Model& model, const std::vector<int32_t>& tokens) {
-  ForwardRunner runner(model, /*block_size=*/4, /*num_blocks=*/128, /*seed=*/5, /*num_state_slots=*/8);
-  const auto piece = [&](size_t begin, size_t count) {
-    std::vector<int32_t> ids;
-    for (size_t i = 0; i < count; ++i) ids.push_back(tokens[(begin + i) % tokens.size()]);
-    return ids;
-  };
-  StepLogits steps;
-  steps.push_back(runner.step({{0, piece(0, 7)}, {1, piece(20, 5)}}));
-  steps.push_back(runner.step({{0, piece(7, 9)}, {1, piece(25, 11)}}));
-  for (size_t d = 0; d < 4; ++d) steps.push_back(runner.step({{0, piece(16 + d, 1)}, {1, piece(36 + d, 1)}}));
-  return steps;
-}
-
-double relative_l2(const StepLogits& actual, const StepLogits& expected) {
-  double diff = 0.0, norm = 0.0;
-  for (size_t s = 0; s < expected.size(); ++s) {
-    for (size_t r = 0; r < expected[s].size(); ++r) {
-      for (size_t v = 0; v < expected[s][r].size(); ++v) {
-        const double e = expected[s][r][v], a = actual.at(s).at(r).at(v);
-        diff += (a - e) * (a - e);
-        norm += e * e;
-      }
-    }
-  }
-  return std::sqrt(diff / std::max(norm, 1e-30));
+  return testing::run_two_sequence_steps(model, tokens, /*block_size=*/4, /*num_blocks=*/128);
 }
 
 uint64_t cache_bytes(const Model& model) {
