@@ -10,8 +10,9 @@
 //     row and column ranges, exp(G_i - G_j) = exp(G_i - G_rho) exp(G_rho - G_j), so that no factor
 //     exceeds 1 off the diagonal (any gate) and none exceeds e^80 on it (the bounded gate with
 //     lambda >= -5: |G_i - G_j| <= 16 |lambda| inside a block). Other gates compute the diagonal
-//     blocks element by element in fp32 with the exact difference. Then T = (I + Akk)^-1 by forward
-//     substitution in fp32, stored as t_hi + t_lo bf16; Aqk as bf16 (it feeds the output only).
+//     blocks element by element in fp32 with the exact difference. Then T = (I + Akk)^-1 by 16 x 16
+//     blocks (kernels/cuda/unit_lower_inverse.cuh: diagonal blocks by substitution, the others on
+//     tensor cores with hi/lo operands), stored as t_hi + t_lo bf16; Aqk as bf16 (it feeds the output only).
 //  3. scan_kernel, one CTA of 8 warps per (sequence, head, 64 state columns), sequential over the
 //     chunks with the fp32 state tile [128, 64] in registers; the column tiles of a head pair up as
 //     a cluster. Per chunk each CTA of the pair recomputes G for half of the rows from the staged
@@ -35,6 +36,7 @@
 
 #include "kernels/cuda/attention_mma.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/unit_lower_inverse.cuh"
 
 namespace metrale::kernels::cuda::kda {
 
@@ -113,9 +115,11 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&regs)[2], uint32_t 
 
 // The forget gate g of one channel (fp32): phi = f + dt_bias, A = exp(A_log).
 __device__ __forceinline__ float forget_gate(float phi, float decay_rate, bool has_lower_bound, float lower_bound) {
-  // The fast exponential (~2 ulp) and the correctly rounded reciprocal: G sums 64 of these, so the
-  // decays carry ~1e-6 relative error, below what the bf16 operands they scale resolve.
-  if (has_lower_bound) return lower_bound * __frcp_rn(1.0f + __expf(-(decay_rate * phi)));
+  // The fast exponential (~2 ulp) and the hardware reciprocal (~1 ulp; a correctly rounded one is a
+  // dozen instructions, which made this gate the prep kernel's second largest cost): G sums 64 of
+  // these, so the decays carry ~1e-6 relative error, below what the bf16 operands they scale resolve.
+  // A denominator past 2^126 (the gate's sigmoid below 1e-38) gives 0.
+  if (has_lower_bound) return __fdividef(lower_bound, 1.0f + __expf(-(decay_rate * phi)));
   const float softplus = phi > 20.0f ? phi : __logf(1.0f + __expf(phi));
   return -decay_rate * softplus;
 }
@@ -234,6 +238,7 @@ constexpr int kSmemBytes = kOffScalars + 3 * kChunk * 4;
 static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two prep CTAs per SM (1 KiB reserved each)");
 static_assert(kChunk * kChunk * 4 <= kTile, "Akk reuses the gate tile");
 static_assert(2 * kSmemBytes <= 227 * 1024, "two prep CTAs per SM");
+static_assert(tril::kSmemBytes <= 2 * kTile, "T and its scratch fit in the k and q tiles");
 }  // namespace prep
 
 __global__ void __launch_bounds__(kPrepThreads, 2) prep_kernel(ChunkArgs a) {
@@ -406,34 +411,26 @@ __global__ void __launch_bounds__(kPrepThreads, 2) prep_kernel(ChunkArgs a) {
   }
   __syncthreads();  // Akk complete
 
+  // T = (I + Akk)^-1 into the k and q tiles, free now.
+  float* t_full = reinterpret_cast<float*>(smem + prep::kOffK);
+  tril::invert_unit_lower<kPrepThreads>(akk, kChunk, t_full, t_full + kChunk * tril::kTPitch);
+  // Rows of T as hi + lo, 8 columns per 16-byte store; the blocks above the diagonal are zero.
+  for (int idx = tid; idx < kChunk * (kChunk / 8); idx += kPrepThreads) {
+    const int i = idx >> 3, c0 = (idx & 7) * 8;
+    uint32_t hi[4], lo[4];
+    const bool below = c0 / 16 <= i / 16;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 x = below ? *reinterpret_cast<const float2*>(t_full + i * tril::kTPitch + c0 + 2 * e) : make_float2(0.0f, 0.0f);
+      split2(x.x, x.y, hi[e], lo[e]);
+    }
+    *reinterpret_cast<uint4*>(rec->t_hi + i * kChunk + c0) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(rec->t_lo + i * kChunk + c0) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
   if (tid < kChunk) {
-    // Column `col` of T = (I + Akk)^-1: t_i = [i == col] - sum_{j<i} Akk_ij t_j.
-    const int col = tid;
-    float t[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int j = 0; j < i; j += 4) {
-        const float4 a4 = *reinterpret_cast<const float4*>(akk + i * kChunk + j);
-        sum[0] = fmaf(a4.x, t[j], sum[0]);
-        if (j + 1 < i) sum[1] = fmaf(a4.y, t[j + 1], sum[1]);
-        if (j + 2 < i) sum[2] = fmaf(a4.z, t[j + 2], sum[2]);
-        if (j + 3 < i) sum[3] = fmaf(a4.w, t[j + 3], sum[3]);
-      }
-      t[i] = (i == col ? 1.0f : 0.0f) - ((sum[0] + sum[1]) + (sum[2] + sum[3]));
-    }
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      const bf16 hi = __float2bfloat16_rn(t[i]);
-      rec->t_hi[i * kChunk + col] = hi;
-      rec->t_lo[i * kChunk + col] = __float2bfloat16_rn(t[i] - __bfloat162float(hi));
-    }
-  } else if (tid < 2 * kChunk) {
-    const int i = tid - kChunk;
-    rec->beta[i] = beta_s[i];
-    rec->rk[i] = rk[i];
-    rec->rq[i] = rq[i];
+    rec->beta[tid] = beta_s[tid];
+    rec->rk[tid] = rk[tid];
+    rec->rq[tid] = rq[tid];
   }
 }
 
@@ -454,10 +451,10 @@ constexpr int kOffSHi = kOffKuLo + kTile;                   // [128][72]
 constexpr int kOffSLo = kOffSHi + kKeyDim * kPadRow * 2;
 constexpr int kOffYHi = kOffSLo + kKeyDim * kPadRow * 2;    // Y, then V' [64][72]
 constexpr int kOffYLo = kOffYHi + kPadTile;
-constexpr int kOffTotal = kOffYHi;  // float [2][16][128] in the Y tiles' space (free during step 0)
+constexpr int kOffTotal = kOffYHi;  // float [2][16][128] + [2][128] in the Y tiles' space (free during step 0)
 constexpr int kOffDecay = kOffYLo + kPadTile;               // exp(G_C) [128], then G_C [128]
 constexpr int kSmemBytes = kOffDecay + 2 * kKeyDim * 4;
-static_assert(2 * 16 * kKeyDim * 4 <= 2 * kPadTile && kOffYLo == kOffYHi + kPadTile,
+static_assert((2 * 16 + 2) * kKeyDim * 4 <= 2 * kPadTile && kOffYLo == kOffYHi + kPadTile,
               "the row-group sums and their exclusive sums fit in the two Y tiles");
 static_assert(kStageBytes % 16 == 0 && kSmemBytes <= 227 * 1024, "scan shared memory");
 }  // namespace scan
@@ -495,6 +492,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
   const int peer = crank ^ 1;
   float* totals = reinterpret_cast<float*>(smem + scan::kOffTotal);  // [16 row groups][128] of this CTA
   float* offsets = totals + 16 * kKeyDim;                            // [16][128] exclusive sums
+  float* half_totals = offsets + 16 * kKeyDim;                       // [128] sum over this CTA's rows
+  float* head_offset = half_totals + kKeyDim;                        // [128] sum over the rows before them
   float* chunk_decay = reinterpret_cast<float*>(smem + scan::kOffDecay);
   float* last_s = chunk_decay + kKeyDim;
   auto stage_base = [&](int stage) { return smem + scan::kOffStage + stage * scan::kStageBytes; };
@@ -610,16 +609,25 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) totals[rg * kKeyDim + c8 * 8 + e] = running[e];
-      cluster.sync();  // both CTAs' row-group sums written (and each past its previous chunk)
-      if (tid < kKeyDim) {  // exclusive scan over the 16 csize row groups of channel tid; the chunk's total
-        const float* peer_totals = csize > 1 ? cluster.map_shared_rank(totals, peer) : totals;
+      __syncthreads();
+      if (tid < kKeyDim) {  // exclusive scan over this CTA's 16 row groups of channel tid
         float sum = 0.0f;
-        for (int g = 0; g < 16 * csize; ++g) {
-          const int owner = g / 16;
-          const float v = (owner == crank ? totals : peer_totals)[(g % 16) * kKeyDim + tid];
-          if (owner == crank) offsets[(g % 16) * kKeyDim + tid] = sum;
+#pragma unroll
+        for (int g = 0; g < 16; ++g) {
+          const float v = totals[g * kKeyDim + tid];
+          offsets[g * kKeyDim + tid] = sum;
           sum += v;
         }
+        half_totals[tid] = sum;
+      }
+      cluster.sync();  // both CTAs' half sums written (and each past its previous chunk)
+      if (tid < kKeyDim) {
+        // Rank 0 holds the chunk's first rows. One remote load per channel; both CTAs add the two
+        // halves in either order and get the same G_C (addition commutes).
+        const float own = half_totals[tid];
+        const float other = csize > 1 ? cluster.map_shared_rank(half_totals, peer)[tid] : 0.0f;
+        head_offset[tid] = crank == 1 ? other : 0.0f;
+        const float sum = own + other;
         last_s[tid] = sum;
         chunk_decay[tid] = __expf(sum);
       }
@@ -627,7 +635,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
       float offset[8], last[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        offset[e] = offsets[rg * kKeyDim + c8 * 8 + e];
+        offset[e] = offsets[rg * kKeyDim + c8 * 8 + e] + head_offset[c8 * 8 + e];
         last[e] = last_s[c8 * 8 + e];
       }
       bf16* kd_hi_peer = csize > 1 ? cluster.map_shared_rank(kd_hi, peer) : nullptr;
