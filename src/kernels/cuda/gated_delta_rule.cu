@@ -359,14 +359,9 @@ void run_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
 
 // ---- chunked form ----
 
-size_t align_up(size_t bytes, size_t alignment) { return (bytes + alignment - 1) / alignment * alignment; }
+int64_t max_chunks(int64_t tokens, int64_t num_seqs) { return chunks::max_chunks(tokens, num_seqs, gdn::kChunk); }
 
-// Upper bound of sum_s ceil(q_len_s / 64) for T tokens in S sequences.
-int64_t max_chunks(int64_t tokens, int64_t num_seqs) {
-  return (tokens + (gdn::kChunk - 1) * num_seqs) / gdn::kChunk;
-}
-
-size_t chunk_offsets_bytes(int64_t num_seqs) { return align_up(static_cast<size_t>(num_seqs + 1) * 4, 256); }
+size_t chunk_offsets_bytes(int64_t num_seqs) { return chunks::offsets_bytes(num_seqs); }
 
 bool aligned16(const Tensor& t) {
   const auto element = static_cast<int64_t>(t.element_size());
@@ -500,7 +495,7 @@ void gated_delta_rule_chunked(const Tensor& q, const Tensor& k, const Tensor& v,
   allow_smem(reinterpret_cast<const void*>(gdn::chunk_scan_kernel), gdn::scan::kSmemBytes, scan_done, smem_mutex);
 
   const cudaStream_t stream = stream_of(out);
-  gdn::chunk_offsets_kernel<<<1, 1024, 0, stream>>>(args);
+  chunks::offsets_kernel<gdn::kChunk><<<1, 1024, 0, stream>>>(args.cu_q, args.num_seqs, args.chunk_offsets);
   METRALE_CHECK_LAUNCH("gdn chunk_offsets");
   const int64_t chunks = max_chunks(d.tokens, d.num_seqs);
   if (chunks > 0) {

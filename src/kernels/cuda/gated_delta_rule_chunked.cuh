@@ -1,8 +1,8 @@
 // The chunked (WY) gated delta rule on tensor cores, for key_head_dim 128 and bf16 q/k/v
 // (qwen.md §6.6). Three launches, all reading the batch metadata on the device only:
 //
-//  1. chunk_offsets_kernel: chunk_offsets[s] = sum over earlier sequences of ceil(q_len / 64), so
-//     that every chunk of the batch has one index c and one workspace record per value head.
+//  1. chunks::offsets_kernel (chunk_offsets.cuh): chunk_offsets[s] = sum over earlier sequences of
+//     ceil(q_len / 64), so that every chunk of the batch has one index c and one workspace record per value head.
 //  2. chunk_prep_kernel, one CTA per (chunk, key head), all chunks in parallel: the Gram matrices
 //     K K^T and Q K^T of the raw bf16 rows on tensor cores (exact products, fp32 sums), scaled by
 //     the l2-norm factors; then per value head the gates' cumsum gamma, A = beta_i exp(g_i - g_j)
@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/attention_mma.cuh"
+#include "kernels/cuda/chunk_offsets.cuh"
 #include "kernels/cuda/common.cuh"
 
 namespace metrale::kernels::cuda::gdn {
@@ -95,57 +96,7 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&regs)[2], uint32_t 
                : "r"(address));
 }
 
-// Largest s in [0, count) with offsets[s] <= value (sequences without chunks are skipped).
-__device__ __forceinline__ int find_sequence(const int32_t* offsets, int count, int value) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (offsets[mid] <= value) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
-// chunk_offsets[0..S]: exclusive prefix sum of ceil(q_len / 64). One CTA of 1024 threads.
-__global__ void __launch_bounds__(1024) chunk_offsets_kernel(ChunkArgs a) {
-  __shared__ int warp_totals[32];
-  __shared__ int carry;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (threadIdx.x == 0) {
-    carry = 0;
-    a.chunk_offsets[0] = 0;
-  }
-  __syncthreads();
-  for (int base = 0; base < a.num_seqs; base += 1024) {
-    const int s = base + static_cast<int>(threadIdx.x);
-    int x = s < a.num_seqs ? (a.cu_q[s + 1] - a.cu_q[s] + kChunk - 1) / kChunk : 0;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, offset);
-      if (lane >= offset) x += y;
-    }
-    if (lane == 31) warp_totals[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-      int t = warp_totals[lane];
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, t, offset);
-        if (lane >= offset) t += y;
-      }
-      warp_totals[lane] = t;
-    }
-    __syncthreads();
-    const int inclusive = carry + (warp > 0 ? warp_totals[warp - 1] : 0) + x;
-    if (s < a.num_seqs) a.chunk_offsets[s + 1] = inclusive;
-    __syncthreads();
-    if (threadIdx.x == 1023) carry = inclusive;
-    __syncthreads();
-  }
-}
+using chunks::find_sequence;
 
 // ---- prep kernel ----
 namespace prep {

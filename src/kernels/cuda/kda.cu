@@ -363,17 +363,9 @@ void run_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
 
 // ---- chunked form ----
 
-size_t align_up(size_t bytes, size_t alignment) {
-  return (bytes + alignment - 1) / alignment * alignment;
-}
+int64_t max_chunks(int64_t tokens, int64_t num_seqs) { return chunks::max_chunks(tokens, num_seqs, kda::kChunk); }
 
-int64_t max_chunks(int64_t tokens, int64_t num_seqs) {
-  return (tokens + (kda::kChunk - 1) * num_seqs) / kda::kChunk;
-}
-
-size_t chunk_offsets_bytes(int64_t num_seqs) {
-  return align_up(static_cast<size_t>(num_seqs + 1) * 4, 256);
-}
+size_t chunk_offsets_bytes(int64_t num_seqs) { return chunks::offsets_bytes(num_seqs); }
 
 bool rows_aligned16(const Tensor& t) {
   const auto element = static_cast<int64_t>(t.element_size());
@@ -512,7 +504,7 @@ void kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   allow_smem(reinterpret_cast<const void*>(kda::scan_kernel), kda::scan::kSmemBytes, scan_done, smem_mutex);
 
   const cudaStream_t stream = stream_of(out);
-  kda::offsets_kernel<<<1, 1024, 0, stream>>>(args);
+  chunks::offsets_kernel<kda::kChunk><<<1, 1024, 0, stream>>>(args.cu_q, args.num_seqs, args.chunk_offsets);
   METRALE_CHECK_LAUNCH("kda offsets");
   const int64_t chunks = max_chunks(d.tokens, d.num_seqs);
   if (chunks > 0) {

@@ -1,7 +1,7 @@
 // The chunked KDA delta rule on tensor cores, for key_head_dim 128 and bf16 activations
 // (glm_deepseek.md §2.5). Three launches, all reading the batch metadata on the device only:
 //
-//  1. offsets_kernel: chunk_offsets[s] = sum over earlier sequences of ceil(q_len / 64).
+//  1. chunks::offsets_kernel (chunk_offsets.cuh): chunk_offsets[s] = sum over earlier sequences of ceil(q_len / 64).
 //  2. prep_kernel, one CTA per (head, chunk), all chunks in parallel: the per-channel cumulative
 //     decay G (from the raw forget-gate projection), the l2-norm factors and beta; the intra-chunk
 //     matrices

@@ -1,6 +1,6 @@
 // What the chunked KDA kernels share (kda_chunked.cuh gives the algorithm): tile and record layouts,
-// the launch arguments, the gate, the swizzle and the staging of raw rows, the chunk offsets kernel
-// and the per-channel cumulative sum of the gates.
+// the launch arguments, the gate, the swizzle and the staging of raw rows, and the per-channel
+// cumulative sum of the gates.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/attention_mma.cuh"
+#include "kernels/cuda/chunk_offsets.cuh"
 #include "kernels/cuda/common.cuh"
 
 namespace metrale::kernels::cuda::kda {
@@ -96,56 +97,7 @@ __device__ __forceinline__ float forget_gate(float phi, float decay_rate, bool h
   return -decay_rate * softplus;
 }
 
-__device__ __forceinline__ int find_sequence(const int32_t* offsets, int count, int value) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (offsets[mid] <= value) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
-// chunk_offsets[0..S]: exclusive prefix sum of ceil(q_len / 64). One CTA of 1024 threads.
-__global__ void __launch_bounds__(1024) offsets_kernel(ChunkArgs a) {
-  __shared__ int warp_totals[32];
-  __shared__ int carry;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (threadIdx.x == 0) {
-    carry = 0;
-    a.chunk_offsets[0] = 0;
-  }
-  __syncthreads();
-  for (int base = 0; base < a.num_seqs; base += 1024) {
-    const int s = base + static_cast<int>(threadIdx.x);
-    int x = s < a.num_seqs ? (a.cu_q[s + 1] - a.cu_q[s] + kChunk - 1) / kChunk : 0;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, offset);
-      if (lane >= offset) x += y;
-    }
-    if (lane == 31) warp_totals[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-      int t = warp_totals[lane];
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, t, offset);
-        if (lane >= offset) t += y;
-      }
-      warp_totals[lane] = t;
-    }
-    __syncthreads();
-    const int inclusive = carry + (warp > 0 ? warp_totals[warp - 1] : 0) + x;
-    if (s < a.num_seqs) a.chunk_offsets[s + 1] = inclusive;
-    __syncthreads();
-    if (threadIdx.x == 1023) carry = inclusive;
-    __syncthreads();
-  }
-}
+using chunks::find_sequence;
 
 // Stages the raw [64][128] rows of one chunk (q, k or the gate projection) into a swizzled tile,
 // padding rows zero-filled. Every thread of the CTA takes part.
