@@ -25,8 +25,11 @@ for preset in "${presets[@]}"; do
   dir="$root/metrale-load-$preset"
   rm -rf "$dir"
   echo "== $preset in $dir ($(df -h --output=avail "$root" | tail -1 | tr -d ' ') free there)"
-  PYTHONUNBUFFERED=1 python3 tools/device/write_random_checkpoint.py "configs/$preset.json" "$dir" 2>&1 \
-    | grep -v Warning | tail -2 || { status=1; continue; }
+  PYTHONUNBUFFERED=1 python3 tools/device/write_random_checkpoint.py "configs/$preset.json" "$dir" \
+    >"$out/write-$preset.log" 2>&1
+  written=$?
+  grep -v Warning "$out/write-$preset.log" | tail -2
+  if [[ $written -ne 0 ]]; then status=1; rm -rf "$dir"; continue; fi
   for run in 1 2; do
     start=$(date +%s.%N)
     "$build_dir/bin/metrale" bench --model "$dir" --batch 1 --context 128 --prefill "" --iters 2 \
