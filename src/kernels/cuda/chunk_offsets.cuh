@@ -1,6 +1,7 @@
 // The chunk index of the chunked linear-attention kernels (GDN, KDA): every chunk of kChunk rows of
 // every sequence of a ragged batch gets one index c, computed on the device from cu_q, so that a
-// grid over all chunks can be launched (and captured) without the host knowing the lengths.
+// grid over all chunks can be launched (and captured) without the host knowing the lengths. A CTA
+// finds the sequence of its chunk c with sequence_of(offsets, num_seqs, c) (common.cuh).
 #pragma once
 
 #include <cstddef>
@@ -16,20 +17,6 @@ inline int64_t max_chunks(int64_t tokens, int64_t num_seqs, int64_t chunk) {
 // Bytes of the [S + 1] i32 offsets in a workspace, rounded up so that what follows stays aligned.
 inline size_t offsets_bytes(int64_t num_seqs) {
   return (static_cast<size_t>(num_seqs + 1) * 4 + 255) / 256 * 256;
-}
-
-// Largest s in [0, count) with offsets[s] <= value (sequences without chunks are skipped).
-__device__ __forceinline__ int find_sequence(const int32_t* offsets, int count, int value) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (offsets[mid] <= value) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
 }
 
 // offsets[0..S]: exclusive prefix sum of ceil(q_len / kChunk). One CTA of 1024 threads. A template,

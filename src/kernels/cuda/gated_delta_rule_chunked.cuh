@@ -96,8 +96,6 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&regs)[2], uint32_t 
                : "r"(address));
 }
 
-using chunks::find_sequence;
-
 // ---- prep kernel ----
 namespace prep {
 constexpr int kTileBytes = kChunk * kKeyRow * 2;               // one bf16 K or Q tile
@@ -116,7 +114,7 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(ChunkArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int hk = blockIdx.x, chunk = blockIdx.y;  // heads fastest: neighbours read neighbouring columns
   if (chunk >= a.chunk_offsets[a.num_seqs]) return;
-  const int s = find_sequence(a.chunk_offsets, a.num_seqs, chunk);
+  const int s = sequence_of(a.chunk_offsets, a.num_seqs, chunk);
   const int row0 = a.cu_q[s] + (chunk - a.chunk_offsets[s]) * kChunk;
   const int valid = min(kChunk, a.cu_q[s + 1] - row0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

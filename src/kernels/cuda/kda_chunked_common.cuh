@@ -97,8 +97,6 @@ __device__ __forceinline__ float forget_gate(float phi, float decay_rate, bool h
   return -decay_rate * softplus;
 }
 
-using chunks::find_sequence;
-
 // Stages the raw [64][128] rows of one chunk (q, k or the gate projection) into a swizzled tile,
 // padding rows zero-filled. Every thread of the CTA takes part.
 template <int kThreads>
