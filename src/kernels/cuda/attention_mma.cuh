@@ -66,6 +66,13 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return packed;
 }
 
+// An fp32 pair as two bf16x2 registers hi = bf16(x), lo = bf16(x - hi): operands that keep ~16
+// significant bits through bf16 tensor cores (hi hi + hi lo + lo hi).
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16x2(x0, x1);
+  lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
+
 // Element offset of the 16-byte chunk `chunk` of row `row` in a shared tile of rows of kHeadDim
 // bf16. Chunks are XOR-swizzled with the row's low three bits, so that the 8 rows read by one
 // ldmatrix matrix (or written by 8 consecutive 16-byte stores of one row) fall in 8 different bank

@@ -68,14 +68,9 @@ __device__ __forceinline__ int sw(int row, int col) {
 __device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
 __device__ __forceinline__ float bf16_to_f32(bf16 x) { return __bfloat162float(x); }
 
-// hi = bf16(x), lo = bf16(x - hi), as packed pairs.
-__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  hi = attn::pack_bf16x2(x0, x1);
-  lo = attn::pack_bf16x2(x0 - bf16_bits_to_f32(hi & 0xffffu), x1 - bf16_bits_to_f32(hi >> 16));
-}
 __device__ __forceinline__ void store_split(bf16* hi, bf16* lo, int offset, float x0, float x1) {
   uint32_t h, l;
-  split2(x0, x1, h, l);
+  attn::split_bf16x2(x0, x1, h, l);
   *reinterpret_cast<uint32_t*>(hi + offset) = h;
   *reinterpret_cast<uint32_t*>(lo + offset) = l;
 }

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) prep_kernel(ChunkArgs a) {
         const uint32_t qraw = *reinterpret_cast<const uint32_t*>(q_tile + sw(i, c));
         const uint32_t kraw = *reinterpret_cast<const uint32_t*>(k_tile + sw(i, c));
         aq[r] = attn::pack_bf16x2(bf16_bits_to_f32(qraw & 0xffffu) * rq[i] * e0, bf16_bits_to_f32(qraw >> 16) * rq[i] * e1);
-        split2(bf16_bits_to_f32(kraw & 0xffffu) * rk[i] * e0, bf16_bits_to_f32(kraw >> 16) * rk[i] * e1, ak_hi[r],
+        attn::split_bf16x2(bf16_bits_to_f32(kraw & 0xffffu) * rk[i] * e0, bf16_bits_to_f32(kraw >> 16) * rk[i] * e1, ak_hi[r],
                ak_lo[r]);
       }
       uint32_t bh[4], bl[4];
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) prep_kernel(ChunkArgs a) {
             const uint32_t kraw = *reinterpret_cast<const uint32_t*>(k_tile + sw(j, c));
             const float x0 = bf16_bits_to_f32(kraw & 0xffffu) * rk[j] * __expf(G[rho][c] - G[j][c]);
             const float x1 = bf16_bits_to_f32(kraw >> 16) * rk[j] * __expf(G[rho][c + 1] - G[j][c + 1]);
-            split2(x0, x1, bh[nt * 2 + half], bl[nt * 2 + half]);
+            attn::split_bf16x2(x0, x1, bh[nt * 2 + half], bl[nt * 2 + half]);
           }
         }
       }
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) prep_kernel(ChunkArgs a) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float2 x = below ? *reinterpret_cast<const float2*>(t_full + i * tril::kTPitch + c0 + 2 * e) : make_float2(0.0f, 0.0f);
-      split2(x.x, x.y, hi[e], lo[e]);
+      attn::split_bf16x2(x.x, x.y, hi[e], lo[e]);
     }
     *reinterpret_cast<uint4*>(rec->t_hi + i * kChunk + c0) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(rec->t_lo + i * kChunk + c0) = make_uint4(lo[0], lo[1], lo[2], lo[3]);

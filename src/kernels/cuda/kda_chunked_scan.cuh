@@ -240,8 +240,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
               kupd[b] = kv * e2f;
               qdec[b] = qv * e1;
             }
-            split2(kdec[0], kdec[1], kdh[e2], kdl[e2]);
-            split2(kupd[0], kupd[1], kuh[e2], kul[e2]);
+            attn::split_bf16x2(kdec[0], kdec[1], kdh[e2], kdl[e2]);
+            attn::split_bf16x2(kupd[0], kupd[1], kuh[e2], kul[e2]);
             qdv[e2] = attn::pack_bf16x2(qdec[0], qdec[1]);
           }
           const uint4 vkdh = make_uint4(kdh[0], kdh[1], kdh[2], kdh[3]), vkdl = make_uint4(kdl[0], kdl[1], kdl[2], kdl[3]);

@@ -26,16 +26,6 @@ constexpr int kTBytes = kDim * kTPitch * 4;             // 17,408
 constexpr int kScratchBytes = 3 * kBlock * kBlock * 4;  // one P block per warp of the widest level
 constexpr int kSmemBytes = kTBytes + kScratchBytes;
 
-__device__ __forceinline__ float bf16_hi_as_f32(uint32_t packed, int half) {
-  return __uint_as_float((half ? packed >> 16 : packed & 0xffffu) << 16);
-}
-
-// hi = bf16(x), lo = bf16(x - hi), as packed pairs.
-__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  hi = attn::pack_bf16x2(x0, x1);
-  lo = attn::pack_bf16x2(x0 - bf16_hi_as_f32(hi, 0), x1 - bf16_hi_as_f32(hi, 1));
-}
-
 // A fragment (m16 x k16, row-major) of the fp32 block at (row0, col0) of M, as hi and lo halves.
 __device__ __forceinline__ void load_a(const float* M, int pitch, int row0, int col0, uint32_t (&hi)[4],
                                        uint32_t (&lo)[4]) {
@@ -44,7 +34,7 @@ __device__ __forceinline__ void load_a(const float* M, int pitch, int row0, int 
   for (int r = 0; r < 4; ++r) {
     const int row = row0 + group + (r & 1) * 8, col = col0 + 2 * quad + (r >> 1) * 8;
     const float2 v = *reinterpret_cast<const float2*>(M + row * pitch + col);
-    split_pair(v.x, v.y, hi[r], lo[r]);
+    attn::split_bf16x2(v.x, v.y, hi[r], lo[r]);
   }
 }
 
@@ -55,7 +45,7 @@ __device__ __forceinline__ void load_b(const float* M, int pitch, int row0, int 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row0 + 2 * quad + h * 8, col = col0 + group;
-    split_pair(M[row * pitch + col], M[(row + 1) * pitch + col], hi[h], lo[h]);
+    attn::split_bf16x2(M[row * pitch + col], M[(row + 1) * pitch + col], hi[h], lo[h]);
   }
 }
 
