@@ -23,6 +23,8 @@ ChoiceOutput::ChoiceOutput(const Tokenizer& tokenizer, ChoiceOptions options)
                   : std::nullopt) {
   accumulated_.index = options_.index;
   accumulated_.has_logprobs = options_.logprobs.has_value();
+  accumulated_.has_token_ids = options_.return_token_ids;
+  if (options_.return_token_ids) accumulated_.prompt_token_ids = options_.prompt_token_ids;
 }
 
 TokenAlternative ChoiceOutput::render(int32_t token, float logprob) const {
@@ -67,6 +69,7 @@ void ChoiceOutput::accumulate(const ChoiceText& delta) {
     }
   }
   accumulated_.logprobs.insert(accumulated_.logprobs.end(), delta.logprobs.begin(), delta.logprobs.end());
+  accumulated_.token_ids.insert(accumulated_.token_ids.end(), delta.token_ids.begin(), delta.token_ids.end());
   accumulated_.finish_reason = delta.finish_reason;
 }
 
@@ -91,8 +94,13 @@ ChoiceText ChoiceOutput::on_token(const SampledToken& token, FinishReason finish
   ChoiceText delta;
   delta.index = options_.index;
   delta.has_logprobs = options_.logprobs.has_value();
+  delta.has_token_ids = options_.return_token_ids;
   if (finished()) return delta;
   ++num_tokens_;
+  if (options_.return_token_ids) {
+    delta.token_ids.push_back(token.token);
+    if (num_tokens_ == 1) delta.prompt_token_ids = options_.prompt_token_ids;
+  }
   if (!first_token_) first_token_ = time;
   last_token_ = time;
   // A token that stops by EOS or a stop token id ends the output without being part of its text.
@@ -135,6 +143,7 @@ ChoiceText ChoiceOutput::end(const std::string& finish_reason) {
   ChoiceText delta;
   delta.index = options_.index;
   delta.has_logprobs = options_.logprobs.has_value();
+  delta.has_token_ids = options_.return_token_ids;
   if (finished()) return delta;
   // Text held back for a stop string that never came is still part of the output.
   std::string text = end_of_text();

@@ -34,6 +34,10 @@ struct ChoiceOptions {
   std::vector<ToolDefinition> tools;
   uint64_t tool_id_seed = 0;
   int32_t max_tool_calls = 0;  // 0: any number; 1 for parallel_tool_calls: false (later calls dropped)
+  // return_token_ids: deltas carry the generated ids, the first one (and the accumulated choice)
+  // the prompt's.
+  bool return_token_ids = false;
+  std::vector<int32_t> prompt_token_ids;
 };
 
 // The string finish_reason of the OpenAI API for an engine finish ("stop", "length", "abort").

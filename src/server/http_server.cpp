@@ -545,6 +545,8 @@ void HttpServer::Impl::submit(Generation& generation) {
       options.stop = params.stop;
       options.skip_special_tokens = params.skip_special_tokens;
       options.logprobs = params.logprobs;
+      options.return_token_ids = params.return_token_ids;
+      if (params.return_token_ids) options.prompt_token_ids = prompt;
       options.reasoning = generation.reasoning;
       options.starts_in_reasoning = generation.starts_in_reasoning;
       if (!generation.echo_texts.empty()) options.text_offset = count_code_points(generation.echo_texts[p]);
@@ -717,7 +719,7 @@ std::vector<ChoiceText> HttpServer::Impl::apply(Generation& generation, std::vec
     const bool ended_now = !was_finished && generation.choices[index].finished();
     if (ended_now) record_choice(generation, index);
     if (ended_now || !delta.text.empty() || !delta.reasoning.empty() || !delta.logprobs.empty() ||
-        !delta.tool_calls.empty())
+        !delta.tool_calls.empty() || !delta.token_ids.empty())
       deltas.push_back(std::move(delta));
   };
   for (StreamEvent& event : events) {

@@ -187,6 +187,7 @@ GenerationParams parse_common(const json& body, const SamplingParams& defaults, 
   }
   if (auto value = get_bool(body, "ignore_eos")) params.ignore_eos = *value;
   if (auto value = get_bool(body, "skip_special_tokens")) params.skip_special_tokens = *value;
+  if (auto value = get_bool(body, "return_token_ids")) params.return_token_ids = *value;
   if (auto value = get_bool(body, "stream")) params.stream = *value;
   if (const json* options = field(body, "stream_options")) {
     if (!options->is_object()) throw wrong_type("stream_options", "an object", *options);
@@ -495,10 +496,15 @@ json completion_response(const ResponseMeta& meta, const std::vector<ChoiceText>
   json response = envelope(meta, "text_completion");
   json list = json::array();
   for (const ChoiceText& choice : choices) {
-    list.push_back({{"index", choice.index},
-                    {"text", choice.text},
-                    {"logprobs", completion_logprobs(choice)},
-                    {"finish_reason", finish_reason_value(choice)}});
+    json entry = {{"index", choice.index},
+                  {"text", choice.text},
+                  {"logprobs", completion_logprobs(choice)},
+                  {"finish_reason", finish_reason_value(choice)}};
+    if (choice.has_token_ids) {
+      entry["prompt_token_ids"] = choice.prompt_token_ids;
+      entry["token_ids"] = choice.token_ids;
+    }
+    list.push_back(std::move(entry));
   }
   response["choices"] = std::move(list);
   response["usage"] = usage_value(usage);
@@ -547,11 +553,16 @@ json chat_response(const ResponseMeta& meta, const std::vector<ChoiceText>& choi
   json response = envelope(meta, "chat.completion");
   json list = json::array();
   for (const ChoiceText& choice : choices) {
-    list.push_back({{"index", choice.index},
-                    {"message", chat_message(choice)},
-                    {"logprobs", chat_logprobs(choice)},
-                    {"finish_reason", finish_reason_value(choice)}});
+    json entry = {{"index", choice.index},
+                  {"message", chat_message(choice)},
+                  {"logprobs", chat_logprobs(choice)},
+                  {"finish_reason", finish_reason_value(choice)}};
+    if (choice.has_token_ids) entry["token_ids"] = choice.token_ids;
+    list.push_back(std::move(entry));
   }
+  // Every choice of a chat request has the same prompt: its ids once, at the top (as vLLM).
+  if (!choices.empty() && choices.front().has_token_ids)
+    response["prompt_token_ids"] = choices.front().prompt_token_ids;
   response["choices"] = std::move(list);
   response["usage"] = usage_value(usage);
   return response;
@@ -559,10 +570,15 @@ json chat_response(const ResponseMeta& meta, const std::vector<ChoiceText>& choi
 
 json completion_chunk(const ResponseMeta& meta, const ChoiceText& delta, bool usage_field) {
   json chunk = envelope(meta, "text_completion");
-  chunk["choices"] = json::array({json{{"index", delta.index},
-                                       {"text", delta.text},
-                                       {"logprobs", completion_logprobs(delta)},
-                                       {"finish_reason", finish_reason_value(delta)}}});
+  json entry = {{"index", delta.index},
+                {"text", delta.text},
+                {"logprobs", completion_logprobs(delta)},
+                {"finish_reason", finish_reason_value(delta)}};
+  if (delta.has_token_ids) {
+    if (!delta.prompt_token_ids.empty()) entry["prompt_token_ids"] = delta.prompt_token_ids;
+    entry["token_ids"] = delta.token_ids;
+  }
+  chunk["choices"] = json::array({std::move(entry)});
   if (usage_field) chunk["usage"] = nullptr;
   return chunk;
 }
@@ -581,10 +597,15 @@ json chat_chunk(const ResponseMeta& meta, const ChoiceText& delta, bool usage_fi
     for (const ToolCallDelta& call : delta.tool_calls) calls.push_back(tool_call_delta(call));
     message["tool_calls"] = std::move(calls);
   }
-  chunk["choices"] = json::array({json{{"index", delta.index},
-                                       {"delta", std::move(message)},
-                                       {"logprobs", chat_logprobs(delta)},
-                                       {"finish_reason", finish_reason_value(delta)}}});
+  json entry = {{"index", delta.index},
+                {"delta", std::move(message)},
+                {"logprobs", chat_logprobs(delta)},
+                {"finish_reason", finish_reason_value(delta)}};
+  if (delta.has_token_ids) {
+    if (!delta.prompt_token_ids.empty()) chunk["prompt_token_ids"] = delta.prompt_token_ids;
+    entry["token_ids"] = delta.token_ids;
+  }
+  chunk["choices"] = json::array({std::move(entry)});
   if (usage_field) chunk["usage"] = nullptr;
   return chunk;
 }

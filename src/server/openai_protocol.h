@@ -96,6 +96,9 @@ struct GenerationParams {
   // Top alternatives reported per token; absent: no logprobs at all (0: only the chosen token's).
   std::optional<int32_t> logprobs;
   ResponseFormat response_format;     // constrained decoding of the output (server/structured_output.h)
+  // vLLM's return_token_ids: the prompt's and the output's token ids beside the text, so that a
+  // client can continue a conversation with the exact tokens the server saw (multi-turn benchmarks).
+  bool return_token_ids = false;
 };
 
 struct CompletionRequest {
@@ -154,6 +157,12 @@ struct ChoiceText {
   std::vector<LogprobEntry> logprobs;
   std::string finish_reason;  // "" while unfinished
   bool first = false;         // chat streaming: the first delta carries the role
+  // return_token_ids: the generated token ids (in a delta, those of this chunk; the token that
+  // stopped the output by EOS or a stop token id included), and the prompt's, which a stream sends
+  // with the choice's first token (completions: on the choice; chat: at the top of the chunk).
+  bool has_token_ids = false;
+  std::vector<int32_t> token_ids;
+  std::vector<int32_t> prompt_token_ids;
 };
 
 struct Usage {

@@ -90,6 +90,48 @@ TEST_F(ChoiceOutputTest, HeldBackTextIsReleasedAtTheEnd) {
   EXPECT_EQ(end.finish_reason, "abort");
 }
 
+TEST_F(ChoiceOutputTest, TokenIdsRideWithEveryTokenEvenWhenItsTextIsHeldBack) {
+  const std::vector<int32_t> prompt = {7, 8, 9};
+  ChoiceOptions options;
+  options.stop = {"is ok"};
+  options.return_token_ids = true;
+  options.prompt_token_ids = prompt;
+  ChoiceOutput output(*tokenizer_, options);
+  const std::vector<int32_t> ids = encode("this is");
+  std::vector<ChoiceText> deltas;
+  run(output, ids, FinishReason::kNone, &deltas);
+  ASSERT_EQ(deltas.size(), ids.size());
+  std::vector<int32_t> streamed;
+  for (size_t i = 0; i < deltas.size(); ++i) {
+    EXPECT_TRUE(deltas[i].has_token_ids);
+    ASSERT_EQ(deltas[i].token_ids.size(), 1u) << "delta " << i;
+    streamed.push_back(deltas[i].token_ids[0]);
+    // The prompt's ids come once, with the first token.
+    EXPECT_EQ(deltas[i].prompt_token_ids, i == 0 ? prompt : std::vector<int32_t>{}) << "delta " << i;
+  }
+  EXPECT_EQ(streamed, ids);
+  EXPECT_TRUE(deltas.back().text.empty());  // "is" may start "is ok": its text is held back, its id is not
+  const ChoiceText end = output.on_end(FinishReason::kAbort);
+  EXPECT_TRUE(end.has_token_ids);
+  EXPECT_TRUE(end.token_ids.empty());
+  EXPECT_EQ(output.accumulated().token_ids, ids);
+  EXPECT_EQ(output.accumulated().prompt_token_ids, prompt);
+
+  // A stop string ends the choice: tokens the engine produced after it are not reported.
+  ChoiceOptions stopping = options;
+  stopping.stop = {"ld, th"};
+  ChoiceOutput stopped(*tokenizer_, stopping);
+  const std::vector<int32_t> long_ids = encode("hello world, this is it");
+  run(stopped, long_ids, FinishReason::kNone);
+  EXPECT_EQ(static_cast<int64_t>(stopped.accumulated().token_ids.size()), stopped.num_tokens());
+  EXPECT_LT(stopped.num_tokens(), static_cast<int64_t>(long_ids.size()));
+
+  ChoiceOutput plain(*tokenizer_, ChoiceOptions{});
+  run(plain, ids);
+  EXPECT_FALSE(plain.accumulated().has_token_ids);
+  EXPECT_TRUE(plain.accumulated().token_ids.empty());
+}
+
 TEST_F(ChoiceOutputTest, EndOfSequenceTokenIsNotText) {
   std::vector<int32_t> ids = encode("hello");
   const int32_t end = *tokenizer_->token_to_id("<|end|>");

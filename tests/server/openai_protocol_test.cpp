@@ -67,7 +67,7 @@ TEST(OpenAiProtocol, CompletionFieldsOverrideDefaults) {
     "min_p": 0.1, "presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "seed": 42,
     "stop": ["x", "yz"], "stop_token_ids": [3, 4], "ignore_eos": true, "skip_special_tokens": false,
     "stream": true, "stream_options": {"include_usage": true}, "logprobs": 2, "echo": true, "user": "ignored",
-    "best_of": 3, "logit_bias": {}})");
+    "best_of": 3, "logit_bias": {}, "return_token_ids": true})");
   const CompletionRequest request = parse_completion_request(body, defaults());
   EXPECT_EQ(request.text_prompts, (std::vector<std::string>{"a", "b"}));
   const GenerationParams& params = request.params;
@@ -90,7 +90,10 @@ TEST(OpenAiProtocol, CompletionFieldsOverrideDefaults) {
   EXPECT_TRUE(params.include_usage);
   EXPECT_EQ(params.logprobs, 2);
   EXPECT_TRUE(request.echo);
+  EXPECT_TRUE(params.return_token_ids);
   EXPECT_NO_THROW(params.sampling.validate());
+  EXPECT_FALSE(parse_completion_request(json{{"prompt", "a"}}, defaults()).params.return_token_ids);
+  EXPECT_THROW(parse_completion_request(json{{"prompt", "a"}, {"return_token_ids", 1}}, defaults()), ApiError);
 }
 
 TEST(OpenAiProtocol, PromptForms) {
@@ -321,6 +324,34 @@ TEST(OpenAiProtocol, StreamingChunks) {
   const json usage = usage_chunk(meta, /*chat=*/true, Usage{3, 4});
   EXPECT_EQ(usage["choices"], json::array());
   EXPECT_EQ(usage["usage"]["total_tokens"], 7);
+}
+
+TEST(OpenAiProtocol, TokenIdsOnlyWhenAskedFor) {
+  ChoiceText choice = sample_choice();
+  EXPECT_FALSE(completion_response(ResponseMeta{}, {choice}, Usage{})["choices"][0].contains("token_ids"));
+  EXPECT_FALSE(chat_response(ResponseMeta{}, {choice}, Usage{}).contains("prompt_token_ids"));
+  EXPECT_FALSE(completion_chunk(ResponseMeta{}, choice, false)["choices"][0].contains("token_ids"));
+  choice.has_token_ids = true;
+  choice.token_ids = {5, 6};
+  choice.prompt_token_ids = {1, 2, 3};
+  const json completion = completion_response(ResponseMeta{}, {choice}, Usage{});
+  EXPECT_EQ(completion["choices"][0]["token_ids"], json({5, 6}));
+  EXPECT_EQ(completion["choices"][0]["prompt_token_ids"], json({1, 2, 3}));
+  const json chat = chat_response(ResponseMeta{}, {choice}, Usage{});
+  EXPECT_EQ(chat["prompt_token_ids"], json({1, 2, 3}));  // once, at the top
+  EXPECT_EQ(chat["choices"][0]["token_ids"], json({5, 6}));
+  EXPECT_FALSE(chat["choices"][0].contains("prompt_token_ids"));
+  // Streams: the first chunk of a choice carries the prompt's ids, later ones only their own.
+  EXPECT_EQ(completion_chunk(ResponseMeta{}, choice, false)["choices"][0]["prompt_token_ids"], json({1, 2, 3}));
+  EXPECT_EQ(chat_chunk(ResponseMeta{}, choice, false)["prompt_token_ids"], json({1, 2, 3}));
+  choice.prompt_token_ids.clear();
+  const json later = completion_chunk(ResponseMeta{}, choice, false);
+  EXPECT_EQ(later["choices"][0]["token_ids"], json({5, 6}));
+  EXPECT_FALSE(later["choices"][0].contains("prompt_token_ids"));
+  EXPECT_FALSE(chat_chunk(ResponseMeta{}, choice, false).contains("prompt_token_ids"));
+  // A chunk without tokens still says token_ids: [] (the end of a choice).
+  choice.token_ids.clear();
+  EXPECT_EQ(chat_chunk(ResponseMeta{}, choice, false)["choices"][0]["token_ids"], json::array());
 }
 
 TEST(OpenAiProtocol, SseFraming) {
