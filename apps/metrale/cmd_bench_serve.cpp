@@ -3,6 +3,12 @@
 // tokens and --output-len generated tokens (ignore_eos), at most --concurrency at once and/or at
 // --request-rate per second (Poisson arrivals), then reports request and token throughput and
 // TTFT / TPOT / ITL mean, median and p99, and writes them as JSON with --result-file.
+//
+// With --turns N each prompt opens a conversation of N requests sent one after the other: turn t + 1's
+// prompt is turn t's prompt, its output's token ids (return_token_ids) and --turn-input-len new
+// random ids, as a chat client resends its history. Follow-up turns can reuse the cached prefix, so
+// their TTFT, reported apart from the first turns', measures the prefix cache and its host and disk
+// tiers. Concurrency and the request rate then count conversations.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -12,8 +18,12 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
+#include <span>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <httplib.h>
 #include <nlohmann/json.hpp>
@@ -38,6 +48,8 @@ struct BenchServeOptions {
   int num_prompts = 100;
   int input_len = 1024;
   int output_len = 128;
+  int turns = 1;               // requests per conversation
+  int turn_input_len = 128;    // new prompt tokens of every follow-up turn
   bool random_tokens = false;  // prompts as token ids (exact lengths) instead of text
   std::string tokenizer;       // model directory whose tokenizer makes the text prompts
   uint64_t seed = 0;
@@ -53,6 +65,8 @@ struct RequestResult {
   double latency = 0.0;     // seconds, send to the last byte
   double ttft = 0.0;        // seconds, send to the first token
   std::vector<double> itl;  // seconds between successive token chunks
+  std::vector<int32_t> output_ids;  // return_token_ids (multi-turn runs)
+  bool has_output_ids = false;
 };
 
 struct Summary {
@@ -92,10 +106,16 @@ std::string served_model(const BenchServeOptions& options) {
   return models.at("data").at(0).at("id").get<std::string>();
 }
 
+struct Conversation {
+  json prompt;                                   // the first turn's: token ids or text
+  std::vector<std::vector<int32_t>> follow_ups;  // [turns - 1][turn_input_len] new ids of later turns
+};
+
 // The prompts: random token ids (ids from the ordinary vocabulary, away from special tokens), sent
 // as ids, or those ids decoded to text. The tokenizer (the server model's) bounds the ids; token-id
 // prompts can do without one (ids below 30,000 then).
-std::vector<json> make_prompts(const BenchServeOptions& options) {
+
+std::vector<Conversation> make_conversations(const BenchServeOptions& options) {
   std::optional<Tokenizer> tokenizer;
   const std::filesystem::path dir =
       options.tokenizer.empty() ? default_model_dir() : std::filesystem::path(options.tokenizer);
@@ -104,14 +124,24 @@ std::vector<json> make_prompts(const BenchServeOptions& options) {
   if (tokenizer) high = static_cast<int32_t>(std::min<int64_t>(tokenizer->vocab_size() * 9 / 10, 100000));
   std::mt19937_64 generator(options.seed);
   std::uniform_int_distribution<int32_t> pick(std::min(1000, high / 10), high);
-  std::vector<json> prompts;
+  std::vector<Conversation> conversations;
   for (int i = 0; i < options.num_prompts; ++i) {
+    Conversation conversation;
     std::vector<int32_t> ids(static_cast<size_t>(options.input_len));
     for (int32_t& id : ids) id = pick(generator);
-    if (options.random_tokens) prompts.emplace_back(ids);
-    else prompts.emplace_back(tokenizer->decode(ids, /*skip_special_tokens=*/true));
+    if (options.random_tokens) conversation.prompt = ids;
+    else conversation.prompt = tokenizer->decode(ids, /*skip_special_tokens=*/true);
+    conversations.push_back(std::move(conversation));
   }
-  return prompts;
+  // Drawn after every first prompt, so that --turns leaves the first turns' prompts as they were.
+  for (Conversation& conversation : conversations) {
+    conversation.follow_ups.resize(static_cast<size_t>(options.turns - 1));
+    for (std::vector<int32_t>& ids : conversation.follow_ups) {
+      ids.resize(static_cast<size_t>(options.turn_input_len));
+      for (int32_t& id : ids) id = pick(generator);
+    }
+  }
+  return conversations;
 }
 
 // One streaming request; SSE events are parsed as the bytes arrive.
@@ -140,6 +170,11 @@ RequestResult run_request(httplib::Client& client, const BenchServeOptions& opti
       result.output_tokens = event["usage"].value("completion_tokens", int64_t{0});
     }
     if (!event.contains("choices") || event["choices"].empty()) return;
+    for (const json& choice : event["choices"]) {
+      if (!choice.contains("token_ids") || !choice["token_ids"].is_array()) continue;
+      result.has_output_ids = true;
+      for (const json& id : choice["token_ids"]) result.output_ids.push_back(id.get<int32_t>());
+    }
     const Clock::time_point now = Clock::now();
     ++token_chunks;
     if (!seen_token) {
@@ -181,12 +216,50 @@ RequestResult run_request(httplib::Client& client, const BenchServeOptions& opti
   return result;
 }
 
-int run_bench_serve(const BenchServeOptions& options) {
-  const std::string model = options.model.empty() ? served_model(options) : options.model;
-  const std::vector<json> prompts = make_prompts(options);
+// Runs the turns of one conversation into results[0, turns); a failed turn ends it (the turns after
+// it fail too, saying so).
+void run_conversation(httplib::Client& client, const BenchServeOptions& options, const std::string& model,
+                      const Conversation& conversation, std::span<RequestResult> results) {
+  const bool multi_turn = options.turns > 1;
+  json prompt = conversation.prompt;
+  for (int turn = 0; turn < options.turns; ++turn) {
+    json body = {{"model", model},
+                 {"prompt", prompt},
+                 {"max_tokens", options.output_len},
+                 {"ignore_eos", true},
+                 {"temperature", 0.0},
+                 {"stream", true},
+                 {"stream_options", {{"include_usage", true}}}};
+    if (multi_turn) body["return_token_ids"] = true;
+    RequestResult& result = results[static_cast<size_t>(turn)];
+    result = run_request(client, options, body.dump());
+    if (result.ok && multi_turn && !result.has_output_ids) {
+      result.ok = false;
+      result.error = "the server sent no token_ids (return_token_ids), which --turns needs";
+    }
+    if (!result.ok) {
+      for (int rest = turn + 1; rest < options.turns; ++rest)
+        results[static_cast<size_t>(rest)].error = fmt::format("turn {} of its conversation failed", turn);
+      return;
+    }
+    if (turn + 1 == options.turns) break;
+    std::vector<int32_t> next = prompt.get<std::vector<int32_t>>();
+    next.insert(next.end(), result.output_ids.begin(), result.output_ids.end());
+    const std::vector<int32_t>& added = conversation.follow_ups[static_cast<size_t>(turn)];
+    next.insert(next.end(), added.begin(), added.end());
+    prompt = std::move(next);
+  }
+}
 
-  // Arrival times: all at once, or a Poisson process of the given rate.
-  std::vector<double> arrivals(prompts.size(), 0.0);
+int run_bench_serve(const BenchServeOptions& options) {
+  if (options.turns > 1 && !options.random_tokens)
+    raise(ErrorCode::kInvalidArgument, "--turns {} needs --random-tokens (follow-up prompts are token ids)", options.turns);
+  const std::string model = options.model.empty() ? served_model(options) : options.model;
+  const std::vector<Conversation> conversations = make_conversations(options);
+  const auto turns = static_cast<size_t>(options.turns);
+
+  // Arrival times of the conversations: all at once, or a Poisson process of the given rate.
+  std::vector<double> arrivals(conversations.size(), 0.0);
   if (options.request_rate > 0.0) {
     std::mt19937_64 generator(options.seed + 1);
     std::exponential_distribution<double> gap(options.request_rate);
@@ -198,7 +271,7 @@ int run_bench_serve(const BenchServeOptions& options) {
   }
   const int workers = options.concurrency > 0 ? std::min(options.concurrency, options.num_prompts)
                                               : std::min(options.num_prompts, 4096);
-  std::vector<RequestResult> results(prompts.size());
+  std::vector<RequestResult> results(conversations.size() * turns);
   std::atomic<size_t> next{0};
   const Clock::time_point start = Clock::now();
   std::vector<std::thread> threads;
@@ -209,17 +282,10 @@ int run_bench_serve(const BenchServeOptions& options) {
       client.set_write_timeout(options.timeout_seconds, 0);
       client.set_connection_timeout(30, 0);
       client.set_keep_alive(true);
-      for (size_t i; (i = next.fetch_add(1)) < prompts.size();) {
+      for (size_t i; (i = next.fetch_add(1)) < conversations.size();) {
         std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
                                                   std::chrono::duration<double>(arrivals[i])));
-        const json body = {{"model", model},
-                           {"prompt", prompts[i]},
-                           {"max_tokens", options.output_len},
-                           {"ignore_eos", true},
-                           {"temperature", 0.0},
-                           {"stream", true},
-                           {"stream_options", {{"include_usage", true}}}};
-        results[i] = run_request(client, options, body.dump());
+        run_conversation(client, options, model, conversations[i], std::span(results).subspan(i * turns, turns));
       }
     });
   }
@@ -227,9 +293,10 @@ int run_bench_serve(const BenchServeOptions& options) {
   const double duration = std::chrono::duration<double>(Clock::now() - start).count();
 
   int64_t completed = 0, input_tokens = 0, output_tokens = 0;
-  std::vector<double> ttft, tpot, itl, e2e;
+  std::vector<double> ttft, tpot, itl, e2e, ttft_first, ttft_follow_up;
   std::vector<std::string> errors;
-  for (const RequestResult& result : results) {
+  for (size_t i = 0; i < results.size(); ++i) {
+    const RequestResult& result = results[i];
     if (!result.ok) {
       errors.push_back(result.error);
       continue;
@@ -238,13 +305,15 @@ int run_bench_serve(const BenchServeOptions& options) {
     input_tokens += result.prompt_tokens;
     output_tokens += result.output_tokens;
     ttft.push_back(result.ttft * 1e3);
+    (i % turns == 0 ? ttft_first : ttft_follow_up).push_back(result.ttft * 1e3);
     e2e.push_back(result.latency * 1e3);
     if (result.output_tokens > 1)
       tpot.push_back((result.latency - result.ttft) * 1e3 / static_cast<double>(result.output_tokens - 1));
     for (const double gap : result.itl) itl.push_back(gap * 1e3);
   }
   const Summary ttft_summary = summarize(ttft), tpot_summary = summarize(tpot), itl_summary = summarize(itl),
-                e2e_summary = summarize(e2e);
+                e2e_summary = summarize(e2e), first_summary = summarize(ttft_first),
+                follow_up_summary = summarize(ttft_follow_up);
   const double request_throughput = static_cast<double>(completed) / duration;
   const double output_throughput = static_cast<double>(output_tokens) / duration;
   const double total_throughput = static_cast<double>(input_tokens + output_tokens) / duration;
@@ -253,6 +322,7 @@ int run_bench_serve(const BenchServeOptions& options) {
   std::printf("%-40s %d\n", "Concurrency limit:", options.concurrency);
   std::printf("%-40s %s\n", "Request rate (req/s):",
               options.request_rate > 0 ? fmt::format("{:.2f}", options.request_rate).c_str() : "inf");
+  if (turns > 1) std::printf("%-40s %zu x %zu\n", "Conversations x turns:", conversations.size(), turns);
   std::printf("%-40s %lld\n", "Successful requests:", static_cast<long long>(completed));
   std::printf("%-40s %zu\n", "Failed requests:", errors.size());
   std::printf("%-40s %.2f\n", "Benchmark duration (s):", duration);
@@ -262,12 +332,16 @@ int run_bench_serve(const BenchServeOptions& options) {
   std::printf("%-40s %.2f\n", "Output token throughput (tok/s):", output_throughput);
   std::printf("%-40s %.2f\n", "Total token throughput (tok/s):", total_throughput);
   const auto section = [](const char* title, const char* name, const Summary& summary) {
-    std::printf("%s\n", title);
+    if (*title != '\0') std::printf("%s\n", title);
     std::printf("%-40s %.2f\n", fmt::format("Mean {} (ms):", name).c_str(), summary.mean);
     std::printf("%-40s %.2f\n", fmt::format("Median {} (ms):", name).c_str(), summary.median);
     std::printf("%-40s %.2f\n", fmt::format("P99 {} (ms):", name).c_str(), summary.p99);
   };
   section("---------------Time to First Token----------------", "TTFT", ttft_summary);
+  if (turns > 1) {
+    section("----------TTFT of first turns / follow-ups---------", "first-turn TTFT", first_summary);
+    section("", "follow-up TTFT", follow_up_summary);
+  }
   section("-----Time per Output Token (excl. 1st token)------", "TPOT", tpot_summary);
   section("---------------Inter-token Latency----------------", "ITL", itl_summary);
   section("----------------End-to-end Latency----------------", "E2EL", e2e_summary);
@@ -283,6 +357,8 @@ int run_bench_serve(const BenchServeOptions& options) {
                          {"num_prompts", options.num_prompts},
                          {"input_len", options.input_len},
                          {"output_len", options.output_len},
+                         {"turns", options.turns},
+                         {"turn_input_len", options.turn_input_len},
                          {"random_tokens", options.random_tokens},
                          {"concurrency", options.concurrency},
                          {"request_rate", options.request_rate > 0 ? json(options.request_rate) : json("inf")},
@@ -297,7 +373,9 @@ int run_bench_serve(const BenchServeOptions& options) {
                          {"ttft_ms", summary_json(ttft_summary)},
                          {"tpot_ms", summary_json(tpot_summary)},
                          {"itl_ms", summary_json(itl_summary)},
-                         {"e2el_ms", summary_json(e2e_summary)}};
+                         {"e2el_ms", summary_json(e2e_summary)},
+                         {"ttft_first_turn_ms", summary_json(first_summary)},
+                         {"ttft_follow_up_ms", summary_json(follow_up_summary)}};
     std::ofstream file(options.result_file);
     if (!file) raise(ErrorCode::kInvalidArgument, "cannot write {}", options.result_file);
     file << report.dump(2) << "\n";
@@ -317,12 +395,18 @@ void register_bench_serve(CLI::App& root, Action& action) {
       ->capture_default_str()->check(CLI::Range(0, 1 << 20));
   command->add_option("--request-rate", options->request_rate, "requests per second, Poisson (0: all at once)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
-  command->add_option("--num-prompts", options->num_prompts, "requests to send")
+  command->add_option("--num-prompts", options->num_prompts, "requests (with --turns: conversations) to send")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
   command->add_option("--input-len", options->input_len, "prompt tokens per request")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
   command->add_option("--output-len", options->output_len, "generated tokens per request")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  command->add_option("--turns", options->turns,
+                      "requests per conversation: each follow-up resends the history (prompt, output ids) plus "
+                      "--turn-input-len new tokens; needs --random-tokens")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 16));
+  command->add_option("--turn-input-len", options->turn_input_len, "new prompt tokens of every follow-up turn")
+      ->capture_default_str()->check(CLI::Range(0, 1 << 24));
   command->add_flag("--random-tokens", options->random_tokens,
                     "send prompts as random token ids (exact lengths) instead of text");
   command->add_option("--tokenizer", options->tokenizer,

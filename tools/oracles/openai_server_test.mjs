@@ -343,6 +343,36 @@ test('stop token ids', async ({ client, model }) => {
   assert.equal(other.choices[0].text, full.choices[0].text);
 });
 
+test('return_token_ids: the prompt and output ids, streamed and whole, continue exactly', async ({ client, model }) => {
+  const prompt = [9707, 11, 847, 1879];
+  const base = { model, prompt, max_tokens: 6, temperature: 0, ignore_eos: true, return_token_ids: true };
+  const whole = await client.completions.create(base);
+  assert.deepEqual(whole.choices[0].prompt_token_ids, prompt);
+  const ids = whole.choices[0].token_ids;
+  assert.equal(ids.length, 6);
+  assert.ok(ids.every((id) => Number.isInteger(id) && id >= 0 && id < vocabSize), `ids ${ids}`);
+  const streamed = [];
+  let promptIds = null;
+  for await (const chunk of await client.completions.create({ ...base, stream: true })) {
+    for (const choice of chunk.choices) {
+      if (choice.prompt_token_ids) promptIds = choice.prompt_token_ids;
+      streamed.push(...(choice.token_ids ?? []));
+    }
+  }
+  assert.deepEqual(promptIds, prompt);
+  assert.deepEqual(streamed, ids);
+  // The ids are the tokens the model produced: greedy from the prompt plus the first three gives the last three.
+  const next = await client.completions.create({ ...base, prompt: [...prompt, ...ids.slice(0, 3)], max_tokens: 3 });
+  assert.deepEqual(next.choices[0].token_ids, ids.slice(3));
+  const plain = await client.completions.create({ model, prompt, max_tokens: 2, temperature: 0 });
+  assert.ok(!('token_ids' in plain.choices[0]), 'no token ids unless asked for');
+  const chat = await client.chat.completions.create({
+    model, messages: [{ role: 'user', content: 'Hello' }], max_tokens: 4, temperature: 0, return_token_ids: true,
+  });
+  assert.ok(Array.isArray(chat.prompt_token_ids) && chat.prompt_token_ids.length > 0);
+  assert.equal(chat.choices[0].token_ids.length, chat.usage.completion_tokens);
+});
+
 test('completion logprobs', async ({ client, model }) => {
   const result = await client.completions.create({ model, prompt: 'The quick brown fox', max_tokens: 8,
     temperature: 0, ignore_eos: true, logprobs: 3 });
@@ -526,6 +556,22 @@ test('bench-serve against the server', async ({ server }) => {
     const exact = JSON.parse(readFileSync(resultFile, 'utf8'));
     assert.equal(exact.total_input_tokens, 30, 'token-id prompts have exact lengths');
     assert.equal(exact.total_output_tokens, 12);
+    // Conversations: every follow-up resends the history (prompt + output ids) plus 5 new tokens.
+    const turns = spawnSync(metrale, ['bench-serve', '--url', server.url, '--num-prompts', '2', '--concurrency', '2',
+      '--turns', '3', '--input-len', '8', '--turn-input-len', '5', '--output-len', '3', '--random-tokens',
+      '--result-file', resultFile, ...tokenizer], { encoding: 'utf8', timeout: 60000 });
+    assert.equal(turns.status, 0, turns.stderr + turns.stdout);
+    assert.match(turns.stdout, /Conversations x turns:\s+2 x 3/);
+    assert.match(turns.stdout, /Median follow-up TTFT \(ms\):/);
+    const talk = JSON.parse(readFileSync(resultFile, 'utf8'));
+    assert.equal(talk.completed, 6);
+    assert.equal(talk.total_input_tokens, 2 * (8 + 16 + 24), 'turn prompts: 8, 8 + 3 + 5, 16 + 3 + 5');
+    assert.equal(talk.total_output_tokens, 18);
+    assert.ok(talk.ttft_first_turn_ms.mean > 0 && talk.ttft_follow_up_ms.mean > 0);
+    const textTurns = spawnSync(metrale, ['bench-serve', '--url', server.url, '--turns', '2', ...tokenizer],
+      { encoding: 'utf8', timeout: 60000 });
+    assert.notEqual(textTurns.status, 0);
+    assert.match(textTurns.stderr, /--turns 2 needs --random-tokens/);
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
