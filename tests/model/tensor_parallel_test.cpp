@@ -197,5 +197,21 @@ TEST(TensorParallelGolden, AttentionAndLinearAttentionCachesSplit) {
   }
 }
 
+TEST(TensorParallelGolden, KdaStateSplits) {
+  // glm5_next: 2 KDA heads over 2 ranks, one head's conv channels and state each (the DSA caches,
+  // per token, stay whole: MLA runs whole on every rank). Both layouts: separate q/k/v convs (hub).
+  for (const char* name : {"glm5_next", "glm5_next_softplus_hub"}) {
+    SCOPED_TRACE(name);
+    const std::filesystem::path dir = kGoldens / name / "model";
+    ASSERT_TRUE(std::filesystem::exists(dir)) << dir;
+    InProcessGroup group(2);
+    LoadOptions options;
+    options.tensor_parallel = {1, 2, &group.communicator(1)};
+    const uint64_t whole = slot_bytes_per_slot(load_model(dir, Device::cpu())->cache_specs(), DType::kF32);
+    ASSERT_GT(whole, 0u);
+    EXPECT_EQ(slot_bytes_per_slot(load_model(dir, Device::cpu(), options)->cache_specs(), DType::kF32) * 2, whole);
+  }
+}
+
 }  // namespace
 }  // namespace metrale

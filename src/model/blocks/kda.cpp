@@ -1,17 +1,32 @@
 #include "model/blocks/kda.h"
 
 #include <cmath>
+#include <optional>
+#include <vector>
 
 #include "core/error.h"
 #include "kernels/causal_conv1d.h"
 #include "kernels/gated_rms_norm.h"
 #include "kernels/kda.h"
 #include "kernels/linear_weight.h"
+#include "model/tensor_parallel.h"
 
 namespace metrale {
-Tensor KdaMixer::load_f32(Weights& weights, const std::string& key, const Shape& shape) {
-  OwnedTensor placed(DType::kF32, shape, weights.device());
-  weights.load_into(key, *placed);
+namespace {
+
+// Rows [first * d, (first + count) * d) of each of `parts` stacked [P, ...] blocks (P = heads * d):
+// this rank's rows of a projection laid out head by head, of each part of a concatenation.
+TensorSlice head_rows(const IndexRange& heads, int64_t d, int64_t projection, int parts = 1) {
+  std::vector<int64_t> rows;
+  for (int part = 0; part < parts; ++part) append_rows(rows, unit_rows(part * projection, heads.begin, heads.size(), d));
+  return TensorSlice::of_rows(std::move(rows));
+}
+
+}  // namespace
+
+Tensor KdaMixer::load_f32(Weights& weights, const std::string& key, const Shape& full, const TensorSlice& slice) {
+  OwnedTensor placed(DType::kF32, slice.shape_of(full), weights.device());
+  weights.load_into(key, full, slice, *placed);
   const Tensor view = *placed;
   owned_.push_back(std::move(placed));
   return view;
@@ -23,40 +38,53 @@ KdaMixer::KdaMixer(const KdaConfig& config, Weights& weights, const std::string&
     raise(ErrorCode::kBadFormat, "{}: invalid KDA sizes (linear_num_heads {}, linear_head_dim {}, conv kernel {})",
           weights.source_name(), heads, d, k);
   }
-  const int64_t p = config.projection_dim();
+  // This rank's heads: all of them, or an even share under tensor parallelism.
+  const TensorParallel& tensor_parallel = weights.tensor_parallel();
+  const std::optional<IndexRange> share =
+      tensor_parallel.active() ? tensor_parallel.even_share(heads) : std::optional<IndexRange>();
+  partial_ = share.has_value();
+  const IndexRange local = share.value_or(IndexRange{0, heads});
+  config_.num_heads = local.size();
+  const int64_t p = config.projection_dim(), pl = config_.projection_dim();
+  // Slices of the stored tensors (whole when the mixer is whole).
+  const TensorSlice rows = partial_ ? head_rows(local, d, p) : TensorSlice{};
+  const TensorSlice conv_rows = partial_ ? head_rows(local, d, p, 3) : TensorSlice{};
+  TensorSlice heads_slice;  // rows of the per-head [H] and [H, D] tensors
+  if (partial_) append_rows(heads_slice.rows, local);
+  const TensorSlice out_columns = partial_ ? TensorSlice::of_columns(local.begin * d, local.end * d) : TensorSlice{};
   if (weights.device().is_cuda() && !weights.fp8_linears()) {
-    OwnedTensor qkv(weights.compute_dtype(), {3 * p, h}, weights.device());
-    weights.load_into(prefix + "q_proj.weight", qkv->slice(0, 0, p));
-    weights.load_into(prefix + "k_proj.weight", qkv->slice(0, p, 2 * p));
-    weights.load_into(prefix + "v_proj.weight", qkv->slice(0, 2 * p, 3 * p));
+    OwnedTensor qkv(weights.compute_dtype(), {3 * pl, h}, weights.device());
+    weights.load_into(prefix + "q_proj.weight", {p, h}, rows, qkv->slice(0, 0, pl));
+    weights.load_into(prefix + "k_proj.weight", {p, h}, rows, qkv->slice(0, pl, 2 * pl));
+    weights.load_into(prefix + "v_proj.weight", {p, h}, rows, qkv->slice(0, 2 * pl, 3 * pl));
     qkv_proj_ = *qkv;
     owned_.push_back(std::move(qkv));
   } else {
-    q_proj_ = weights.get_linear(prefix + "q_proj.weight", {p, h});
-    k_proj_ = weights.get_linear(prefix + "k_proj.weight", {p, h});
-    v_proj_ = weights.get_linear(prefix + "v_proj.weight", {p, h});
+    q_proj_ = weights.get_linear(prefix + "q_proj.weight", {p, h}, rows);
+    k_proj_ = weights.get_linear(prefix + "k_proj.weight", {p, h}, rows);
+    v_proj_ = weights.get_linear(prefix + "v_proj.weight", {p, h}, rows);
   }
   // conv1d.weight [3P, 1, K] as [3P, K] f32; the hub layout stores q, k and v separately.
-  OwnedTensor conv(DType::kF32, {3 * p, k}, weights.device());
+  OwnedTensor conv(DType::kF32, {3 * pl, k}, weights.device());
   if (weights.has(prefix + "conv1d.weight") || weights.is_random()) {
-    weights.load_into(prefix + "conv1d.weight", conv->reshape({3 * p, 1, k}));
+    weights.load_into(prefix + "conv1d.weight", {3 * p, 1, k}, conv_rows, conv->reshape({3 * pl, 1, k}));
   } else {
     const char* parts[] = {"q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"};
     for (int64_t i = 0; i < 3; ++i) {
-      weights.load_into(prefix + parts[i], conv->slice(0, i * p, (i + 1) * p).reshape({p, 1, k}));
+      weights.load_into(prefix + parts[i], {p, 1, k}, rows, conv->slice(0, i * pl, (i + 1) * pl).reshape({pl, 1, k}));
     }
   }
   conv_weight_ = *conv;
   owned_.push_back(std::move(conv));
   f_a_ = weights.get_linear(prefix + "forget_gate.f_a_proj.weight", {d, h});
-  f_b_ = weights.get_linear(prefix + "forget_gate.f_b_proj.weight", {p, d});
-  dt_bias_ = load_f32(weights, prefix + "forget_gate.dt_bias", {p});
-  a_log_ = load_f32(weights, prefix + "forget_gate.A_log", {heads});
-  b_proj_ = weights.get_linear(prefix + "b_proj.weight", {heads, h});
+  f_b_ = weights.get_linear(prefix + "forget_gate.f_b_proj.weight", {p, d}, rows);
+  dt_bias_ = load_f32(weights, prefix + "forget_gate.dt_bias", {p}, rows);
+  a_log_ = load_f32(weights, prefix + "forget_gate.A_log", {heads}, heads_slice);
+  b_proj_ = weights.get_linear(prefix + "b_proj.weight", {heads, h}, heads_slice);
   g_a_ = weights.get_linear(prefix + "g_a_proj.weight", {d, h});
-  g_b_ = weights.get_linear(prefix + "g_b_proj.weight", {p, d});
+  g_b_ = weights.get_linear(prefix + "g_b_proj.weight", {p, d}, rows);
   o_norm_ = weights.get(prefix + "o_norm.weight", {d});
-  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, p});
+  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, p}, out_columns);
 }
 
 CacheSpec KdaMixer::cache_spec() const {

@@ -16,6 +16,11 @@
 // Cache (per slot): "conv" {K-1, 3P} in the activation dtype and "recurrent" {H, d, d} fp32. Decode
 // and verify steps run the recurrent form, everything else the chunked one (chunk 64).
 //
+// Tensor parallelism (model/tensor_parallel.h): when the heads split evenly over the ranks, a rank
+// reads its heads' rows of q/k/v, the conv, f_b, dt_bias, A_log, b and g_b (f_a, g_a and o_norm are
+// shared by every head, read whole), keeps their conv channels and states, and the matching o_proj
+// columns: its output is a partial sum. Otherwise the mixer stays whole on every rank.
+//
 // Speculative verify: the conv and the recurrence read the slots and leave them (write_state false);
 // the projections u, f and b of every row stay in the verify scratch, and commit() replays the kept
 // rows of every sequence on its slots with the same kernels, so the state after a commit is exactly
@@ -46,6 +51,8 @@ class KdaMixer : public Mixer {
  public:
   KdaMixer(const KdaConfig& config, Weights& weights, const std::string& prefix);
 
+  bool output_is_partial() const override { return partial_; }
+
   CacheSpec cache_spec() const override;
   size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
   void forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) override;
@@ -65,11 +72,13 @@ class KdaMixer : public Mixer {
   void mix(const StepContext& step, const BlockCache& cache, const RowInputs& rows, const Tensor& cu_q,
            const Tensor& kv_lens, const Tensor& slots, int64_t max_q_len, bool recurrent, bool write_state,
            const Tensor& core) const;
-  Tensor load_f32(Weights& weights, const std::string& key, const Shape& shape);
+  // `slice` of the stored [full] tensor `key`, as fp32 on the weights' device.
+  Tensor load_f32(Weights& weights, const std::string& key, const Shape& full, const TensorSlice& slice);
 
   static constexpr size_t kConv = 0, kRecurrent = 1;  // BlockCache::tensors
 
-  KdaConfig config_;
+  KdaConfig config_;  // num_heads: this rank's heads
+  bool partial_ = false;
   // Projections are plain or FP8 (kernels::LinearWeight); with FP8 weights the GPU keeps q/k/v apart.
   kernels::LinearWeight q_proj_, k_proj_, v_proj_;  // [P, D] each (CPU: checkpoint views)
   Tensor qkv_proj_;                                 // [3P, D] bf16: the three in one weight (CUDA: one GEMM)
