@@ -18,7 +18,8 @@ namespace {
 // this rank's rows of a projection laid out head by head, of each part of a concatenation.
 TensorSlice head_rows(const IndexRange& heads, int64_t d, int64_t projection, int parts = 1) {
   std::vector<int64_t> rows;
-  for (int part = 0; part < parts; ++part) append_rows(rows, unit_rows(part * projection, heads.begin, heads.size(), d));
+  for (int part = 0; part < parts; ++part)
+    append_rows(rows, unit_rows(part * projection, heads.begin, heads.size(), d));
   return TensorSlice::of_rows(std::move(rows));
 }
 
