@@ -83,6 +83,13 @@ IndexRange unit_rows(int64_t base, int64_t first, int64_t count, int64_t unit_ro
   return {base + first * unit_rows, base + (first + count) * unit_rows};
 }
 
+TensorSlice unit_slice(const IndexRange& units, int64_t unit_size, int parts, int64_t part_size) {
+  std::vector<int64_t> rows;
+  for (int part = 0; part < parts; ++part)
+    append_rows(rows, unit_rows(part * part_size, units.begin, units.size(), unit_size));
+  return TensorSlice::of_rows(std::move(rows));
+}
+
 void copy_slice(const Tensor& source, const TensorSlice& slice, void* destination) {
   METRALE_CHECK(source.is_contiguous() && source.device().is_cpu(), "copy_slice of {}", source.describe());
   const Shape& full = source.shape();

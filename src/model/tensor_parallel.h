@@ -71,6 +71,10 @@ void append_rows(std::vector<int64_t>& rows, IndexRange range);
 // The rows of `count` consecutive units of `unit_rows` rows each, from unit `first` on, offset by
 // `base`: the rows of a run of heads in a projection laid out head by head.
 IndexRange unit_rows(int64_t base, int64_t first, int64_t count, int64_t unit_rows);
+// The row slice of the units [units.begin, units.end) of `unit_size` rows each, in each of `parts`
+// stacked blocks of `part_size` rows: a run of heads of a projection laid out head by head (of each
+// part of a concatenation such as [Q; K; V]).
+TensorSlice unit_slice(const IndexRange& units, int64_t unit_size, int parts = 1, int64_t part_size = 0);
 
 // Copies `slice` of the contiguous host tensor `source` into `destination`: contiguous host bytes
 // of slice.shape_of(source.shape()) elements of source's dtype.

@@ -12,19 +12,6 @@
 #include "model/tensor_parallel.h"
 
 namespace metrale {
-namespace {
-
-// Rows [first * d, (first + count) * d) of each of `parts` stacked [P, ...] blocks (P = heads * d):
-// this rank's rows of a projection laid out head by head, of each part of a concatenation.
-TensorSlice head_rows(const IndexRange& heads, int64_t d, int64_t projection, int parts = 1) {
-  std::vector<int64_t> rows;
-  for (int part = 0; part < parts; ++part)
-    append_rows(rows, unit_rows(part * projection, heads.begin, heads.size(), d));
-  return TensorSlice::of_rows(std::move(rows));
-}
-
-}  // namespace
-
 Tensor KdaMixer::load_f32(Weights& weights, const std::string& key, const Shape& full, const TensorSlice& slice) {
   OwnedTensor placed(DType::kF32, slice.shape_of(full), weights.device());
   weights.load_into(key, full, slice, *placed);
@@ -48,8 +35,8 @@ KdaMixer::KdaMixer(const KdaConfig& config, Weights& weights, const std::string&
   config_.num_heads = local.size();
   const int64_t p = config.projection_dim(), pl = config_.projection_dim();
   // Slices of the stored tensors (whole when the mixer is whole).
-  const TensorSlice rows = partial_ ? head_rows(local, d, p) : TensorSlice{};
-  const TensorSlice conv_rows = partial_ ? head_rows(local, d, p, 3) : TensorSlice{};
+  const TensorSlice rows = partial_ ? unit_slice(local, d) : TensorSlice{};
+  const TensorSlice conv_rows = partial_ ? unit_slice(local, d, 3, p) : TensorSlice{};
   TensorSlice heads_slice;  // rows of the per-head [H] and [H, D] tensors
   if (partial_) append_rows(heads_slice.rows, local);
   const TensorSlice out_columns = partial_ ? TensorSlice::of_columns(local.begin * d, local.end * d) : TensorSlice{};

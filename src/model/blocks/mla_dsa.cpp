@@ -1,11 +1,13 @@
 #include "model/blocks/mla_dsa.h"
 
 #include <cmath>
+#include <optional>
 
 #include "core/error.h"
 #include "kernels/dsa.h"
 #include "kernels/linear_weight.h"
 #include "kernels/rms_norm.h"
+#include "model/tensor_parallel.h"
 
 namespace metrale {
 namespace {
@@ -41,19 +43,32 @@ DsaMixer::DsaMixer(const DsaConfig& config, Weights& weights, const std::string&
           "index_kpool {})",
           weights.source_name(), heads, r, dn, dv, config.index_topk, config.index_kpool);
   }
+  // This rank's heads: all of them, or an even share under tensor parallelism (the latent, the
+  // indexer and the selection are computed whole on every rank, alike).
+  const TensorParallel& tensor_parallel = weights.tensor_parallel();
+  const std::optional<IndexRange> share =
+      tensor_parallel.active() ? tensor_parallel.even_share(heads) : std::optional<IndexRange>();
+  partial_ = share.has_value();
+  const IndexRange local = share.value_or(IndexRange{0, heads});
+  config_.num_heads = local.size();
+  const int64_t local_heads = local.size();
+  const TensorSlice q_rows = partial_ ? unit_slice(local, dn) : TensorSlice{};
+  const TensorSlice out_columns = partial_ ? TensorSlice::of_columns(local.begin * dv, local.end * dv) : TensorSlice{};
   q_a_ = weights.get_linear(prefix + "q_a_proj.weight", {rq, d});
   q_a_norm_ = weights.get(prefix + "q_a_layernorm.weight", {rq});
-  q_b_ = weights.get_linear(prefix + "q_b_proj.weight", {heads * dn, rq});
+  q_b_ = weights.get_linear(prefix + "q_b_proj.weight", {heads * dn, rq}, q_rows);
   kv_a_ = weights.get_linear(prefix + "kv_a_proj_with_mqa.weight", {r, d});
   kv_a_norm_ = weights.get(prefix + "kv_a_layernorm.weight", {r});
   // kv_b is absorbed into the attention (plain per-head matrices): an FP8 one is dequantised here.
-  const Tensor kv_b = weights.get_dequantized(prefix + "kv_b_proj.weight", {heads * (dn + dv), r});
+  // A rank's heads are a run of whole [d_n + d_v, r] blocks.
+  const Tensor kv_b = weights.get_dequantized(prefix + "kv_b_proj.weight", {heads * (dn + dv), r})
+                          .slice(0, local.begin * (dn + dv), local.end * (dn + dv));
   // Per head: rows [0, d_n) are W_uk,h [d_n, r], rows [d_n, d_n + d_v) W_uv,h [d_v, r].
-  value_absorb_ = kv_b.reshape({heads, dn + dv, r}).slice(1, dn, dn + dv);
+  value_absorb_ = kv_b.reshape({local_heads, dn + dv, r}).slice(1, dn, dn + dv);
   {
     const std::vector<float> rows = host_values(kv_b);
-    std::vector<float> transposed(static_cast<size_t>(heads * r * dn));
-    for (int64_t h = 0; h < heads; ++h) {
+    std::vector<float> transposed(static_cast<size_t>(local_heads * r * dn));
+    for (int64_t h = 0; h < local_heads; ++h) {
       for (int64_t i = 0; i < dn; ++i) {
         for (int64_t j = 0; j < r; ++j) {
           transposed[static_cast<size_t>((h * r + j) * dn + i)] =
@@ -61,14 +76,14 @@ DsaMixer::DsaMixer(const DsaConfig& config, Weights& weights, const std::string&
         }
       }
     }
-    OwnedTensor key(kv_b.dtype(), {heads, r, dn}, weights.device());
+    OwnedTensor key(kv_b.dtype(), {local_heads, r, dn}, weights.device());
     std::vector<char> converted(key->nbytes());
     convert_from_f32(kv_b.dtype(), transposed.data(), converted.data(), transposed.size());
     copy_bytes(key->data(), key->device(), converted.data(), Device::cpu(), converted.size());
     key_absorb_ = *key;
     owned_.push_back(std::move(key));
   }
-  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {d, heads * dv});
+  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {d, heads * dv}, out_columns);
   if (has_indexer()) {
     const int64_t hi = config.index_n_heads, di = config.index_head_dim;
     const std::string p = prefix + "indexer.";

@@ -20,6 +20,12 @@
 // "index_keys" [2 d_I] per token ([k^I | gamma]) and "pool_keys" [d_I] per group of kp tokens.
 // Everything is paged, so a verify step needs no commit (the engine truncates rejected rows; a pool
 // key is recomputed whenever its last token is written again).
+//
+// Tensor parallelism (model/tensor_parallel.h): when the heads split evenly over the ranks, a rank
+// reads its heads' q_b_proj rows, kv_b_proj blocks and o_proj columns and attends with them only:
+// its output is a partial sum. The latent, the indexer and the selection are computed whole on
+// every rank (every rank caches every token's latent, as MLA engines do: the latent is shared by
+// all heads).
 #pragma once
 
 #include <memory>
@@ -64,6 +70,7 @@ class DsaMixer : public Mixer {
   size_t step_output_bytes(int64_t num_tokens) const override;
   void forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) override;
   void write_keys(const StepContext& step, const BlockCache& cache, const Tensor& x) override;
+  bool output_is_partial() const override { return partial_; }
 
  private:
   bool has_indexer() const { return shared_from_ == nullptr; }
@@ -78,7 +85,8 @@ class DsaMixer : public Mixer {
 
   static constexpr size_t kLatent = 0, kIndexKeys = 1, kPoolKeys = 2;  // BlockCache::tensors
 
-  DsaConfig config_;
+  DsaConfig config_;  // num_heads: this rank's heads
+  bool partial_ = false;
   std::shared_ptr<DsaSelectionLink> shared_from_, publish_to_;
   // The projections are plain or FP8 (kernels::LinearWeight); kv_b_proj, absorbed per head, is plain.
   kernels::LinearWeight q_a_, q_b_;   // [r_q, D], [H d_n, r_q]
