@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/error.h"
 #include "kernels/linear_weight.h"
 #include "kernels/qk_norm_rope.h"
 #include "kernels/qsa.h"
 #include "kernels/sigmoid_gate.h"
+#include "model/tensor_parallel.h"
 
 namespace metrale {
 
@@ -26,18 +28,35 @@ QsaAttention::QsaAttention(const QsaConfig& config, Weights& weights, const std:
     raise(ErrorCode::kBadFormat, "{}: the rotary dim {} exceeds indexer_head_dim {}", weights.source_name(),
           rope_->rotary_dim(), d_idx);
   }
-  const int64_t q_rows = 2 * config.num_heads * d, kv_rows = config.num_kv_heads * d;
+  // This rank's heads: the whole layer, or its query heads and the KV heads they read under tensor
+  // parallelism (as Attention); the indexer runs whole on every rank, so every rank selects alike.
+  const TensorParallel& tensor_parallel = weights.tensor_parallel();
+  const std::optional<TensorParallel::GroupedHeads> share =
+      tensor_parallel.active() ? tensor_parallel.grouped_heads(config.num_heads, config.num_kv_heads)
+                               : std::optional<TensorParallel::GroupedHeads>();
+  partial_ = share.has_value();
+  TensorSlice q_slice, kv_slice, o_slice;
+  if (share) {
+    config_.num_heads = share->heads.size();
+    config_.num_kv_heads = share->groups.size();
+    q_slice = unit_slice(share->heads, 2 * d);  // query and gate rows interleave per head
+    kv_slice = unit_slice(share->groups, d);
+    o_slice = TensorSlice::of_columns(share->heads.begin * d, share->heads.end * d);
+  }
+  const Shape q_full{2 * config.num_heads * d, h}, kv_full{config.num_kv_heads * d, h};
+  const int64_t q_rows = 2 * config_.num_heads * d, kv_rows = config_.num_kv_heads * d;
   if (weights.device().is_cuda() && !weights.fp8_linears()) {
     qkv_proj_ = OwnedTensor(weights.compute_dtype(), {q_rows + 2 * kv_rows, h}, weights.device());
-    weights.load_into(prefix + "q_proj.weight", qkv_proj_.tensor.slice(0, 0, q_rows));
-    weights.load_into(prefix + "k_proj.weight", qkv_proj_.tensor.slice(0, q_rows, q_rows + kv_rows));
-    weights.load_into(prefix + "v_proj.weight", qkv_proj_.tensor.slice(0, q_rows + kv_rows, q_rows + 2 * kv_rows));
+    weights.load_into(prefix + "q_proj.weight", q_full, q_slice, qkv_proj_.tensor.slice(0, 0, q_rows));
+    weights.load_into(prefix + "k_proj.weight", kv_full, kv_slice, qkv_proj_.tensor.slice(0, q_rows, q_rows + kv_rows));
+    weights.load_into(prefix + "v_proj.weight", kv_full, kv_slice,
+                      qkv_proj_.tensor.slice(0, q_rows + kv_rows, q_rows + 2 * kv_rows));
   } else {
-    q_proj_ = weights.get_linear(prefix + "q_proj.weight", {q_rows, h});
-    k_proj_ = weights.get_linear(prefix + "k_proj.weight", {kv_rows, h});
-    v_proj_ = weights.get_linear(prefix + "v_proj.weight", {kv_rows, h});
+    q_proj_ = weights.get_linear(prefix + "q_proj.weight", q_full, q_slice);
+    k_proj_ = weights.get_linear(prefix + "k_proj.weight", kv_full, kv_slice);
+    v_proj_ = weights.get_linear(prefix + "v_proj.weight", kv_full, kv_slice);
   }
-  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, config.num_heads * d});
+  o_proj_ = weights.get_linear(prefix + "o_proj.weight", {h, config.num_heads * d}, o_slice);
   const auto zero_centred = kernels::RmsNormKind::kZeroCentered;
   q_norm_ = RmsNorm::load(weights, prefix + "q_norm.weight", d, config.rms_norm_eps, zero_centred);
   k_norm_ = RmsNorm::load(weights, prefix + "k_norm.weight", d, config.rms_norm_eps, zero_centred);

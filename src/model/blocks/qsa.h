@@ -15,6 +15,10 @@
 // group of c tokens [d_idx]; all in the activation dtype and paged with the KV blocks (so prefix
 // sharing carries them, and a rejected draft's blocks are rewritten by the next step, whose context
 // starts at the committed length).
+//
+// Tensor parallelism (model/tensor_parallel.h): the query heads split with the KV heads they read
+// (TensorParallel::grouped_heads, as Attention), with their q/k/v rows and o_proj columns: the
+// output is then a partial sum. The indexer, its caches and the selection stay whole on every rank.
 #pragma once
 
 #include <memory>
@@ -51,6 +55,7 @@ class QsaAttention : public Mixer {
   CacheSpec cache_spec() const override;
   size_t scratch_bytes(const ForwardBatch& batch, Device device) const override;
   void forward(const StepContext& step, const BlockCache& cache, const Tensor& x, const Tensor& out) override;
+  bool output_is_partial() const override { return partial_; }
 
  private:
   // The indexer: q_idx after its prologue, the caches updated; selected [T, block_topk] i32 (left
@@ -60,7 +65,8 @@ class QsaAttention : public Mixer {
 
   static constexpr size_t kKeys = 0, kValues = 1, kIndexKeys = 2, kBlockKeys = 3;  // BlockCache::tensors
 
-  QsaConfig config_;
+  QsaConfig config_;  // num_heads, num_kv_heads: this rank's heads
+  bool partial_ = false;
   OwnedTensor qkv_proj_;  // GPU with bf16 weights: [2 nH D + 2 nKV D, H] fused
   // Plain (CPU views) or FP8: [2 nH D, H], [nKV D, H] x 2; [H, nH D].
   kernels::LinearWeight q_proj_, k_proj_, v_proj_, o_proj_;
