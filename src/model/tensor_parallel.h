@@ -36,6 +36,11 @@ struct TensorParallel {
   // This rank's share [rank * count / size, (rank + 1) * count / size) of `count` units split
   // evenly, or nullopt when `count` is not a multiple of the group size.
   std::optional<IndexRange> even_share(int64_t count) const;
+  // even_share() when the group has more than one rank, else nullopt: the share of a block that
+  // splits, or nullopt for a block that stays whole.
+  std::optional<IndexRange> split_share(int64_t count) const {
+    return active() ? even_share(count) : std::nullopt;
+  }
   // The heads this rank computes of a grouped layout: `heads` query heads over `groups` key/value
   // heads (heads % groups == 0; query head j reads group j / (heads / groups)). The query heads split
   // evenly; the groups split evenly too, or, with fewer groups than ranks (size % groups == 0), each

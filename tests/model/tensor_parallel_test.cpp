@@ -14,6 +14,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <utility>
 
 #include "common/step_runner.h"
 #include "core/error.h"
@@ -183,33 +184,36 @@ TEST(TensorParallelGolden, CasesExist) {
   EXPECT_GE(golden_cases().size(), 9u) << "no golden cases under " << kGoldens;
 }
 
+// Rank 1 of 2 and the whole model of golden `name`, measured by `bytes(model)`.
+template <typename Bytes>
+std::pair<uint64_t, uint64_t> rank_and_whole(const char* name, Bytes bytes) {
+  const std::filesystem::path dir = kGoldens / name / "model";
+  EXPECT_TRUE(std::filesystem::exists(dir)) << dir;
+  InProcessGroup group(2);
+  LoadOptions options;
+  options.tensor_parallel = {1, 2, &group.communicator(1)};
+  return {bytes(*load_model(dir, Device::cpu(), options)), bytes(*load_model(dir, Device::cpu()))};
+}
+
 TEST(TensorParallelGolden, AttentionAndLinearAttentionCachesSplit) {
   // qwen3_tied: 2 KV heads split over 2 ranks; qwen3_5: 4 GDN value heads over 2 key heads split too.
   for (const char* name : {"qwen3_tied", "qwen3_5"}) {
     SCOPED_TRACE(name);
-    const std::filesystem::path dir = kGoldens / name / "model";
-    ASSERT_TRUE(std::filesystem::exists(dir)) << dir;
-    InProcessGroup group(2);
-    LoadOptions options;
-    options.tensor_parallel = {1, 2, &group.communicator(1)};
-    const uint64_t whole = cache_bytes(*load_model(dir, Device::cpu()));
-    EXPECT_EQ(cache_bytes(*load_model(dir, Device::cpu(), options)) * 2, whole);
+    const auto [rank, whole] = rank_and_whole(name, cache_bytes);
+    EXPECT_EQ(rank * 2, whole);
   }
 }
 
 TEST(TensorParallelGolden, KdaStateSplits) {
-  // glm5_next: 2 KDA heads over 2 ranks, one head's conv channels and state each (the DSA caches,
-  // per token, stay whole: MLA runs whole on every rank). Both layouts: separate q/k/v convs (hub).
+  // glm5_next: 2 KDA heads over 2 ranks, one head's conv channels and state each (the DSA latent and
+  // index caches, per token, stay whole: every rank caches every token's latent). Both layouts:
+  // separate q/k/v convs (hub).
   for (const char* name : {"glm5_next", "glm5_next_softplus_hub"}) {
     SCOPED_TRACE(name);
-    const std::filesystem::path dir = kGoldens / name / "model";
-    ASSERT_TRUE(std::filesystem::exists(dir)) << dir;
-    InProcessGroup group(2);
-    LoadOptions options;
-    options.tensor_parallel = {1, 2, &group.communicator(1)};
-    const uint64_t whole = slot_bytes_per_slot(load_model(dir, Device::cpu())->cache_specs(), DType::kF32);
+    const auto [rank, whole] = rank_and_whole(
+        name, [](const Model& model) { return slot_bytes_per_slot(model.cache_specs(), DType::kF32); });
     ASSERT_GT(whole, 0u);
-    EXPECT_EQ(slot_bytes_per_slot(load_model(dir, Device::cpu(), options)->cache_specs(), DType::kF32) * 2, whole);
+    EXPECT_EQ(rank * 2, whole);
   }
 }
 

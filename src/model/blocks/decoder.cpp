@@ -18,9 +18,7 @@ TokenEmbedding load_embedding(Weights& weights, const ModelConfig& config) {
 Tensor load_lm_head(Weights& weights, const ModelConfig& config, const TokenEmbedding& embedding) {
   const Shape full{config.vocab_size, config.hidden_size};
   // Tensor parallelism: this rank's share of the hidden columns (DecoderModel sums the partial logits).
-  const TensorParallel& tensor_parallel = weights.tensor_parallel();
-  const std::optional<IndexRange> columns =
-      tensor_parallel.active() ? tensor_parallel.even_share(config.hidden_size) : std::nullopt;
+  const std::optional<IndexRange> columns = weights.tensor_parallel().split_share(config.hidden_size);
   const TensorSlice slice = columns ? TensorSlice::of_columns(columns->begin, columns->end) : TensorSlice{};
   if (weights.has_root("lm_head.weight")) return weights.get_root("lm_head.weight", full, slice);
   if (!config.tie_word_embeddings) {

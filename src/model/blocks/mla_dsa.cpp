@@ -45,9 +45,7 @@ DsaMixer::DsaMixer(const DsaConfig& config, Weights& weights, const std::string&
   }
   // This rank's heads: all of them, or an even share under tensor parallelism (the latent, the
   // indexer and the selection are computed whole on every rank, alike).
-  const TensorParallel& tensor_parallel = weights.tensor_parallel();
-  const std::optional<IndexRange> share =
-      tensor_parallel.active() ? tensor_parallel.even_share(heads) : std::optional<IndexRange>();
+  const std::optional<IndexRange> share = weights.tensor_parallel().split_share(heads);
   partial_ = share.has_value();
   const IndexRange local = share.value_or(IndexRange{0, heads});
   config_.num_heads = local.size();

@@ -32,9 +32,7 @@ SwiGluWeights load_swiglu(Weights& weights, const std::string& prefix, int64_t h
                           float swiglu_limit, bool fuse) {
   SwiGluWeights loaded;
   loaded.limit = swiglu_limit;
-  const TensorParallel& tensor_parallel = weights.tensor_parallel();
-  const std::optional<IndexRange> share =
-      tensor_parallel.active() ? tensor_parallel.even_share(intermediate_size) : std::nullopt;
+  const std::optional<IndexRange> share = weights.tensor_parallel().split_share(intermediate_size);
   const int64_t width = share ? share->size() : intermediate_size;
   TensorSlice rows, columns;  // gate and up rows, down columns: this rank's intermediate units
   if (share) {
