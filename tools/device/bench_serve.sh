@@ -40,17 +40,8 @@ IFS=, read -r -a concurrencies <<<"${CONCURRENCIES:-1,16,64,256}"
 max_concurrency=$(printf '%s\n' "${concurrencies[@]}" | sort -n | tail -1)
 metrale="$build_dir/bin/metrale"
 
-model_args=()
-tokenizer_args=()
-if [[ -n $preset ]]; then
-  tokenizer_dir=${TOKENIZER_DIR:-models/default}
-  if [[ ! -f $tokenizer_dir/tokenizer.json ]]; then
-    echo "bench_serve: $tokenizer_dir/tokenizer.json is missing (carry it: it is git-ignored)"
-    exit 1
-  fi
-  model_args=(--config "configs/$preset.json" --random-weights --tokenizer "$tokenizer_dir")
-  tokenizer_args=(--tokenizer "$tokenizer_dir")
-fi
+source tools/device/serve_common.sh
+serve_model_args "$preset" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 
 # The server: room for every concurrent sequence at full length, prefill chunks of up to 8K tokens.
@@ -60,13 +51,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 server_pid=$!
 stop_server() { kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null; }
 trap stop_server EXIT
-url=
-for _ in $(seq 1 600); do  # loading and planning an 8B model takes a while
-  url=$(grep -o 'http://[^ ]*' "$out/serve.out" 2>/dev/null | head -1)
-  [[ -n $url ]] && break
-  kill -0 "$server_pid" 2>/dev/null || break
-  sleep 0.5
-done
+url=$(wait_for_server "$server_pid" "$out/serve.out")
 if [[ -z $url ]]; then
   echo "bench_serve: the server did not start"
   tail -20 "$out/serve.log"

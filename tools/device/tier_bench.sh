@@ -34,18 +34,8 @@ concurrency=${CONCURRENCY:-16}
 tier_dir=${TIER_DIR:-/tmp/metrale-tier-bench-disk}
 metrale="$build_dir/bin/metrale"
 
-model_args=()
-tokenizer_args=()
-if [[ -n $preset ]]; then
-  tokenizer_dir=${TOKENIZER_DIR:-models/default}
-  if [[ ! -f $tokenizer_dir/tokenizer.json ]]; then
-    echo "tier_bench: $tokenizer_dir/tokenizer.json is missing (carry it: it is git-ignored)"
-    exit 1
-  fi
-  model_args=(--config "configs/$preset.json" --random-weights --tokenizer "$tokenizer_dir"
-    --gpu-memory-utilization "${GPU_UTIL:-0.25}")
-  tokenizer_args=(--tokenizer "$tokenizer_dir")
-fi
+source tools/device/serve_common.sh
+serve_model_args "$preset" --gpu-memory-utilization "${GPU_UTIL:-0.25}" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 max_len=$((input_len + (turns - 1) * (output_len + turn_input_len) + output_len + 16))
 
@@ -60,13 +50,9 @@ run_case() {  # run_case NAME [serve flags...]
   rm -rf "$tier_dir"
   "$metrale" serve "${model_args[@]}" --port 0 --max-num-seqs "$concurrency" --max-model-len "$max_len" \
     --max-queued-requests 100000 "$@" ${SERVE_ARGS:-} >"$out/serve-$name.out" 2>"$out/serve-$name.log" &
-  local pid=$! url=
-  for _ in $(seq 1 600); do
-    url=$(grep -o 'http://[^ ]*' "$out/serve-$name.out" 2>/dev/null | head -1)
-    [[ -n $url ]] && break
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.5
-  done
+  local pid=$!
+  local url
+  url=$(wait_for_server "$pid" "$out/serve-$name.out")
   if [[ -z $url ]]; then
     echo "== $name: the server did not start"
     tail -5 "$out/serve-$name.log"
