@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 #include <optional>
 
 #include <fmt/format.h>
@@ -18,6 +19,7 @@
 #include "core/error.h"
 #include "core/strings.h"
 #include "cost_model.h"
+#include "engine/step_sampler.h"
 #include "kernels/linear.h"
 #include "kernels/random_fill.h"
 #include "model/registry.h"
@@ -47,6 +49,7 @@ struct BenchOptions {
   int64_t spec_prompt = 64;   // speculative decode: prompt tokens per sequence
   int spec_repeat = 1;        // speculative decode: runs of each mode per batch size (medians reported)
   int spec_warmup = 1;        // speculative decode: untimed runs of each mode per batch size first
+  bool sampled = false;       // decode rows also timed with every row sampled (Qwen3's defaults)
 };
 
 // Times work on one device: CUDA events on the GPU, the steady clock on the CPU.
@@ -132,8 +135,88 @@ struct Row {
   std::string name;
   int64_t batch = 0, tokens = 0, context = 0;
   double step_ms = 0, tokens_per_s = 0, bytes = 0, flops = 0, bandwidth_fraction = 0, compute_fraction = 0;
+  double sampled_step_ms = 0;  // --sampled: the step with its tokens sampled (0: not measured)
   bool graph = false;
 };
+
+// The sampling parameters of --sampled decode rows: Qwen3's generation_config.json defaults.
+SamplingParams bench_sampling() {
+  SamplingParams params;
+  params.temperature = 0.6f;
+  params.top_k = 20;
+  params.top_p = 0.95f;
+  params.seed = 1;
+  return params;
+}
+
+// Decode: `batch` sequences with `context` cached tokens each add one token per step (the forward
+// alone; the engine's greedy tokens come with it). With `sampler`, the same steps again, each
+// followed by sampling every row at bench_sampling()'s parameters as Engine::step does (on the device
+// when it can), timed through the tokens' arrival on the host.
+Row bench_decode(Engine& engine, const CostModel& cost, const BenchOptions& options, int64_t batch, bool profile,
+                 StepSampler* sampler) {
+  const ModelConfig& config = engine.model().config();
+  CacheManager& cache = engine.mutable_cache();
+  Runner& runner = engine.runner();
+  DeviceTimer timer(engine.model().device());
+  std::vector<std::unique_ptr<Sequence>> sequences;
+  SchedulePlan plan;
+  for (int64_t s = 0; s < batch; ++s) {
+    auto sequence = std::make_unique<Sequence>();
+    sequence->id = 1'000'000 + s;
+    sequence->tokens.assign(static_cast<size_t>(options.context + 1), static_cast<int32_t>((s * 7919) % config.vocab_size));
+    sequence->num_prompt = options.context + 1;
+    sequence->num_computed = options.context;
+    sequence->request.sampling = bench_sampling();
+    sequence->request.sampling.temperature = 0.0f;  // the forward-only rows: greedy
+    if (!cache.reserve(sequence->id, options.context + 1)) {
+      raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} sequences of {} tokens", batch, options.context + 1);
+    }
+    plan.chunks.push_back({sequence.get(), 1, true});
+    plan.num_tokens += 1;
+    sequences.push_back(std::move(sequence));
+  }
+  std::vector<double> times, sampled_times;
+  bool graph = false;
+  for (int i = 0; i < options.warmup + options.iters; ++i) {
+#if METRALE_WITH_CUDA
+    if (profile && i == options.warmup) cudaProfilerStart();
+#endif
+    timer.start();
+    graph = runner.execute(plan).used_graph;
+    const double ms = timer.stop_ms();
+#if METRALE_WITH_CUDA
+    if (profile && i == options.warmup) cudaProfilerStop();
+#else
+    (void)profile;
+#endif
+    if (i >= options.warmup) times.push_back(ms);
+  }
+  if (sampler != nullptr) {
+    for (const auto& sequence : sequences) sequence->request.sampling = bench_sampling();
+    for (int i = 0; i < options.warmup + options.iters; ++i) {
+      timer.start();
+      StepResult result = runner.execute(plan);
+      sampler->begin_step(plan);
+      (void)sampler->sample(plan, result, runner);
+      const double ms = timer.stop_ms();
+      if (i >= options.warmup) sampled_times.push_back(ms);
+    }
+  }
+  for (const auto& sequence : sequences) cache.free_sequence(sequence->id);
+  Row row;
+  row.name = "decode";
+  row.batch = batch;
+  row.tokens = batch;
+  row.context = options.context;
+  row.step_ms = median(times);
+  row.sampled_step_ms = sampled_times.empty() ? 0.0 : median(sampled_times);
+  row.graph = graph;
+  const StepCost step = cost.decode(batch, options.context);
+  row.bytes = step.bytes;
+  row.flops = step.flops;
+  return row;
+}
 
 // End-to-end generation through Engine::step (scheduling, prefill, verify, acceptance, drafting
 // included): `batch` greedy requests of spec_prompt tokens each generate spec_tokens, timed from
@@ -324,57 +407,17 @@ int run_bench(const BenchOptions& options) {
   Runner& runner = engine.runner();
   DeviceTimer timer(device);
   std::vector<Row> rows;
+  std::optional<StepSampler> sampler;
+  if (options.sampled) sampler.emplace(SpeculativeConfig{}, config.vocab_size, max_batch);
 
-  // Decode: `batch` sequences with `context` cached tokens each add one token per step.
   for (const int64_t batch : batches) {
-    std::vector<std::unique_ptr<Sequence>> sequences;
-    SchedulePlan plan;
-    for (int64_t s = 0; s < batch; ++s) {
-      auto sequence = std::make_unique<Sequence>();
-      sequence->id = 1'000'000 + s;
-      sequence->tokens.assign(static_cast<size_t>(options.context + 1), static_cast<int32_t>((s * 7919) % config.vocab_size));
-      sequence->num_prompt = options.context + 1;
-      sequence->num_computed = options.context;
-      if (!cache.reserve(sequence->id, options.context + 1)) {
-        raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} sequences of {} tokens", batch, options.context + 1);
-      }
-      plan.chunks.push_back({sequence.get(), 1, true});
-      plan.num_tokens += 1;
-      sequences.push_back(std::move(sequence));
-    }
-    std::vector<double> times;
-    bool graph = false;
     // METRALE_PROFILE_DECODE=1: the first timed step of the first batch size is bracketed by
     // cudaProfilerStart/Stop, for `ncu --profile-from-start off` per-kernel timings.
     const bool profile = std::getenv("METRALE_PROFILE_DECODE") != nullptr && batch == batches.front();
-    for (int i = 0; i < options.warmup + options.iters; ++i) {
-#if METRALE_WITH_CUDA
-      if (profile && i == options.warmup) cudaProfilerStart();
-#endif
-      timer.start();
-      graph = runner.execute(plan).used_graph;
-      const double ms = timer.stop_ms();
-#if METRALE_WITH_CUDA
-      if (profile && i == options.warmup) cudaProfilerStop();
-#else
-      (void)profile;
-#endif
-      if (i >= options.warmup) times.push_back(ms);
-    }
-    for (const auto& sequence : sequences) cache.free_sequence(sequence->id);
-    Row row;
-    row.name = "decode";
-    row.batch = batch;
-    row.tokens = batch;
-    row.context = options.context;
-    row.step_ms = median(times);
-    row.graph = graph;
-    const StepCost step = cost.decode(batch, options.context);
-    row.bytes = step.bytes;
-    row.flops = step.flops;
+    Row row = bench_decode(engine, cost, options, batch, profile, sampler ? &*sampler : nullptr);
     row.tokens_per_s = static_cast<double>(batch) / (row.step_ms * 1e-3);
-    row.bandwidth_fraction = step.bytes / (row.step_ms * 1e-3) / bandwidth;
-    row.compute_fraction = step.flops / (row.step_ms * 1e-3) / gemm_rate;
+    row.bandwidth_fraction = row.bytes / (row.step_ms * 1e-3) / bandwidth;
+    row.compute_fraction = row.flops / (row.step_ms * 1e-3) / gemm_rate;
     rows.push_back(row);
   }
 
@@ -426,6 +469,7 @@ int run_bench(const BenchOptions& options) {
                                 {"context", row.context}, {"step_ms", row.step_ms}, {"tokens_per_s", row.tokens_per_s},
                                 {"bytes", row.bytes}, {"flops", row.flops}, {"bandwidth_fraction", row.bandwidth_fraction},
                                 {"compute_fraction", row.compute_fraction}, {"cuda_graph", row.graph}});
+      if (row.sampled_step_ms > 0) out["results"].back()["sampled_step_ms"] = row.sampled_step_ms;
     }
     std::cout << out.dump(2) << "\n";
     return kExitOk;
@@ -434,12 +478,19 @@ int run_bench(const BenchOptions& options) {
   std::cout << fmt::format("device: {}; measured copy bandwidth {:.0f} GB/s, bf16 GEMM {:.0f} TFLOP/s\n",
                            device.to_string(), bandwidth / 1e9, gemm_rate / 1e12);
   std::cout << engine.plan().describe() << "\n\n";
-  std::cout << fmt::format("{:<8} {:>6} {:>7} {:>8} {:>10} {:>12} {:>10} {:>10} {:>6}\n", "phase", "batch", "tokens",
-                           "context", "step ms", "tokens/s", "% HBM", "% GEMM", "graph");
+  if (options.sampled) {
+    const SamplingParams sampling = bench_sampling();
+    std::cout << fmt::format("sampled ms: the decode step with every row sampled (temperature {}, top-k {}, top-p {})\n",
+                             sampling.temperature, sampling.top_k, sampling.top_p);
+  }
+  std::cout << fmt::format("{:<8} {:>6} {:>7} {:>8} {:>10} {:>12} {:>10} {:>10} {:>6}{}\n", "phase", "batch", "tokens",
+                           "context", "step ms", "tokens/s", "% HBM", "% GEMM", "graph",
+                           options.sampled ? fmt::format(" {:>11}", "sampled ms") : "");
   for (const Row& row : rows) {
-    std::cout << fmt::format("{:<8} {:>6} {:>7} {:>8} {:>10.3f} {:>12.1f} {:>9.1f}% {:>9.1f}% {:>6}\n", row.name,
+    std::cout << fmt::format("{:<8} {:>6} {:>7} {:>8} {:>10.3f} {:>12.1f} {:>9.1f}% {:>9.1f}% {:>6}{}\n", row.name,
                              row.batch, row.tokens, row.context, row.step_ms, row.tokens_per_s,
-                             100.0 * row.bandwidth_fraction, 100.0 * row.compute_fraction, row.graph ? "yes" : "no");
+                             100.0 * row.bandwidth_fraction, 100.0 * row.compute_fraction, row.graph ? "yes" : "no",
+                             row.sampled_step_ms > 0 ? fmt::format(" {:>11.3f}", row.sampled_step_ms) : "");
   }
   return kExitOk;
 }
@@ -459,6 +510,9 @@ void register_bench(CLI::App& root, Action& action) {
   command->add_option("--warmup", options->warmup, "untimed iterations")->capture_default_str()->check(CLI::Range(0, 1000));
   command->add_option("--iters", options->iters, "timed iterations")->capture_default_str()->check(CLI::Range(1, 100000));
   command->add_flag("--json", options->json, "print the results as JSON");
+  command->add_flag("--sampled", options->sampled,
+                    "also time each decode step with its rows sampled as the engine does (temperature 0.6, "
+                    "top-k 20, top-p 0.95: Qwen3's defaults)");
   add_engine_options(*command, options->engine);
   command->add_option("--spec-tokens", options->spec_tokens,
                       "with --speculative-method: tokens each sequence generates (plain vs speculative decode)")

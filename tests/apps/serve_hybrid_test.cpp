@@ -233,6 +233,19 @@ void check_bench(const std::filesystem::path& model) {
     EXPECT_GT(row.at("step_ms").get<double>(), 0.0) << row.dump();
   }
   EXPECT_EQ(phases, (std::vector<std::string>{"decode", "decode", "prefill"})) << result.out;
+  for (const json& row : report.at("results")) EXPECT_FALSE(row.contains("sampled_step_ms")) << row.dump();
+  // --sampled: decode rows also timed with their tokens sampled (top-k, top-p) by the engine's sampler.
+  const auto sampled = testing::run_metrale("bench --model " + model.string() +
+                                            " --device cpu --batch 2 --context 24 --prefill 16 --iters 1 --warmup 0 "
+                                            "--sampled --json");
+  ASSERT_EQ(sampled.exit_code, 0) << sampled.err;
+  for (const json& row : json::parse(sampled.out).at("results")) {
+    if (row.at("phase") == "decode") {
+      EXPECT_GT(row.value("sampled_step_ms", 0.0), 0.0) << row.dump();
+    } else {
+      EXPECT_FALSE(row.contains("sampled_step_ms")) << row.dump();
+    }
+  }
 }
 
 TEST(ServeHybrid, BenchMeasuresQwen4ExpAndGlm5NextDirectories) {
