@@ -74,6 +74,9 @@ int32_t CacheManager::take_disk_slot() {
 
 void CacheManager::offload_evicted_block(int32_t block) {
   if (host_.num_blocks() == 0 || !prefix_.holds(block)) return;
+  // A prefix of a model with recurrent state is only reusable from a state checkpoint: without
+  // checkpoint slots none can exist, and the block would cost a copy and host memory for nothing.
+  if (has_slots_ && checkpoint_slots_.num_slots() == 0) return;
   const BlockHash& hash = prefix_.hash_of(block);
   // Its checkpoint first: the slot is freed right after this returns.
   if (const int32_t slot = prefix_.checkpoint(block); slot >= 0) offload_checkpoint(hash, slot);

@@ -335,6 +335,34 @@ TEST(CacheTiers, HybridPrefixHitRestoresBlocksAndStateFromDisk) {
   }
 }
 
+TEST(CacheTiers, HybridBlocksStayOffTheHostWithoutCheckpointSlots) {
+  // With recurrent state, a prefix is reusable only from a checkpoint: with no checkpoint slots an
+  // evicted block could never be hit, so it is not copied to the host tier; with one it is.
+  for (const int32_t checkpoint_slots : {0, 1}) {
+    SCOPED_TRACE(std::to_string(checkpoint_slots) + " checkpoint slots");
+    const auto dir = scratch_dir("hybrid_no_checkpoints");
+    CacheConfig config = tiered(4, 8, 0, dir, true);
+    config.disk_dir.clear();
+    config.num_disk_slots = 0;
+    config.num_checkpoint_slots = checkpoint_slots;
+    CacheManager cache(specs_of(true), config, Device::cpu());
+    for (int64_t seq = 1; seq <= 3; ++seq) {
+      const auto tokens = tokens_from(static_cast<int32_t>(100 * seq), 12);
+      ASSERT_TRUE(cache.begin_sequence(seq, tokens, true).has_value());
+      compute(cache, seq, tokens, 0, 12);
+      cache.cache_full_blocks(seq, tokens, 12);
+      if (checkpoint_slots > 0) cache.checkpoint_state(seq, 12);
+      cache.free_sequence(seq);
+    }
+    cache.check_integrity();
+    if (checkpoint_slots == 0) {
+      EXPECT_EQ(cache.swap_counters().prefix_blocks_out, 0);
+    } else {
+      EXPECT_GT(cache.swap_counters().prefix_blocks_out, 0);
+    }
+  }
+}
+
 TEST(CacheTiers, DiskTierNeedsAHostTier) {
   const auto dir = scratch_dir("no_host");
   CacheConfig config = tiered(4, 0, 8, dir, false);
