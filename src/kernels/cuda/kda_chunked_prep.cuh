@@ -112,8 +112,14 @@ __global__ void __launch_bounds__(kPrepThreads, 2) prep_kernel(ChunkArgs a) {
   __syncthreads();
 
   ChunkRecord* rec = a.records + static_cast<int64_t>(chunk) * a.heads + h;
-  // Block pairs (I, J), J <= I: 0-3 the diagonal, then the off-diagonal ones.
-  for (int pair = warp; pair < 10; pair += kPrepThreads / 32) {
+  // Block pairs (I, J), J <= I: 0-3 the diagonal, then the off-diagonal ones. A diagonal pair
+  // builds both of its operands from exponentials (or runs element by element), about twice an
+  // off-diagonal one: warps 0-3 take one diagonal pair each, warps 4-7 the six off-diagonal pairs
+  // (4 and 5 take two), instead of warps 0 and 1 carrying a diagonal and an off-diagonal pair.
+  static_assert(kPrepThreads == 256, "the pair assignment is written for 8 warps");
+  for (int n = 0; n < 2; ++n) {
+    const int pair = n == 0 ? warp : (warp == 4 ? 9 : warp == 5 ? 8 : -1);
+    if (pair < 0) break;
     const int I = static_cast<int>((kPairI >> (4 * pair)) & 15u), J = static_cast<int>((kPairJ >> (4 * pair)) & 15u);
     const bool diagonal = I == J;
     if (diagonal && !a.safe_diagonal) {

@@ -305,40 +305,50 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
     }
     __syncthreads();
 
-    // Step 2: V' = T Y (T lower triangular: k-tiles up to the row tile).
-    float vacc[4][4] = {};
+    // Step 2: V' = T Y (T lower triangular: row tile m takes k-tiles 0..m). Warp w computes the
+    // 16 columns 16 (w & 3).. of row tiles {0, 3} (w < 4) or {1, 2}: five k-tiles for every warp
+    // and every SMSP (warps w and w + 4 share one), where step 1's layout would give the warps of
+    // row tile 3 four times the work of those of row tile 0.
+    {
+      const int n16 = warp & 3, m_first = warp < 4 ? 0 : 1;
+      float vacc[2][2][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < kChunk / 16; ++kk) {
-      if (kk <= mt) {
-        uint32_t th[4], tl[4];
-        const int offset = (mt * 16 + (lane & 15)) * kPadRow + kk * 16 + (lane >> 4) * 8;
-        attn::ldmatrix_x4(th, attn::smem_address(t_hi + offset));
-        attn::ldmatrix_x4(tl, attn::smem_address(t_lo + offset));
+      for (int t = 0; t < 2; ++t) {
+        const int m = t == 0 ? m_first : 3 - m_first;
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          uint32_t yh[4], yl[4];
-          attn::ldmatrix_x4_trans(yh, b_block(y_hi, kk, ch * 32 + np * 16));
-          attn::ldmatrix_x4_trans(yl, b_block(y_lo, kk, ch * 32 + np * 16));
+        for (int kk = 0; kk < kChunk / 16; ++kk) {
+          if (kk <= m) {
+            uint32_t th[4], tl[4], yh[4], yl[4];
+            const int offset = (m * 16 + (lane & 15)) * kPadRow + kk * 16 + (lane >> 4) * 8;
+            attn::ldmatrix_x4(th, attn::smem_address(t_hi + offset));
+            attn::ldmatrix_x4(tl, attn::smem_address(t_lo + offset));
+            attn::ldmatrix_x4_trans(yh, b_block(y_hi, kk, n16 * 16));
+            attn::ldmatrix_x4_trans(yl, b_block(y_lo, kk, n16 * 16));
 #pragma unroll
-          for (int q2 = 0; q2 < 2; ++q2) {
-            float(&acc)[4] = vacc[np * 2 + q2];
-            attn::mma_bf16_16816(acc, th, yh[2 * q2], yh[2 * q2 + 1]);
-            attn::mma_bf16_16816(acc, th, yl[2 * q2], yl[2 * q2 + 1]);
-            attn::mma_bf16_16816(acc, tl, yh[2 * q2], yh[2 * q2 + 1]);
+            for (int nt = 0; nt < 2; ++nt) {
+              float(&acc)[4] = vacc[t][nt];
+              attn::mma_bf16_16816(acc, th, yh[2 * nt], yh[2 * nt + 1]);
+              attn::mma_bf16_16816(acc, th, yl[2 * nt], yl[2 * nt + 1]);
+              attn::mma_bf16_16816(acc, tl, yh[2 * nt], yh[2 * nt + 1]);
+            }
           }
         }
       }
-    }
-    __syncthreads();  // every warp has read Y: its buffer takes V'
+      __syncthreads();  // every warp has read Y: its buffer takes V'
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
+      for (int t = 0; t < 2; ++t) {
+        const int m = t == 0 ? m_first : 3 - m_first;
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = mt * 16 + group + hr * 8, c = ch * 32 + n * 8 + 2 * quad;
-        store_split(y_hi, y_lo, r * kPadRow + c, vacc[n][2 * hr], vacc[n][2 * hr + 1]);
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int r = m * 16 + group + hr * 8, c = n16 * 16 + nt * 8 + 2 * quad;
+            store_split(y_hi, y_lo, r * kPadRow + c, vacc[t][nt][2 * hr], vacc[t][nt][2 * hr + 1]);
+          }
+        }
       }
+      __syncthreads();
     }
-    __syncthreads();
 
     // Step 3: O = QS + Aqk V'_hi, stored for the valid rows.
 #pragma unroll

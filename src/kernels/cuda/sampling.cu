@@ -18,10 +18,16 @@
 // at most two limbs; a wrap carries into the next limb): integer sums do not depend on the order of
 // the atomics, so the result is deterministic and equal to the CPU twin's.
 //
-// Passes over the row (V floats, L2-resident after the first): A max; B log-sum-exp, argmax and the
-// level-1 histograms; then per search (top-k, top-p, draw) one pass over the row plus passes over the
-// compacted tokens, and one pass for each partial kept mass (top-k, min-p). Greedy rows stop after B.
+// Passes over the row (V floats; at large batches the rows do not stay in L2): A max; B log-sum-exp,
+// argmax and the level-1 histograms. Greedy rows stop after B. With top-k, or top-p, the histograms
+// alone give the lowest level-1 bin any later question can reach (the k-th token's, else the top-p
+// cut's): pass C puts every token of the bins at and above it into the buffer, and when they fit
+// (4096) every later search and kept mass reads the buffer. Otherwise (and for temperature and min-p
+// alone) each search makes one pass over the row plus passes over the tokens it compacts, and each
+// partial kept mass (top-k, min-p) one more.
 #include <climits>
+#include <cstdlib>
+#include <string_view>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/sampling.h"
@@ -53,6 +59,9 @@ struct alignas(16) SamplerShared {
   unsigned int warp_words[kWarps];
   int walk_bin;
   unsigned int buffer_size;  // tokens appended by the last compacting pass (may exceed the capacity)
+  // The buffer holds every token of the level-1 bins at and above the lowest one any later question
+  // of the row can reach (precompact_candidates): passes read it instead of the row.
+  bool row_in_buffer;
   // Level 1, filled by pass B: 128-bit masses (limb-major: [limb][bin], limb i = bits 32i..32i+31) of
   // the tokens with positive fixed weight, of those with w >= min_p, and token counts (top-k rows
   // only; bin 0 is derived).
@@ -296,6 +305,35 @@ __device__ WalkResult walk_down(Bins<kMass> bins, int num_bins, int stop_bin, Fi
   return result;
 }
 
+// Appends the tokens of the lanes with `in` to the buffer (warp-aggregated: one atomic per warp);
+// every lane of the warp calls it. Positions past the capacity are counted, not written.
+__device__ __forceinline__ void append_to_buffer(bool in, float logit, int id, SamplerShared& s) {
+  const unsigned int ballot = __ballot_sync(0xffffffffu, in);
+  if (ballot == 0) return;
+  const int lane = threadIdx.x & 31;
+  unsigned int first = 0;
+  if (lane == 0) first = atomicAdd(&s.buffer_size, static_cast<unsigned int>(__popc(ballot)));
+  first = __shfl_sync(0xffffffffu, first, 0);
+  const unsigned int position = first + __popc(ballot & ((1u << lane) - 1u));
+  if (in && position < kBufferCapacity) {
+    s.buffer_logit[position] = logit;
+    s.buffer_id[position] = id;
+  }
+}
+
+// Visits the row's tokens (all threads the same number of times, `valid` false past the end), or,
+// once precompact_candidates has filled the buffer, the buffered tokens (a superset of the tokens
+// any later pass of the row keeps; no warp votes in `visit` then).
+template <typename Visit>
+__device__ __forceinline__ void for_each_candidate(const Row& row, const SamplerShared& s, Visit&& visit) {
+  if (s.row_in_buffer) {
+    const int size = static_cast<int>(s.buffer_size);
+    for (int i = threadIdx.x; i < size; i += kThreads) visit(s.buffer_logit[i], s.buffer_id[i], true);
+  } else {
+    for_each_logit(row.x, row.vocab, visit);
+  }
+}
+
 // One level of a descent: bins [0, num_bins) of width 2^shift over [lo, hi] of the token's key (or, in
 // id mode, of its id among the tokens whose key is `exact_key`, stored in reverse so that walk_down
 // meets the lowest ids first). Counts, minimum ids and (kMass) fixed masses of the kept tokens in range.
@@ -325,20 +363,7 @@ __device__ void level_pass(const Row& row, const Kept& kept, unsigned int lo, un
         if (mass == 0) in = false;  // never a crossing, no mass
       }
     }
-    if (compact) {  // warp-aggregated append; `compact` is uniform and every lane is here
-      const unsigned int ballot = __ballot_sync(0xffffffffu, in);
-      if (ballot != 0) {
-        const int lane = threadIdx.x & 31;
-        unsigned int first = 0;
-        if (lane == 0) first = atomicAdd(&s.buffer_size, static_cast<unsigned int>(__popc(ballot)));
-        first = __shfl_sync(0xffffffffu, first, 0);
-        const unsigned int position = first + __popc(ballot & ((1u << lane) - 1u));
-        if (in && position < kBufferCapacity) {
-          s.buffer_logit[position] = logit;
-          s.buffer_id[position] = id;
-        }
-      }
-    }
+    if (compact) append_to_buffer(in, logit, id, s);  // `compact` is uniform and every lane is here
     if (in) {
       const int bin = static_cast<int>((coordinate - lo) >> shift);
       const int slot = kIdMode ? num_bins - 1 - bin : bin;
@@ -397,7 +422,7 @@ __device__ Found search(const Row& row, const Kept& kept, Fixed128 target, Bins<
   unsigned int lo, hi;
   row.l1_range(first.bin, lo, hi);
   const Bins<kMass> level{kMass ? s.level_mass : s.level_count};
-  bool from_buffer = false;
+  bool from_buffer = s.row_in_buffer;  // then the buffer is kept: no pass compacts into it
   unsigned int count = 0;
   int min_id = INT_MAX;
   for (;;) {
@@ -455,7 +480,7 @@ __device__ Fixed128 kept_mass(const Row& row, const Kept& kept, Bins<true> l1, S
   if (kept.has_cut) {
     unsigned int lo, hi;
     row.l1_range(cut_bin, lo, hi);
-    for_each_logit(row.x, row.vocab, [&](float logit, int id, bool valid) {
+    for_each_candidate(row, s, [&](float logit, int id, bool valid) {
       const unsigned int key = sd::sort_key(logit);
       if (!valid || key < lo || key > hi || !kept.ranked_in(key, id)) return;
       const float weight = row.weight(logit);
@@ -464,6 +489,22 @@ __device__ Fixed128 kept_mass(const Row& row, const Kept& kept, Bins<true> l1, S
     });
   }
   return block_sum_fixed(mine, s);
+}
+
+// Every question after pass B concerns tokens of level-1 bins >= `lowest_bin` (the bin of the k-th
+// token with top-k, else the top-p cut's bin: the kept set lies at and above it). One pass puts all
+// of them in the buffer, whatever their weight (top-k counts tokens, not mass); when they fit, the
+// remaining searches and masses read the buffer instead of the row (2 to 4 passes over the row
+// saved). Integer sums and atomicMin do not depend on the buffer's order, so the result is the same.
+__device__ void precompact_candidates(const Row& row, int lowest_bin, SamplerShared& s) {
+  if (threadIdx.x == 0) s.buffer_size = 0;
+  __syncthreads();
+  for_each_logit(row.x, row.vocab, [&](float logit, int id, bool valid) {
+    append_to_buffer(valid && row.l1_bin(sd::sort_key(logit)) >= lowest_bin, logit, id, s);
+  });
+  __syncthreads();
+  if (threadIdx.x == 0) s.row_in_buffer = s.buffer_size <= kBufferCapacity;
+  __syncthreads();
 }
 
 struct RowParamsView {
@@ -477,7 +518,7 @@ struct RowParamsView {
 
 __global__ void __launch_bounds__(kThreads, 1)
     sample_kernel(const float* __restrict__ logits, int64_t row_stride, int vocab, RowParamsView params,
-                  int32_t* __restrict__ tokens, float* __restrict__ logprobs) {
+                  int32_t* __restrict__ tokens, float* __restrict__ logprobs, bool precompact) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   SamplerShared& s = *reinterpret_cast<SamplerShared*>(shared_raw);
   const int r = blockIdx.x;
@@ -522,6 +563,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   row.l1_lo = min(row.max_key, sd::sort_key(sd::sub_rn(max_logit, sd::mul_rn(88.0f, row.temperature))));
   row.l1_shift = range_shift(row.l1_lo, row.max_key);
 
+  if (threadIdx.x == 0) s.row_in_buffer = false;  // published by the barriers of pass B
   if (!greedy) {
     for (int b = threadIdx.x; b < kBins; b += kThreads) {
 #pragma unroll
@@ -581,6 +623,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     counted = static_cast<unsigned int>(block_sum_fixed(counted, s));
     if (threadIdx.x == 0) s.l1_count[0] = static_cast<unsigned int>(vocab) - counted;
     __syncthreads();
+    if (precompact) {
+      // The k-th token's bin, and the tokens at and above it: they fit, or precompaction would not.
+      const WalkResult kth_bin = walk_down(Bins<false>{s.l1_count}, kBins, -1, Fixed128{0}, top_k, s);
+      if (kth_bin.bin >= 0 && kth_bin.running + s.l1_count[kth_bin.bin] <= kBufferCapacity)
+        precompact_candidates(row, kth_bin.bin, s);
+    }
     const Found kth = search(row, kept, static_cast<Fixed128>(top_k), Bins<false>{s.l1_count}, s);
     if (!kth.ok) {
       finish(-1);
@@ -594,7 +642,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // top-p: the first token whose running mass reaches top_p x the kept mass.
   if (top_p_on) {
-    const Found cut = search(row, kept, sd::top_p_target(top_p, mass), l1_all, s);
+    const Fixed128 target = sd::top_p_target(top_p, mass);
+    if (precompact && !s.row_in_buffer && !kept.has_cut) {
+      // Without top-k the cut's bin comes from the histogram alone (the same walk as the search's).
+      const WalkResult cut_bin = walk_down(l1_all, kBins, -1, Fixed128{0}, target, s);
+      if (cut_bin.bin >= 0) precompact_candidates(row, cut_bin.bin, s);
+    }
+    const Found cut = search(row, kept, target, l1_all, s);
     if (!cut.ok) {
       finish(-1);
       return;
@@ -649,9 +703,14 @@ void sample_tokens(const Tensor& logits, const SamplingRowParams& params, const 
   const RowParamsView view{params.temperature.data_as<const float>(), params.top_k.data_as<const int32_t>(),
                            params.top_p.data_as<const float>(),       params.min_p.data_as<const float>(),
                            params.seed.data_as<const int64_t>(),      params.step.data_as<const int64_t>()};
+  // METRALE_SAMPLER_PRECOMPACT=0: every search reads the row (A/B timing of precompact_candidates).
+  static const bool precompact = [] {
+    const char* value = std::getenv("METRALE_SAMPLER_PRECOMPACT");
+    return value == nullptr || std::string_view(value) != "0";
+  }();
   sample_kernel<<<static_cast<unsigned int>(rows), kThreads, kSharedBytes, stream_of(logits)>>>(
       logits.data_as<const float>(), logits.stride(0), static_cast<int>(vocab), view, tokens.data_as<int32_t>(),
-      logprobs.data_as<float>());
+      logprobs.data_as<float>(), precompact);
   METRALE_CHECK_LAUNCH("sample_kernel");
 }
 
