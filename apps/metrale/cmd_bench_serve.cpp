@@ -8,9 +8,12 @@
 // prompt is turn t's prompt, its output's token ids (return_token_ids) and --turn-input-len new
 // random ids, as a chat client resends its history. Follow-up turns can reuse the cached prefix, so
 // their TTFT, reported apart from the first turns', measures the prefix cache and its host and disk
-// tiers. Concurrency and the request rate then count conversations.
+// tiers. A follow-up queues behind the turns already waiting (--turn-order interleaved, as users read
+// and type between turns) or follows at once (sequential). --concurrency bounds the requests in
+// flight; --request-rate paces the conversations' first turns.
 #include <algorithm>
-#include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -50,6 +53,7 @@ struct BenchServeOptions {
   int output_len = 128;
   int turns = 1;               // requests per conversation
   int turn_input_len = 128;    // new prompt tokens of every follow-up turn
+  std::string turn_order = "interleaved";  // or "sequential": a conversation's turns back to back
   bool random_tokens = false;  // prompts as token ids (exact lengths) instead of text
   std::string tokenizer;       // model directory whose tokenizer makes the text prompts
   uint64_t seed = 0;
@@ -216,38 +220,110 @@ RequestResult run_request(httplib::Client& client, const BenchServeOptions& opti
   return result;
 }
 
-// Runs the turns of one conversation into results[0, turns); a failed turn ends it (the turns after
-// it fail too, saying so).
-void run_conversation(httplib::Client& client, const BenchServeOptions& options, const std::string& model,
-                      const Conversation& conversation, std::span<RequestResult> results) {
+// One turn: the streaming request of `prompt` (with return_token_ids when there are several turns).
+RequestResult run_turn(httplib::Client& client, const BenchServeOptions& options, const std::string& model,
+                       const json& prompt) {
   const bool multi_turn = options.turns > 1;
-  json prompt = conversation.prompt;
-  for (int turn = 0; turn < options.turns; ++turn) {
-    json body = {{"model", model},
-                 {"prompt", prompt},
-                 {"max_tokens", options.output_len},
-                 {"ignore_eos", true},
-                 {"temperature", 0.0},
-                 {"stream", true},
-                 {"stream_options", {{"include_usage", true}}}};
-    if (multi_turn) body["return_token_ids"] = true;
-    RequestResult& result = results[static_cast<size_t>(turn)];
-    result = run_request(client, options, body.dump());
-    if (result.ok && multi_turn && !result.has_output_ids) {
-      result.ok = false;
-      result.error = "the server sent no token_ids (return_token_ids), which --turns needs";
+  json body = {{"model", model},
+               {"prompt", prompt},
+               {"max_tokens", options.output_len},
+               {"ignore_eos", true},
+               {"temperature", 0.0},
+               {"stream", true},
+               {"stream_options", {{"include_usage", true}}}};
+  if (multi_turn) body["return_token_ids"] = true;
+  RequestResult result = run_request(client, options, body.dump());
+  if (result.ok && multi_turn && !result.has_output_ids) {
+    result.ok = false;
+    result.error = "the server sent no token_ids (return_token_ids), which --turns needs";
+  }
+  return result;
+}
+
+// The next turn's prompt: this turn's, its output's ids, and the conversation's new ids.
+json follow_up_prompt(const json& prompt, const RequestResult& result, const std::vector<int32_t>& added) {
+  std::vector<int32_t> next = prompt.get<std::vector<int32_t>>();
+  next.insert(next.end(), result.output_ids.begin(), result.output_ids.end());
+  next.insert(next.end(), added.begin(), added.end());
+  return next;
+}
+
+// The turns waiting to be sent, shared by the workers. A turn that ends queues its conversation's
+// next one at the back (interleaved: the other conversations' turns come first, as between users
+// who read and type) or hands it straight back to its worker (sequential).
+class TurnQueue {
+ public:
+  struct Turn {
+    size_t conversation = 0;
+    int turn = 0;
+    json prompt;
+  };
+  TurnQueue(const std::vector<Conversation>& conversations, int turns) : left_(conversations.size() * turns) {
+    for (size_t c = 0; c < conversations.size(); ++c) waiting_.push_back({c, 0, conversations[c].prompt});
+  }
+  // The next turn, or nullopt when every turn has been run or given up.
+  std::optional<Turn> take() {
+    std::unique_lock lock(mutex_);
+    ready_.wait(lock, [&] { return !waiting_.empty() || left_ == 0; });
+    if (waiting_.empty()) return std::nullopt;
+    Turn turn = std::move(waiting_.front());
+    waiting_.pop_front();
+    return turn;
+  }
+  // `finished` turns are done (run or given up); `next` (if any) is queued at the back.
+  void done(size_t finished, std::optional<Turn> next) {
+    {
+      std::lock_guard lock(mutex_);
+      left_ -= finished;
+      if (next) waiting_.push_back(std::move(*next));
     }
+    ready_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<Turn> waiting_;
+  size_t left_;
+};
+
+// A worker: runs turns until none is left. A failed turn ends its conversation (the turns after it
+// fail too, saying so). Only first turns wait for their arrival time.
+void run_turns(TurnQueue& queue, const BenchServeOptions& options, const std::string& model,
+               const std::vector<Conversation>& conversations, const std::vector<double>& arrivals,
+               Clock::time_point start, std::vector<RequestResult>& results) {
+  httplib::Client client(options.url);
+  client.set_read_timeout(options.timeout_seconds, 0);
+  client.set_write_timeout(options.timeout_seconds, 0);
+  client.set_connection_timeout(30, 0);
+  client.set_keep_alive(true);
+  const auto turns = static_cast<size_t>(options.turns);
+  std::optional<TurnQueue::Turn> item = queue.take();
+  while (item) {
+    const size_t c = item->conversation;
+    if (item->turn == 0) {
+      std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
+                                                std::chrono::duration<double>(arrivals[c])));
+    }
+    RequestResult& result = results[c * turns + static_cast<size_t>(item->turn)];
+    result = run_turn(client, options, model, item->prompt);
+    std::optional<TurnQueue::Turn> next;
+    size_t finished = 1;
     if (!result.ok) {
-      for (int rest = turn + 1; rest < options.turns; ++rest)
-        results[static_cast<size_t>(rest)].error = fmt::format("turn {} of its conversation failed", turn);
-      return;
+      for (int rest = item->turn + 1; rest < options.turns; ++rest, ++finished)
+        results[c * turns + static_cast<size_t>(rest)].error = fmt::format("turn {} of its conversation failed", item->turn);
+    } else if (item->turn + 1 < options.turns) {
+      next = TurnQueue::Turn{c, item->turn + 1,
+                             follow_up_prompt(item->prompt, result,
+                                              conversations[c].follow_ups[static_cast<size_t>(item->turn)])};
     }
-    if (turn + 1 == options.turns) break;
-    std::vector<int32_t> next = prompt.get<std::vector<int32_t>>();
-    next.insert(next.end(), result.output_ids.begin(), result.output_ids.end());
-    const std::vector<int32_t>& added = conversation.follow_ups[static_cast<size_t>(turn)];
-    next.insert(next.end(), added.begin(), added.end());
-    prompt = std::move(next);
+    if (next && options.turn_order == "sequential") {
+      queue.done(finished, std::nullopt);
+      item = std::move(next);
+    } else {
+      queue.done(finished, std::move(next));
+      item = queue.take();
+    }
   }
 }
 
@@ -272,22 +348,11 @@ int run_bench_serve(const BenchServeOptions& options) {
   const int workers = options.concurrency > 0 ? std::min(options.concurrency, options.num_prompts)
                                               : std::min(options.num_prompts, 4096);
   std::vector<RequestResult> results(conversations.size() * turns);
-  std::atomic<size_t> next{0};
+  TurnQueue queue(conversations, options.turns);
   const Clock::time_point start = Clock::now();
   std::vector<std::thread> threads;
   for (int w = 0; w < workers; ++w) {
-    threads.emplace_back([&] {
-      httplib::Client client(options.url);
-      client.set_read_timeout(options.timeout_seconds, 0);
-      client.set_write_timeout(options.timeout_seconds, 0);
-      client.set_connection_timeout(30, 0);
-      client.set_keep_alive(true);
-      for (size_t i; (i = next.fetch_add(1)) < conversations.size();) {
-        std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
-                                                  std::chrono::duration<double>(arrivals[i])));
-        run_conversation(client, options, model, conversations[i], std::span(results).subspan(i * turns, turns));
-      }
-    });
+    threads.emplace_back([&] { run_turns(queue, options, model, conversations, arrivals, start, results); });
   }
   for (std::thread& thread : threads) thread.join();
   const double duration = std::chrono::duration<double>(Clock::now() - start).count();
@@ -359,6 +424,7 @@ int run_bench_serve(const BenchServeOptions& options) {
                          {"output_len", options.output_len},
                          {"turns", options.turns},
                          {"turn_input_len", options.turn_input_len},
+                         {"turn_order", options.turn_order},
                          {"random_tokens", options.random_tokens},
                          {"concurrency", options.concurrency},
                          {"request_rate", options.request_rate > 0 ? json(options.request_rate) : json("inf")},
@@ -407,6 +473,10 @@ void register_bench_serve(CLI::App& root, Action& action) {
       ->capture_default_str()->check(CLI::Range(1, 1 << 16));
   command->add_option("--turn-input-len", options->turn_input_len, "new prompt tokens of every follow-up turn")
       ->capture_default_str()->check(CLI::Range(0, 1 << 24));
+  command->add_option("--turn-order", options->turn_order,
+                      "interleaved: a follow-up waits behind the turns queued before it (other conversations', as "
+                      "users read and type between turns); sequential: a conversation's turns back to back")
+      ->capture_default_str()->check(CLI::IsMember({"interleaved", "sequential"}));
   command->add_flag("--random-tokens", options->random_tokens,
                     "send prompts as random token ids (exact lengths) instead of text");
   command->add_option("--tokenizer", options->tokenizer,
