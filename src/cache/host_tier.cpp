@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "core/checked_math.h"
 #include "core/error.h"
@@ -62,6 +64,10 @@ void HostTier::copy_unit(std::span<const OwnedTensor> device_tensors, std::vecto
                          int32_t host_index, bool to_host) {
   METRALE_CHECK(device_tensors.size() == areas.size(), "{} device tensors for {} host areas", device_tensors.size(),
                 areas.size());
+  // One batch per device for the unit's segments (one per layer and cache tensor: a copy call each
+  // made evicting a Qwen3-8B block 72 calls); with tensor parallelism each rank's tensors sit on
+  // their own GPU, and their copies queue on that GPU's stream.
+  std::vector<std::pair<Device, std::vector<CopySegment>>> batches;
   for (size_t i = 0; i < areas.size(); ++i) {
     const Tensor& tensor = device_tensors[i].tensor;
     const Area& area = areas[i];
@@ -71,12 +77,15 @@ void HostTier::copy_unit(std::span<const OwnedTensor> device_tensors, std::vecto
                   "host area {} holds units of {} bytes, the device tensor {}", i, area.unit_bytes, tensor.describe());
     auto* device_unit = static_cast<std::byte*>(tensor.data()) + static_cast<size_t>(device_index) * area.unit_bytes;
     std::byte* host_unit = area.data() + static_cast<size_t>(host_index) * area.unit_bytes;
+    auto batch = std::find_if(batches.begin(), batches.end(), [&](const auto& b) { return b.first == tensor.device(); });
+    if (batch == batches.end()) batch = batches.insert(batches.end(), {tensor.device(), {}});
     if (to_host) {
-      copy_bytes_async(host_unit, Device::cpu(), device_unit, device_, area.unit_bytes);
+      batch->second.push_back({host_unit, device_unit, area.unit_bytes});
     } else {
-      copy_bytes_async(device_unit, device_, host_unit, Device::cpu(), area.unit_bytes);
+      batch->second.push_back({device_unit, host_unit, area.unit_bytes});
     }
   }
+  for (const auto& [device, segments] : batches) copy_segments_async(device, segments);
 }
 
 void HostTier::store_block(std::span<const OwnedTensor> paged, int32_t block, int32_t host_block) {

@@ -127,6 +127,16 @@ void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_
   require_cuda().copy_async(dst, dst_device.is_cuda(), src, src_device.is_cuda(), bytes);
 }
 
+void copy_segments_async(Device device, std::span<const CopySegment> segments) {
+  if (segments.empty()) return;
+  if (device.is_cpu()) {
+    for (const CopySegment& segment : segments)
+      if (segment.bytes > 0) std::memmove(segment.dst, segment.src, segment.bytes);
+    return;
+  }
+  require_cuda().copy_batch_async(device.index, segments);
+}
+
 void device_memory_info(Device device, size_t& free_bytes, size_t& total_bytes) {
   free_bytes = total_bytes = 0;
   if (device.is_cuda()) require_cuda().memory_info(device.index, free_bytes, total_bytes);

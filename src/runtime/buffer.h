@@ -2,8 +2,10 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 
 #include "runtime/device.h"
+#include "runtime/device_hooks.h"
 
 namespace metrale {
 
@@ -60,6 +62,9 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
 // Like copy_bytes, but queued on the device's stream without waiting when a device is involved;
 // host memory must then be pinned and stay untouched until the stream reaches the copy.
 void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+// copy_bytes_async of every segment, each between `device`'s memory and pinned host memory (either
+// direction), queued as one batch: on the CPU, in order.
+void copy_segments_async(Device device, std::span<const CopySegment> segments);
 
 // Free and total bytes on a device (for the CPU: 0 and 0, meaning "not tracked").
 void device_memory_info(Device device, size_t& free_bytes, size_t& total_bytes);

@@ -4,8 +4,16 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 
 namespace metrale {
+
+// One piece of a batched copy.
+struct CopySegment {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t bytes = 0;
+};
 
 struct DeviceHooks {
   virtual ~DeviceHooks() = default;
@@ -21,6 +29,10 @@ struct DeviceHooks {
   virtual void release_pinned(void* pointer) noexcept = 0;
   // Copies on the device's current stream without waiting (the host side must be pinned).
   virtual void copy_async(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes) = 0;
+  // copy_async of every segment between device `device_index`'s memory and pinned host memory, in
+  // any direction, as one batch on that device's current stream (one call instead of one per
+  // segment: a host-tier block is a segment per layer and cache tensor).
+  virtual void copy_batch_async(int device_index, std::span<const CopySegment> segments) = 0;
   // Free and total bytes of device memory.
   virtual void memory_info(int device_index, size_t& free_bytes, size_t& total_bytes) = 0;
 };

@@ -109,6 +109,33 @@ class CudaHooks final : public DeviceHooks {
     METRALE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream_of_pointer(dst_on_device ? dst : src)));
   }
 
+  void copy_batch_async(int device_index, std::span<const CopySegment> segments) override {
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != device_index) METRALE_CUDA_CHECK(cudaSetDevice(device_index));
+    const auto stream = static_cast<cudaStream_t>(current_stream(Device::cuda(device_index)));
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<size_t> sizes;
+    for (const CopySegment& segment : segments) {
+      if (segment.bytes == 0) continue;
+      dsts.push_back(segment.dst);
+      srcs.push_back(segment.src);
+      sizes.push_back(segment.bytes);
+    }
+    if (dsts.empty()) return;
+    // One attribute for every copy: the sources are read in stream order (the forward that wrote
+    // them comes first on this stream).
+    cudaMemcpyAttributes attributes{};
+    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attribute_index = 0;
+    const cudaError_t status = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attributes,
+                                                    &attribute_index, 1, stream);
+    if (status == cudaSuccess) return;
+    cudaGetLastError();  // a driver without batched copies: one copy each
+    for (size_t i = 0; i < dsts.size(); ++i)
+      METRALE_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream));
+  }
+
   void memory_info(int device_index, size_t& free_bytes, size_t& total_bytes) override {
     METRALE_CUDA_CHECK(cudaSetDevice(device_index));
     METRALE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
