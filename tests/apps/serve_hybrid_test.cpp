@@ -239,7 +239,8 @@ void check_bench(const std::filesystem::path& model) {
                                             " --device cpu --batch 2 --context 24 --prefill 16 --iters 1 --warmup 0 "
                                             "--sampled --json");
   ASSERT_EQ(sampled.exit_code, 0) << sampled.err;
-  for (const json& row : json::parse(sampled.out).at("results")) {
+  const json sampled_report = json::parse(sampled.out);  // alive for the loop (at() returns into it)
+  for (const json& row : sampled_report.at("results")) {
     if (row.at("phase") == "decode") {
       EXPECT_GT(row.value("sampled_step_ms", 0.0), 0.0) << row.dump();
     } else {
