@@ -149,10 +149,11 @@ SamplingParams bench_sampling() {
   return params;
 }
 
-// Decode: `batch` sequences with `context` cached tokens each add one token per step (the forward
-// alone; the engine's greedy tokens come with it). With `sampler`, the same steps again, each
-// followed by sampling every row at bench_sampling()'s parameters as Engine::step does (on the device
-// when it can), timed through the tokens' arrival on the host.
+// Decode: `batch` sequences with `context` cached tokens each add one token per step, the forward
+// alone (the requests' sampling left at its defaults, so these rows time what they always did).
+// With `sampler`, the same steps again, each followed by sampling every row at bench_sampling()'s
+// parameters as Engine::step does (on the device when it can), timed through the tokens' arrival
+// on the host.
 Row bench_decode(Engine& engine, const CostModel& cost, const BenchOptions& options, int64_t batch, bool profile,
                  StepSampler* sampler) {
   const ModelConfig& config = engine.model().config();
@@ -167,8 +168,6 @@ Row bench_decode(Engine& engine, const CostModel& cost, const BenchOptions& opti
     sequence->tokens.assign(static_cast<size_t>(options.context + 1), static_cast<int32_t>((s * 7919) % config.vocab_size));
     sequence->num_prompt = options.context + 1;
     sequence->num_computed = options.context;
-    sequence->request.sampling = bench_sampling();
-    sequence->request.sampling.temperature = 0.0f;  // the forward-only rows: greedy
     if (!cache.reserve(sequence->id, options.context + 1)) {
       raise(ErrorCode::kOutOfMemory, "the KV cache cannot hold {} sequences of {} tokens", batch, options.context + 1);
     }
