@@ -133,6 +133,7 @@ std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t se
     size_t usable = 0;
     CheckpointSource checkpoint;
     std::vector<TierHit> hits;
+    const bool read_disk = disk_ && disk_->block_pool().num_cached() > 0 && disk_hits_pay();
     for (size_t i = 0; i < max_blocks; ++i) {
       const auto block_tokens = tokens.subspan(i * static_cast<size_t>(block_size), static_cast<size_t>(block_size));
       const BlockHash hash = hash_block(parent, block_tokens);
@@ -143,6 +144,10 @@ std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t se
         const int32_t disk_block = host_block < 0 && disk_ && disk_->block_pool().num_cached() > 0
                                        ? disk_prefix_.find(hash, parent, block_tokens)
                                        : -1;
+        if (host_block < 0 && disk_block >= 0 && !read_disk) {
+          ++swap_counters_.disk_hits_declined;
+          break;
+        }
         if (host_block < 0 && disk_block < 0) break;
         hits.push_back({entry.blocks.size(), host_block >= 0 ? Tier::kHost : Tier::kDisk,
                         host_block >= 0 ? host_block : disk_block});

@@ -96,6 +96,9 @@ struct SwapCounters {
   int64_t sequences_to_disk = 0;
   int64_t prefix_blocks_to_disk = 0;
   int64_t prefix_blocks_from_disk = 0;
+  // Disk hits left unread (their tokens recomputed) because reading a block was measured slower
+  // than recomputing it.
+  int64_t disk_hits_declined = 0;
   // State checkpoints dropped from the device and kept in the host tier, and those restored from
   // the host or disk tier on a prefix hit.
   int64_t checkpoints_out = 0;
@@ -209,6 +212,12 @@ class CacheManager {
   // Checksums host-tier entries whose copies were in flight; the engine calls it after a step,
   // when the device's stream has drained (it synchronizes first).
   void seal_host_tier() { host_.seal_pending(); }
+  // Seconds one prompt token costs to recompute (measured by the engine on prefill steps; 0 while
+  // unmeasured). A prefix match reads disk hits only while the disk's measured read rate makes a
+  // block cheaper to read than to recompute; every kDiskProbeInterval-th declined match reads them
+  // anyway, so that a disk that got faster is noticed.
+  void set_recompute_seconds_per_token(double seconds) { recompute_seconds_per_token_ = seconds; }
+  static constexpr int32_t kDiskProbeInterval = 32;
 
   // ---- Prefix cache
   bool prefix_caching() const { return config_.enable_prefix_caching; }
@@ -332,6 +341,10 @@ class CacheManager {
   // Reads a swapped sequence's contents back into fresh device blocks and a slot (swap_in's work).
   SwapIn load_swapped(int64_t seq_id, SwappedEntry& swapped, SequenceEntry& entry);
   SwapCounters swap_counters_;
+  // Whether this match may read disk hits (set_recompute_seconds_per_token).
+  bool disk_hits_pay();
+  double recompute_seconds_per_token_ = 0.0;
+  int32_t disk_matches_declined_ = 0;  // since the last probe
   void check_host_tier_integrity() const;
   // Waits for the queued work of every rank's device.
   void synchronize_devices() const;

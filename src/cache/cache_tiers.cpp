@@ -208,6 +208,19 @@ void CacheManager::drop_lost_checkpoint(Tier tier, int32_t slot, const std::stri
 
 // ---- Prefix hits in the tiers
 
+bool CacheManager::disk_hits_pay() {
+  const double read_rate = disk_->read_bytes_per_second();
+  if (read_rate <= 0.0 || recompute_seconds_per_token_ <= 0.0) return true;  // unmeasured: read, and measure
+  const double read_seconds = static_cast<double>(host_.packed_block_bytes()) / read_rate;
+  if (read_seconds <= static_cast<double>(config_.block_size) * recompute_seconds_per_token_) {
+    disk_matches_declined_ = 0;
+    return true;
+  }
+  if (++disk_matches_declined_ < kDiskProbeInterval) return false;
+  disk_matches_declined_ = 0;
+  return true;
+}
+
 CacheManager::CheckpointSource CacheManager::find_checkpoint(int32_t block, const BlockHash& hash) const {
   if (block >= 0) {
     if (const int32_t slot = prefix_.checkpoint(block); slot >= 0) return {Tier::kDevice, slot};

@@ -11,7 +11,7 @@
 // and a read queued after a write of the same entry sees what was written. A write takes the bytes
 // (already copied out of host memory, which may be reused at once); a read returns a future the
 // caller waits on before it uses the data. Every entry carries the XXH3-64 checksum of its bytes,
-// recorded when it was written and kept in memory: a read that finds the file missing, short or
+// taken by the worker as it writes them and kept in memory: a read that finds the file missing, short or
 // with other bytes reports the entry lost, and the caller drops it and recomputes. Nothing here
 // throws on a disk error after start-up; it logs and reports the entry lost.
 #pragma once
@@ -79,6 +79,9 @@ class DiskTier {
   uint64_t bytes_written() const;
   uint64_t bytes_read() const;
   double io_seconds() const;
+  // Bytes per second of the reads that came back whole (file read and checksum), 0 before the
+  // first: what a disk hit costs against recomputing its tokens.
+  double read_bytes_per_second() const;
 
  private:
   struct Job {
@@ -87,14 +90,15 @@ class DiskTier {
   void enqueue(std::function<void()> run);
   void worker_loop();
   void write_file(const std::filesystem::path& path, const std::vector<std::byte>& bytes);
-  DiskRead read_file(const std::filesystem::path& path, size_t size, uint64_t checksum);
+  DiskRead read_file(const std::filesystem::path& path, size_t size, uint64_t checksum);  // timed
+  DiskRead read_and_check(const std::filesystem::path& path, size_t size, uint64_t checksum);
 
   std::filesystem::path dir_;
   size_t block_bytes_ = 0;
   size_t slot_bytes_ = 0;
   BlockPool blocks_;
   StatePool slots_;
-  // Checksums of what each entry holds, set on the engine thread when the write is queued.
+  // Checksums of what each entry holds, set and read on the worker only (by the write and read jobs).
   std::vector<uint64_t> block_checksums_;
   std::vector<uint64_t> slot_checksums_;
 
@@ -107,6 +111,8 @@ class DiskTier {
   uint64_t bytes_written_ = 0;  // under mutex_
   uint64_t bytes_read_ = 0;
   double io_seconds_ = 0.0;
+  double read_seconds_ = 0.0;       // reads that came back whole
+  uint64_t checked_bytes_read_ = 0;
   std::thread worker_;
 };
 

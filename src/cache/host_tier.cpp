@@ -129,7 +129,15 @@ uint64_t HostTier::checksum_of(const std::vector<Area>& areas, int32_t host_inde
   XXH3_64bits_reset(state);
   for (const Area& area : areas) {
     if (area.unit_bytes == 0) continue;
-    XXH3_64bits_update(state, area.data() + static_cast<size_t>(host_index) * area.unit_bytes, area.unit_bytes);
+    const std::byte* unit = area.data() + static_cast<size_t>(host_index) * area.unit_bytes;
+    // The first kSealSampleBytes of every kSealStrideBytes and the unit's last ones: a block
+    // overwritten, misplaced or half-copied changes them; a full hash of every entry stored and
+    // every hit cost the scheduler ~150 us per Qwen3-8B block (XXH3 at ~15 GB/s), seconds per
+    // minute of a multi-turn workload, more than the recompute the hits saved.
+    for (size_t offset = 0; offset < area.unit_bytes; offset += kSealStrideBytes)
+      XXH3_64bits_update(state, unit + offset, std::min(kSealSampleBytes, area.unit_bytes - offset));
+    if (area.unit_bytes > kSealSampleBytes)
+      XXH3_64bits_update(state, unit + area.unit_bytes - kSealSampleBytes, kSealSampleBytes);
   }
   const uint64_t digest = XXH3_64bits_digest(state);
   XXH3_freeState(state);
@@ -187,6 +195,13 @@ std::vector<std::byte> HostTier::pack(Seals& seals, const std::vector<Area>& are
     offset += area.unit_bytes;
   }
   return packed;
+}
+
+std::span<std::byte> HostTier::block_bytes(size_t area, int32_t host_block) {
+  METRALE_CHECK(area < block_areas_.size() && holds_block(host_block), "host block {} of area {} holds nothing",
+                host_block, area);
+  return {block_areas_[area].data() + static_cast<size_t>(host_block) * block_areas_[area].unit_bytes,
+          block_areas_[area].unit_bytes};
 }
 
 std::vector<std::byte> HostTier::pack_block(int32_t host_block) {

@@ -16,11 +16,15 @@
 // without waiting on the host. (They do not overlap the forward: that needs a stream of their own
 // and events.)
 //
-// Integrity: every entry stored is sealed with the XXH3-64 checksum of its bytes once its copy has
-// landed (at once on the CPU device; on a GPU by seal_pending, which the engine calls after each
+// Integrity: every entry stored is sealed with an XXH3-64 fingerprint of its bytes once its copy
+// has landed (at once on the CPU device; on a GPU by seal_pending, which the engine calls after each
 // step, when the stream is idle, and which the disk spill calls first). A load verifies a sealed
 // entry first; an entry still unsealed is in flight on the stream and is loaded unverified. The
-// host reads an entry's bytes itself only to pack it for the disk tier, after sealing it.
+// fingerprint reads the first 128 bytes of every 4 KiB of each area's unit and its last 128 (1/32
+// of the bytes): enough to tell an entry overwritten, misplaced or half-copied, the failures that
+// bookkeeping and copies can cause; a bit flipped in between is ECC memory's business. (The disk
+// tier hashes every byte: files can be truncated or edited.) The host reads an entry's bytes
+// itself only to pack it for the disk tier, after sealing it.
 #pragma once
 
 #include <cstddef>
@@ -84,6 +88,8 @@ class HostTier {
   // Whether the entry holds the bytes it was sealed with (an unsealed entry is taken as it is).
   bool verify_block(int32_t host_block) const;
   bool verify_slot(int32_t host_slot) const;
+  // Host block `host_block`'s bytes of paged tensor `area` (for tests and diagnostics).
+  std::span<std::byte> block_bytes(size_t area, int32_t host_block);
   // The entry's bytes, packed (sealed first: they are read on the host).
   std::vector<std::byte> pack_block(int32_t host_block);
   std::vector<std::byte> pack_slot(int32_t host_slot);
@@ -104,7 +110,9 @@ class HostTier {
                  int32_t host_index, bool to_host);
   void copy_packed(std::span<const OwnedTensor> device_tensors, const std::vector<Area>& areas,
                    std::span<const std::byte> packed, int32_t device_index) const;
-  // Per entry: XXH3-64 of its bytes across every area, and whether that is taken (sealed).
+  static constexpr size_t kSealStrideBytes = 4096;
+  static constexpr size_t kSealSampleBytes = 128;
+  // Per entry: XXH3-64 of its sampled bytes across every area, and whether that is taken (sealed).
   struct Seals {
     std::vector<uint64_t> checksum;
     std::vector<uint8_t> sealed;

@@ -155,6 +155,7 @@ EngineStats Engine::stats() const {
   stats.swapped_to_disk_sequences = swaps.sequences_to_disk;
   stats.prefix_blocks_to_disk = swaps.prefix_blocks_to_disk;
   stats.prefix_blocks_from_disk = swaps.prefix_blocks_from_disk;
+  stats.disk_hits_declined = swaps.disk_hits_declined;
   stats.checkpoints_to_host = swaps.checkpoints_out;
   stats.checkpoints_restored_from_tiers = swaps.checkpoints_in;
   stats.tier_entries_lost = swaps.lost_entries;
@@ -540,6 +541,7 @@ void Engine::record_prefill_cost(const SchedulePlan& plan, std::chrono::steady_c
   costs.prefill_seconds_per_token =
       costs.prefill_seconds_per_token > 0 ? 0.8 * costs.prefill_seconds_per_token + 0.2 * per_token : per_token;
   scheduler_.set_preemption_costs(costs);
+  cache_->set_recompute_seconds_per_token(costs.prefill_seconds_per_token);
 }
 
 SchedulePlan Engine::schedule_step() {

@@ -152,6 +152,7 @@ struct EngineStats {
   int64_t swapped_to_disk_sequences = 0;
   int64_t prefix_blocks_to_disk = 0;
   int64_t prefix_blocks_from_disk = 0;
+  int64_t disk_hits_declined = 0;  // disk hits recomputed instead: reading them was slower
   int64_t checkpoints_to_host = 0;
   int64_t checkpoints_restored_from_tiers = 0;
   int64_t tier_entries_lost = 0;

@@ -10,6 +10,7 @@
 
 #include "cache/cache_manager.h"
 #include "cache/disk_tier.h"
+#include "cache/host_tier.h"
 
 namespace metrale {
 namespace {
@@ -67,6 +68,40 @@ TEST(DiskTier, ReadsBackWhatItWroteAndReportsEveryKindOfLoss) {
   ASSERT_TRUE(read.ok) << read.error;
   EXPECT_EQ(read.bytes, bytes_of(96, 77));
   EXPECT_GE(disk.bytes_written(), 5u * 96);
+}
+
+// The host tier's seal: an entry overwritten, partly or whole, or a block's bytes moved into another
+// fails verification; the seal samples the start of every 4 KiB and the unit's tail.
+TEST(HostTier, VerificationCatchesOverwrittenAndMisplacedEntries) {
+  constexpr int64_t kUnitFloats = 5000;  // 20,000 bytes: five 4 KiB pages, a partial last one
+  OwnedTensor paged(DType::kF32, {3, kUnitFloats});
+  for (int64_t i = 0; i < 3 * kUnitFloats; ++i) paged.tensor.data_as<float>()[i] = static_cast<float>(i);
+  HostTier host(Device::cpu(), {kUnitFloats * sizeof(float)}, {}, 2, 0);
+  std::vector<int32_t> taken;
+  ASSERT_TRUE(host.block_pool().allocate(2, taken, nullptr));
+  const std::span<const OwnedTensor> tensors(&paged, 1);
+  host.store_block(tensors, 0, taken[0]);
+  host.store_block(tensors, 1, taken[1]);
+  ASSERT_TRUE(host.verify_block(taken[0]));
+  ASSERT_TRUE(host.verify_block(taken[1]));
+  const std::span<std::byte> entry = host.block_bytes(0, taken[0]);
+  const std::vector<std::byte> kept(entry.begin(), entry.end());
+  const auto restore = [&] { std::memcpy(entry.data(), kept.data(), kept.size()); };
+  for (const size_t offset : {size_t{0}, size_t{4096 + 5}, entry.size() - 1}) {
+    SCOPED_TRACE(offset);
+    entry[offset] ^= std::byte{0x40};
+    EXPECT_FALSE(host.verify_block(taken[0]));
+    restore();
+    EXPECT_TRUE(host.verify_block(taken[0]));
+  }
+  // Block 1's bytes in block 0's place (a copy to the wrong host block).
+  const std::span<std::byte> other = host.block_bytes(0, taken[1]);
+  std::memcpy(entry.data(), other.data(), other.size());
+  EXPECT_FALSE(host.verify_block(taken[0]));
+  restore();
+  // Half a copy: the second half still the entry that held the block before.
+  std::memcpy(entry.data() + entry.size() / 2, other.data() + entry.size() / 2, entry.size() - entry.size() / 2);
+  EXPECT_FALSE(host.verify_block(taken[0]));
 }
 
 TEST(DiskTier, StartUpErrorsNameThePath) {
@@ -277,6 +312,52 @@ TEST(CacheTiers, PrefixBlocksComeBackFromDiskUntilTheirFileIsLost) {
   cache.check_integrity();
   compute(cache, 5, prompt, match->cached_tokens, 13);
   EXPECT_TRUE(holds(cache, 5, prompt, 13));
+  cache.free_sequence(5);
+  cache.check_integrity();
+}
+
+// Disk hits are read while reading a block costs less than recomputing it (the rate measured by the
+// reads before); slower, the match stops at the first disk block, but every kDiskProbeInterval-th
+// declined match reads anyway to measure again.
+TEST(CacheTiers, DiskHitsSlowerThanRecomputeAreDeclinedButProbed) {
+  const auto dir = scratch_dir("declined");
+  CacheManager cache(specs_of(false), tiered(4, 1, 8, dir, false), Device::cpu());
+  const auto prompt = tokens_from(7, 13);
+  const auto evict_prompt = [&](int64_t other) {
+    compute(cache, other, tokens_from(static_cast<int32_t>(100 * other), 16), 0, 16);
+    cache.free_sequence(other);
+  };
+  ASSERT_TRUE(cache.begin_sequence(1, prompt, true).has_value());
+  compute(cache, 1, prompt, 0, 13);
+  cache.cache_full_blocks(1, prompt, 13);
+  cache.free_sequence(1);
+  evict_prompt(2);
+  const SwapCounters& counters = cache.swap_counters();
+  ASSERT_EQ(counters.prefix_blocks_to_disk, 2);
+  cache.set_recompute_seconds_per_token(1.0);  // far slower than any disk: read
+  auto match = cache.begin_sequence(3, prompt, true);
+  ASSERT_TRUE(match.has_value());
+  EXPECT_EQ(match->cached_tokens, 12);
+  ASSERT_GT(counters.prefix_blocks_from_disk, 0);  // the disk's read rate is measured now
+  EXPECT_EQ(counters.disk_hits_declined, 0);
+  cache.free_sequence(3);
+  evict_prompt(4);
+  ASSERT_GT(cache.disk_tier()->block_pool().num_cached(), 0);
+  cache.set_recompute_seconds_per_token(1e-15);  // far faster than any disk: recompute
+  const int64_t from_disk = counters.prefix_blocks_from_disk;
+  for (int32_t i = 1; i < CacheManager::kDiskProbeInterval; ++i) {
+    match = cache.begin_sequence(10 + i, prompt, true);
+    ASSERT_TRUE(match.has_value());
+    EXPECT_LT(match->cached_tokens, 12);
+    cache.free_sequence(10 + i);
+  }
+  EXPECT_EQ(counters.prefix_blocks_from_disk, from_disk);
+  EXPECT_EQ(counters.disk_hits_declined, CacheManager::kDiskProbeInterval - 1);
+  match = cache.begin_sequence(5, prompt, true);  // the probe
+  ASSERT_TRUE(match.has_value());
+  EXPECT_EQ(match->cached_tokens, 12);
+  EXPECT_TRUE(holds(cache, 5, prompt, 12));
+  EXPECT_GT(counters.prefix_blocks_from_disk, from_disk);
   cache.free_sequence(5);
   cache.check_integrity();
 }

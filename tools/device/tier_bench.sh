@@ -69,7 +69,7 @@ run_case() {  # run_case NAME [serve flags...]
   local m="$out/metrics-$name.txt"
   echo "   prefix hits $(metric "$m" metrale_prefix_cache_hits_total) of $(metric "$m" metrale_prefix_cache_queries_total) tokens;" \
     "blocks to host $(metric "$m" metrale_prefix_cache_blocks_to_host_total), back $(metric "$m" metrale_prefix_cache_blocks_from_host_total);" \
-    "to disk $(metric "$m" metrale_prefix_blocks_to_disk_total), back $(metric "$m" metrale_prefix_blocks_from_disk_total);" \
+    "to disk $(metric "$m" metrale_prefix_blocks_to_disk_total), back $(metric "$m" metrale_prefix_blocks_from_disk_total), declined $(metric "$m" metrale_disk_hits_declined_total);" \
     "lost $(metric "$m" metrale_tier_entries_lost_total)"
 }
 
