@@ -72,6 +72,7 @@ CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& 
       slot_bytes.push_back(tensor.tensor.nbytes() / static_cast<size_t>(tensor.tensor.size(0)));
     host_ = HostTier(devices_, std::move(block_bytes), std::move(slot_bytes), config.num_host_blocks,
                      has_slots_ ? config.num_host_slots : 0);
+    host_.enable_staging(paged_storage_, config.num_host_staging_blocks);
     host_prefix_ = PrefixCache(host_.num_blocks(), config.block_size);
     host_checkpoints_ = CheckpointIndex(host_.num_slots());
   }

@@ -73,6 +73,9 @@ struct CacheConfig {
   // Host tier: host copies of whole KV blocks and of state slots for swapped-out sequences (0: none).
   int32_t num_host_blocks = 0;
   int32_t num_host_slots = 0;
+  // Device blocks per GPU that stage block copies to the host tier so that they overlap the forward
+  // (HostTier::enable_staging; 0: copies on the forward's stream). GPUs only.
+  int32_t num_host_staging_blocks = 0;
   // Disk tier: a directory for files of blocks and slots spilled from the host tier (empty: none;
   // it needs a host tier), and how many of each it may hold.
   std::filesystem::path disk_dir{};

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -88,15 +89,81 @@ void HostTier::copy_unit(std::span<const OwnedTensor> device_tensors, std::vecto
   for (const auto& [device, segments] : batches) copy_segments_async(device, segments);
 }
 
+void HostTier::enable_staging(std::span<const OwnedTensor> paged, int32_t num_staging) {
+  METRALE_CHECK(paged.size() == block_areas_.size(), "{} paged tensors for {} host areas", paged.size(),
+                block_areas_.size());
+  lanes_.clear();
+  if (!device_.is_cuda() || num_staging <= 0 || num_blocks() == 0) return;
+  for (const Device& device : devices_) {
+    Lane lane;
+    lane.device = device;
+    lane.num_slots = num_staging;
+    lane.area_offset.assign(block_areas_.size(), std::string::npos);
+    for (size_t i = 0; i < paged.size(); ++i) {
+      if (paged[i].tensor.device() != device || block_areas_[i].unit_bytes == 0) continue;
+      lane.area_offset[i] = lane.unit_bytes;
+      lane.unit_bytes += block_areas_[i].unit_bytes;
+    }
+    if (lane.unit_bytes == 0) continue;
+    lane.staging = Buffer(device, checked_mul<size_t>(lane.unit_bytes, static_cast<size_t>(num_staging),
+                                                      "host tier staging bytes", ErrorCode::kOutOfMemory));
+    lane.slot_ticket.assign(static_cast<size_t>(num_staging), 0);
+    lane.lane = CopyLane(device);
+    lanes_.push_back(std::move(lane));
+  }
+  block_seals_.ticket.assign(static_cast<size_t>(num_blocks()) * lanes_.size(), 0);
+}
+
+void HostTier::store_block_staged(std::span<const OwnedTensor> paged, int32_t block, int32_t host_block) {
+  for (size_t l = 0; l < lanes_.size(); ++l) {
+    Lane& lane = lanes_[l];
+    const int32_t slot = lane.next_slot;
+    lane.next_slot = (slot + 1) % lane.num_slots;
+    lane.lane.hold_current_until(lane.slot_ticket[static_cast<size_t>(slot)]);  // its last copy out has run
+    std::byte* unit = static_cast<std::byte*>(lane.staging.data()) + static_cast<size_t>(slot) * lane.unit_bytes;
+    std::vector<CopySegment> in, out;
+    for (size_t i = 0; i < block_areas_.size(); ++i) {
+      if (lane.area_offset[i] == std::string::npos) continue;
+      const Tensor& tensor = paged[i].tensor;
+      const Area& area = block_areas_[i];
+      METRALE_CHECK(block >= 0 && block < tensor.size(0) &&
+                        tensor.nbytes() == area.unit_bytes * static_cast<size_t>(tensor.size(0)),
+                    "device block {} of {} for host units of {} bytes", block, tensor.describe(), area.unit_bytes);
+      in.push_back({unit + lane.area_offset[i],
+                    static_cast<std::byte*>(tensor.data()) + static_cast<size_t>(block) * area.unit_bytes,
+                    area.unit_bytes});
+      out.push_back({area.data() + static_cast<size_t>(host_block) * area.unit_bytes, unit + lane.area_offset[i],
+                     area.unit_bytes});
+    }
+    copy_segments_async(lane.device, in);  // on the current stream: the forward may overwrite the block after it
+    const CopyLane::Ticket ticket = lane.lane.copy_after_current(out);
+    lane.slot_ticket[static_cast<size_t>(slot)] = ticket;
+    block_seals_.ticket[static_cast<size_t>(host_block) * lanes_.size() + l] = ticket;
+  }
+}
+
+bool HostTier::lanes_done(const Seals& seals, int32_t host_index) {
+  if (seals.ticket.empty()) return true;
+  for (size_t l = 0; l < lanes_.size(); ++l)
+    if (!lanes_[l].lane.done(seals.ticket[static_cast<size_t>(host_index) * lanes_.size() + l])) return false;
+  return true;
+}
+
 void HostTier::store_block(std::span<const OwnedTensor> paged, int32_t block, int32_t host_block) {
   METRALE_CHECK(host_block >= 0 && host_block < num_blocks() && blocks_.ref_count(host_block) > 0,
                 "host block {} is not allocated", host_block);
-  copy_unit(paged, block_areas_, block, host_block, true);
+  if (lanes_.empty()) {
+    copy_unit(paged, block_areas_, block, host_block, true);
+  } else {
+    store_block_staged(paged, block, host_block);
+  }
   mark_stored(block_seals_, block_areas_, host_block);
 }
 
 void HostTier::load_block(std::span<const OwnedTensor> paged, int32_t host_block, int32_t block) {
   METRALE_CHECK(holds_block(host_block), "host block {} holds nothing", host_block);
+  for (size_t l = 0; l < lanes_.size(); ++l)  // an entry still on its way to the host
+    lanes_[l].lane.hold_current_until(block_seals_.ticket[static_cast<size_t>(host_block) * lanes_.size() + l]);
   copy_unit(paged, block_areas_, block, host_block, false);
 }
 
@@ -159,11 +226,12 @@ void HostTier::seal_pending() {
   if (block_seals_.pending.empty() && slot_seals_.pending.empty()) return;
   for (const Device& device : devices_) synchronize(device);
   for (auto [seals, areas] : {std::pair{&block_seals_, &block_areas_}, std::pair{&slot_seals_, &slot_areas_}}) {
-    for (const int32_t index : seals->pending) {
+    std::erase_if(seals->pending, [&](int32_t index) {
+      if (!lanes_done(*seals, index)) return false;  // still on a copy lane: sealed by a later call
       seals->checksum[static_cast<size_t>(index)] = checksum_of(*areas, index);
       seals->sealed[static_cast<size_t>(index)] = 1;
-    }
-    seals->pending.clear();
+      return true;
+    });
   }
 }
 
@@ -183,7 +251,12 @@ bool HostTier::verify_slot(int32_t host_slot) const {
 }
 
 std::vector<std::byte> HostTier::pack(Seals& seals, const std::vector<Area>& areas, int32_t host_index) {
-  if (seals.sealed[static_cast<size_t>(host_index)] == 0) seal_pending();
+  if (seals.sealed[static_cast<size_t>(host_index)] == 0) {
+    if (!seals.ticket.empty())
+      for (size_t l = 0; l < lanes_.size(); ++l)
+        lanes_[l].lane.wait(seals.ticket[static_cast<size_t>(host_index) * lanes_.size() + l]);
+    seal_pending();
+  }
   size_t total = 0;
   for (const Area& area : areas) total += area.unit_bytes;
   std::vector<std::byte> packed(total);

@@ -45,6 +45,9 @@ std::string EnginePlan::describe() const {
     text += fmt::format("; host tier {} ({} blocks, {} state slots", format_bytes(host_tier_bytes), num_host_blocks,
                         num_host_slots);
     if (copy_bytes_per_second > 0) text += fmt::format(", copies at {:.1f} GB/s", copy_bytes_per_second / 1e9);
+    if (num_host_staging_blocks > 0)
+      text += fmt::format(", staged through {} device blocks ({})", num_host_staging_blocks,
+                          format_bytes(host_staging_bytes));
     text += ")";
   }
   if (disk_tier_bytes > 0) {
@@ -284,6 +287,16 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
             format_bytes(allowed));
     }
     kv_budget = allowed - committed;
+    if (config_.swap_space_bytes > 0) {
+      // The host tier's staging ring: enough device blocks for a step's worth of evictions to leave
+      // the forward's stream at device speed (up to 64 blocks or 256 MiB; at least 2).
+      const uint64_t staging = std::clamp<uint64_t>((256ull << 20) / per_block, 2, 64);
+      if (kv_budget > 4 * staging * per_block) {
+        plan_.num_host_staging_blocks = static_cast<int32_t>(staging);
+        plan_.host_staging_bytes = staging * per_block;
+        kv_budget -= plan_.host_staging_bytes;
+      }
+    }
   }
   // Recurrent state: one slot per running sequence, checkpoint slots for the prefix cache and one
   // padding slot come out of the same budget as the KV blocks, before them (split_cache_budget).
@@ -330,6 +343,7 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
   const HostSplit host = split_swap_space(config_.swap_space_bytes, per_block, per_slot, tier_slots);
   cache_config.num_host_blocks = host.num_blocks;
   cache_config.num_host_slots = host.num_slots;
+  cache_config.num_host_staging_blocks = host.num_blocks > 0 ? plan_.num_host_staging_blocks : 0;
   if (!config_.swap_disk_dir.empty()) {
     if (config_.swap_space_bytes == 0 || config_.swap_disk_bytes == 0)
       raise(ErrorCode::kInvalidArgument, "--high-speed-swap needs --swap-space and --swap-disk-space above 0");
@@ -347,6 +361,8 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
   plan_.num_host_blocks = cache_->host_tier().num_blocks();
   plan_.num_host_slots = cache_->host_tier().num_slots();
   plan_.host_tier_bytes = cache_->host_tier().memory_bytes();
+  plan_.num_host_staging_blocks = cache_->host_tier().num_staging_blocks();
+  if (plan_.num_host_staging_blocks == 0) plan_.host_staging_bytes = 0;
   if (const DiskTier* disk = cache_->disk_tier()) {
     plan_.num_disk_blocks = disk->num_blocks();
     plan_.num_disk_slots = disk->num_slots();
@@ -501,7 +517,8 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
   step_sequences_.clear();
   if (prefill_budget_) record_step_cost(plan, step_start);
   record_prefill_cost(plan, step_start);
-  // The step's results are on the host, so its copies into the host tier have landed: seal them.
+  // The step's results are on the host, so the copies into the host tier queued on its stream have
+  // landed (those on a copy lane are sealed once their ticket is done): seal them.
   cache_->seal_host_tier();
   // Disk reads for the next swapped sequences to come back, overlapping the next steps.
   size_t prefetched = 0;

@@ -99,6 +99,9 @@ struct EnginePlan {
   int32_t num_host_blocks = 0;
   int32_t num_host_slots = 0;
   uint64_t host_tier_bytes = 0;
+  // Device blocks that stage copies into the host tier (they overlap the forward), and their bytes.
+  int32_t num_host_staging_blocks = 0;
+  uint64_t host_staging_bytes = 0;
   // Disk tier: blocks and state slots it holds, its bytes, and its directory.
   int32_t num_disk_blocks = 0;
   int32_t num_disk_slots = 0;

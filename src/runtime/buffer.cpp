@@ -134,7 +134,7 @@ void copy_segments_async(Device device, std::span<const CopySegment> segments) {
       if (segment.bytes > 0) std::memmove(segment.dst, segment.src, segment.bytes);
     return;
   }
-  require_cuda().copy_batch_async(device.index, segments);
+  require_cuda().copy_batch_async(device.index, segments, nullptr);
 }
 
 void device_memory_info(Device device, size_t& free_bytes, size_t& total_bytes) {

@@ -29,10 +29,22 @@ struct DeviceHooks {
   virtual void release_pinned(void* pointer) noexcept = 0;
   // Copies on the device's current stream without waiting (the host side must be pinned).
   virtual void copy_async(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes) = 0;
-  // copy_async of every segment between device `device_index`'s memory and pinned host memory, in
-  // any direction, as one batch on that device's current stream (one call instead of one per
-  // segment: a host-tier block is a segment per layer and cache tensor).
-  virtual void copy_batch_async(int device_index, std::span<const CopySegment> segments) = 0;
+  // copy_async of every segment between device `device_index`'s memory and pinned host memory (or
+  // within the device), in any direction, as one batch on `stream` (null: the device's current
+  // stream): one call instead of one per segment (a host-tier block is a segment per layer and
+  // cache tensor).
+  virtual void copy_batch_async(int device_index, std::span<const CopySegment> segments, void* stream) = 0;
+  // Streams and events of the device's own (CopyLane); a null stream is the current stream.
+  virtual void* create_stream(int device_index) = 0;
+  virtual void destroy_stream(void* stream) noexcept = 0;
+  virtual void* create_event(int device_index) = 0;
+  virtual void destroy_event(void* event) noexcept = 0;
+  virtual void record_event(int device_index, void* event, void* stream) = 0;
+  // Work queued on `stream` after this waits (on the device) for the event's point.
+  virtual void wait_event(int device_index, void* stream, void* event) = 0;
+  virtual bool event_done(void* event) = 0;
+  virtual void synchronize_event(void* event) = 0;
+  virtual void synchronize_stream(void* stream) = 0;
   // Free and total bytes of device memory.
   virtual void memory_info(int device_index, size_t& free_bytes, size_t& total_bytes) = 0;
 };

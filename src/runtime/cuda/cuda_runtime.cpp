@@ -109,10 +109,10 @@ class CudaHooks final : public DeviceHooks {
     METRALE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream_of_pointer(dst_on_device ? dst : src)));
   }
 
-  void copy_batch_async(int device_index, std::span<const CopySegment> segments) override {
-    int current = -1;
-    if (cudaGetDevice(&current) != cudaSuccess || current != device_index) METRALE_CUDA_CHECK(cudaSetDevice(device_index));
-    const auto stream = static_cast<cudaStream_t>(current_stream(Device::cuda(device_index)));
+  void copy_batch_async(int device_index, std::span<const CopySegment> segments, void* on_stream) override {
+    use_device(device_index);
+    const auto stream = on_stream != nullptr ? static_cast<cudaStream_t>(on_stream)
+                                             : static_cast<cudaStream_t>(current_stream(Device::cuda(device_index)));
     std::vector<void*> dsts;
     std::vector<const void*> srcs;
     std::vector<size_t> sizes;
@@ -123,8 +123,8 @@ class CudaHooks final : public DeviceHooks {
       sizes.push_back(segment.bytes);
     }
     if (dsts.empty()) return;
-    // One attribute for every copy: the sources are read in stream order (the forward that wrote
-    // them comes first on this stream).
+    // One attribute for every copy: the sources are read in stream order (what wrote them comes
+    // first on this stream, or is waited for by it).
     cudaMemcpyAttributes attributes{};
     attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     size_t attribute_index = 0;
@@ -134,6 +134,52 @@ class CudaHooks final : public DeviceHooks {
     cudaGetLastError();  // a driver without batched copies: one copy each
     for (size_t i = 0; i < dsts.size(); ++i)
       METRALE_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream));
+  }
+
+  void* create_stream(int device_index) override {
+    use_device(device_index);
+    cudaStream_t stream = nullptr;
+    METRALE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    return stream;
+  }
+
+  void destroy_stream(void* stream) noexcept override { cudaStreamDestroy(static_cast<cudaStream_t>(stream)); }
+
+  void* create_event(int device_index) override {
+    use_device(device_index);
+    cudaEvent_t event = nullptr;
+    METRALE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return event;
+  }
+
+  void destroy_event(void* event) noexcept override { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+
+  void record_event(int device_index, void* event, void* stream) override {
+    use_device(device_index);
+    METRALE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), stream_or_current(device_index, stream)));
+  }
+
+  void wait_event(int device_index, void* stream, void* event) override {
+    use_device(device_index);
+    METRALE_CUDA_CHECK(cudaStreamWaitEvent(stream_or_current(device_index, stream), static_cast<cudaEvent_t>(event), 0));
+  }
+
+  bool event_done(void* event) override {
+    const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (status == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    METRALE_CUDA_CHECK(status);
+    return true;
+  }
+
+  void synchronize_event(void* event) override {
+    METRALE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  }
+
+  void synchronize_stream(void* stream) override {
+    METRALE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
   }
 
   void memory_info(int device_index, size_t& free_bytes, size_t& total_bytes) override {
@@ -147,6 +193,15 @@ class CudaHooks final : public DeviceHooks {
   }
 
  private:
+  static void use_device(int device_index) {
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != device_index) METRALE_CUDA_CHECK(cudaSetDevice(device_index));
+  }
+  static cudaStream_t stream_or_current(int device_index, void* stream) {
+    return stream != nullptr ? static_cast<cudaStream_t>(stream)
+                             : static_cast<cudaStream_t>(current_stream(Device::cuda(device_index)));
+  }
+
   mutable std::once_flag count_once_;
   mutable int count_ = 0;
 };
