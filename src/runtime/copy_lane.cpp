@@ -19,11 +19,11 @@ DeviceHooks& hooks_for(Device device) {
 
 CopyLane::CopyLane(Device device) : device_(device) {
   if (device.is_cpu()) return;
-  DeviceHooks& hooks = hooks_for(device);
-  stream_ = hooks.create_stream(device.index);
-  current_mark_ = hooks.create_event(device.index);
+  hooks_ = &hooks_for(device);
+  stream_ = hooks_->create_stream(device.index);
+  current_mark_ = hooks_->create_event(device.index);
   events_.reserve(kEvents);
-  for (size_t i = 0; i < kEvents; ++i) events_.push_back(hooks.create_event(device.index));
+  for (size_t i = 0; i < kEvents; ++i) events_.push_back(hooks_->create_event(device.index));
 }
 
 CopyLane::~CopyLane() {
@@ -32,6 +32,7 @@ CopyLane::~CopyLane() {
 
 CopyLane::CopyLane(CopyLane&& other) noexcept
     : device_(other.device_),
+      hooks_(std::exchange(other.hooks_, nullptr)),
       stream_(std::exchange(other.stream_, nullptr)),
       current_mark_(std::exchange(other.current_mark_, nullptr)),
       events_(std::move(other.events_)),
@@ -44,6 +45,7 @@ CopyLane& CopyLane::operator=(CopyLane&& other) noexcept {
   if (this != &other) {
     release();
     device_ = other.device_;
+    hooks_ = std::exchange(other.hooks_, nullptr);
     stream_ = std::exchange(other.stream_, nullptr);
     current_mark_ = std::exchange(other.current_mark_, nullptr);
     events_ = std::move(other.events_);
@@ -55,8 +57,8 @@ CopyLane& CopyLane::operator=(CopyLane&& other) noexcept {
 }
 
 void CopyLane::release() noexcept {
-  if (stream_ == nullptr) return;
-  DeviceHooks* hooks = cuda_hooks();
+  if (stream_ == nullptr || hooks_ == nullptr) return;
+  DeviceHooks* hooks = hooks_;
   try {
     hooks->synchronize_stream(stream_);  // pinned memory the copies touch may be freed next
   } catch (...) {                        // a poisoned context: nothing left to wait for
@@ -75,7 +77,7 @@ CopyLane::Ticket CopyLane::copy_after_current(std::span<const CopySegment> segme
     done_ = ticket;
     return ticket;
   }
-  DeviceHooks& hooks = *cuda_hooks();
+  DeviceHooks& hooks = *hooks_;
   // The ring's event for this ticket last served ticket - kEvents: re-recorded only once that ran.
   if (ticket > kEvents && done_ < ticket - kEvents) wait(ticket - kEvents);
   hooks.record_event(device_.index, current_mark_, nullptr);
@@ -88,20 +90,20 @@ CopyLane::Ticket CopyLane::copy_after_current(std::span<const CopySegment> segme
 bool CopyLane::done(Ticket ticket) {
   if (ticket <= done_) return true;
   METRALE_CHECK(ticket < next_, "copy lane ticket {} was never given (next {})", ticket, next_);
-  if (!cuda_hooks()->event_done(event_of(ticket))) return false;
+  if (!hooks_->event_done(event_of(ticket))) return false;
   done_ = ticket;
   return true;
 }
 
 void CopyLane::hold_current_until(Ticket ticket) {
   if (done(ticket)) return;
-  cuda_hooks()->wait_event(device_.index, nullptr, event_of(ticket));
+  hooks_->wait_event(device_.index, nullptr, event_of(ticket));
 }
 
 void CopyLane::wait(Ticket ticket) {
   if (ticket <= done_) return;
   METRALE_CHECK(ticket < next_, "copy lane ticket {} was never given (next {})", ticket, next_);
-  cuda_hooks()->synchronize_event(event_of(ticket));
+  hooks_->synchronize_event(event_of(ticket));
   done_ = ticket;
 }
 

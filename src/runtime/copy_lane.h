@@ -48,6 +48,7 @@ class CopyLane {
   void* event_of(Ticket ticket) const { return events_[ticket % kEvents]; }
 
   Device device_ = Device::cpu();
+  DeviceHooks* hooks_ = nullptr;   // the CUDA hooks (GPU lanes only)
   void* stream_ = nullptr;        // the lane (CUDA only)
   void* current_mark_ = nullptr;  // recorded on the current stream for the lane to wait on
   std::vector<void*> events_;     // the tickets' ring
