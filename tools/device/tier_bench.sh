@@ -8,6 +8,7 @@
 #   host   --swap-space HOST_GIB (default 32): evicted prefix blocks wait in pinned host memory;
 #   disk   --swap-space DISK_HOST_GIB (default 2) --high-speed-swap $TIER_DIR --swap-disk-space DISK_GIB
 #          (default 64): the small host tier spills to files.
+# CASES (default "none host disk") picks which of them run, in that order.
 # Each runs `metrale bench-serve --turns TURNS` (default 4) over CONVERSATIONS (default 64) conversations
 # at CONCURRENCY (default 16) with INPUT_LEN (2048) first prompts, TURN_INPUT_LEN (256) new tokens per
 # follow-up and OUTPUT_LEN (64) generated tokens, then prints the first-turn and follow-up TTFT, the
@@ -73,11 +74,14 @@ run_case() {  # run_case NAME [serve flags...]
     "lost $(metric "$m" metrale_tier_entries_lost_total)"
 }
 
-run_case none
-run_case host --swap-space "${HOST_GIB:-32}"
-mkdir -p "$tier_dir"
-run_case disk --swap-space "${DISK_HOST_GIB:-2}" --high-speed-swap "$tier_dir" --swap-disk-space "${DISK_GIB:-64}"
-rm -rf "$tier_dir"
+cases=" ${CASES:-none host disk} "
+[[ $cases == *" none "* ]] && run_case none
+[[ $cases == *" host "* ]] && run_case host --swap-space "${HOST_GIB:-32}"
+if [[ $cases == *" disk "* ]]; then
+  mkdir -p "$tier_dir"
+  run_case disk --swap-space "${DISK_HOST_GIB:-2}" --high-speed-swap "$tier_dir" --swap-disk-space "${DISK_GIB:-64}"
+  rm -rf "$tier_dir"
+fi
 
 python3 - "$out" <<'PY'
 import json, os, sys
