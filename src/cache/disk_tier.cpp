@@ -72,7 +72,7 @@ DiskTier::DiskTier(const std::filesystem::path& parent, size_t block_bytes, size
             std::strerror(errno));
   }
   std::filesystem::remove(probe, error);
-  worker_ = std::thread([this] { worker_loop(); });
+  for (size_t w = 0; w < workers_.size(); ++w) workers_[w].thread = std::thread([this, w] { worker_loop(w); });
 }
 
 DiskTier::~DiskTier() {
@@ -81,7 +81,8 @@ DiskTier::~DiskTier() {
     stopping_ = true;
   }
   wake_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  for (Worker& worker : workers_)
+    if (worker.thread.joinable()) worker.thread.join();
   std::error_code error;
   std::filesystem::remove_all(dir_, error);
   if (error) METRALE_LOG_WARN("disk tier: could not remove {}: {}", dir_.string(), error.message());
@@ -98,37 +99,52 @@ std::filesystem::path DiskTier::slot_path(int32_t slot) const {
   return dir_ / fmt::format("slot-{}.state", slot);
 }
 
-void DiskTier::enqueue(std::function<void()> run) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back({std::move(run)});
-  }
-  wake_.notify_one();
+size_t DiskTier::worker_of_block(int32_t block) const {
+  return static_cast<size_t>(block) % workers_.size();
 }
 
-void DiskTier::worker_loop() {
+size_t DiskTier::worker_of_slot(int32_t slot) const {
+  return (static_cast<size_t>(slot) + workers_.size() / 2) % workers_.size();
+}
+
+void DiskTier::enqueue(size_t worker, std::function<void()> run) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    workers_[worker].queue.push_back({std::move(run)});
+  }
+  wake_.notify_all();  // one condition for every worker: it wakes the one whose queue grew
+}
+
+bool DiskTier::idle_locked() const {
+  for (const Worker& worker : workers_)
+    if (worker.busy || !worker.queue.empty()) return false;
+  return true;
+}
+
+void DiskTier::worker_loop(size_t index) {
+  Worker& self = workers_[index];
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-    if (queue_.empty()) break;  // stopping, and every queued job has run
-    Job job = std::move(queue_.front());
-    queue_.pop_front();
-    busy_ = true;
+    wake_.wait(lock, [&] { return stopping_ || !self.queue.empty(); });
+    if (self.queue.empty()) break;  // stopping, and every job queued here has run
+    Job job = std::move(self.queue.front());
+    self.queue.pop_front();
+    self.busy = true;
     lock.unlock();
     const auto start = std::chrono::steady_clock::now();
     job.run();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     lock.lock();
     io_seconds_ += seconds;
-    busy_ = false;
-    if (queue_.empty()) idle_.notify_all();
+    self.busy = false;
+    if (idle_locked()) idle_.notify_all();
   }
   idle_.notify_all();
 }
 
 void DiskTier::drain() const {
   std::unique_lock<std::mutex> lock(mutex_);
-  idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  idle_.wait(lock, [&] { return idle_locked(); });
 }
 
 uint64_t DiskTier::bytes_written() const {
@@ -143,7 +159,10 @@ uint64_t DiskTier::bytes_read() const {
 
 double DiskTier::read_bytes_per_second() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return read_seconds_ > 0.0 ? static_cast<double>(checked_bytes_read_) / read_seconds_ : 0.0;
+  // Each worker's rate times the workers: a match's reads spread over all of them.
+  return read_seconds_ > 0.0
+             ? static_cast<double>(checked_bytes_read_) * static_cast<double>(workers_.size()) / read_seconds_
+             : 0.0;
 }
 
 double DiskTier::io_seconds() const {
@@ -225,7 +244,7 @@ void DiskTier::write_block(int32_t block, std::vector<std::byte> bytes) {
                 block, bytes.size());
   // Hashed on the worker (~150 us for a Qwen3-8B block, off the engine thread); a later read of the
   // entry runs after this job and takes the checksum there.
-  enqueue([this, block, path = block_path(block), data = std::move(bytes)] {
+  enqueue(worker_of_block(block), [this, block, path = block_path(block), data = std::move(bytes)] {
     block_checksums_[static_cast<size_t>(block)] = entry_checksum(data.data(), data.size());
     write_file(path, data);
   });
@@ -234,7 +253,7 @@ void DiskTier::write_block(int32_t block, std::vector<std::byte> bytes) {
 void DiskTier::write_slot(int32_t slot, std::vector<std::byte> bytes) {
   METRALE_CHECK(slots_.contains(slot) && bytes.size() == slot_bytes_, "disk slot {} write of {} bytes", slot,
                 bytes.size());
-  enqueue([this, slot, path = slot_path(slot), data = std::move(bytes)] {
+  enqueue(worker_of_slot(slot), [this, slot, path = slot_path(slot), data = std::move(bytes)] {
     slot_checksums_[static_cast<size_t>(slot)] = entry_checksum(data.data(), data.size());
     write_file(path, data);
   });
@@ -244,7 +263,7 @@ std::future<DiskRead> DiskTier::read_block(int32_t block) {
   METRALE_CHECK(block >= 0 && block < num_blocks(), "disk block {} out of range", block);
   auto promise = std::make_shared<std::promise<DiskRead>>();
   std::future<DiskRead> future = promise->get_future();
-  enqueue([this, promise, block, path = block_path(block)] {
+  enqueue(worker_of_block(block), [this, promise, block, path = block_path(block)] {
     promise->set_value(read_file(path, block_bytes_, block_checksums_[static_cast<size_t>(block)]));
   });
   return future;
@@ -254,7 +273,7 @@ std::future<DiskRead> DiskTier::read_slot(int32_t slot) {
   METRALE_CHECK(slots_.contains(slot), "disk slot {} out of range", slot);
   auto promise = std::make_shared<std::promise<DiskRead>>();
   std::future<DiskRead> future = promise->get_future();
-  enqueue([this, promise, slot, path = slot_path(slot)] {
+  enqueue(worker_of_slot(slot), [this, promise, slot, path = slot_path(slot)] {
     promise->set_value(read_file(path, slot_bytes_, slot_checksums_[static_cast<size_t>(slot)]));
   });
   return future;

@@ -7,8 +7,10 @@
 // are the tier's own: a BlockPool for blocks (used: held by a swapped-out sequence; cached: a
 // prefix block on the LRU list; empty) and a StatePool for slots, exactly as in the host tier.
 //
-// I/O runs on one worker thread fed by a FIFO queue, so the engine thread never waits on a write,
-// and a read queued after a write of the same entry sees what was written. A write takes the bytes
+// I/O runs on kWorkers worker threads, each fed by a FIFO queue, so the engine thread never waits
+// on a write; an entry's jobs always go to the same worker (by its id), so a read queued after a
+// write of the same entry sees what was written, and a prefix hit's reads of consecutive blocks
+// run on all the workers at once. A write takes the bytes
 // (already copied out of host memory, which may be reused at once); a read returns a future the
 // caller waits on before it uses the data. Every entry carries the XXH3-64 checksum of its bytes,
 // taken by the worker as it writes them and kept in memory: a read that finds the file missing, short or
@@ -45,6 +47,8 @@ struct DiskRead {
 
 class DiskTier {
  public:
+  static constexpr size_t kWorkers = 4;
+
   // Files for `num_blocks` entries of `block_bytes` and `num_slots` of `slot_bytes` in a new
   // directory under `parent` (created if need be). Throws kInvalidArgument naming the path when it
   // cannot be made or written.
@@ -75,20 +79,29 @@ class DiskTier {
   std::future<DiskRead> read_slot(int32_t slot);
   // Waits until every queued job has run (tests; shutdown).
   void drain() const;
-  // Bytes written and read since start-up, and the seconds the worker spent on them.
+  // Bytes written and read since start-up, and the seconds the workers spent on them (summed).
   uint64_t bytes_written() const;
   uint64_t bytes_read() const;
   double io_seconds() const;
-  // Bytes per second of the reads that came back whole (file read and checksum), 0 before the
-  // first: what a disk hit costs against recomputing its tokens.
+  // Bytes per second of the reads that came back whole (file read and checksum; one worker's rate
+  // times the workers, as a hit's reads spread over them), 0 before the first: what a disk hit
+  // costs against recomputing its tokens.
   double read_bytes_per_second() const;
 
  private:
   struct Job {
     std::function<void()> run;
   };
-  void enqueue(std::function<void()> run);
-  void worker_loop();
+  struct Worker {
+    std::deque<Job> queue;  // under mutex_
+    bool busy = false;      // under mutex_
+    std::thread thread;
+  };
+  size_t worker_of_block(int32_t block) const;
+  size_t worker_of_slot(int32_t slot) const;
+  void enqueue(size_t worker, std::function<void()> run);
+  bool idle_locked() const;
+  void worker_loop(size_t index);
   void write_file(const std::filesystem::path& path, const std::vector<std::byte>& bytes);
   DiskRead read_file(const std::filesystem::path& path, size_t size, uint64_t checksum);  // timed
   DiskRead read_and_check(const std::filesystem::path& path, size_t size, uint64_t checksum);
@@ -98,22 +111,20 @@ class DiskTier {
   size_t slot_bytes_ = 0;
   BlockPool blocks_;
   StatePool slots_;
-  // Checksums of what each entry holds, set and read on the worker only (by the write and read jobs).
+  // Checksums of what each entry holds, set and read only by the entry's worker (its write and read jobs).
   std::vector<uint64_t> block_checksums_;
   std::vector<uint64_t> slot_checksums_;
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   mutable std::condition_variable idle_;
-  std::deque<Job> queue_;
-  bool busy_ = false;
   bool stopping_ = false;
   uint64_t bytes_written_ = 0;  // under mutex_
   uint64_t bytes_read_ = 0;
   double io_seconds_ = 0.0;
   double read_seconds_ = 0.0;       // reads that came back whole
   uint64_t checked_bytes_read_ = 0;
-  std::thread worker_;
+  std::vector<Worker> workers_ = std::vector<Worker>(kWorkers);  // last: started after everything above
 };
 
 }  // namespace metrale

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 
 #include "cache/cache_manager.h"
 #include "cache/disk_tier.h"
@@ -68,6 +69,40 @@ TEST(DiskTier, ReadsBackWhatItWroteAndReportsEveryKindOfLoss) {
   ASSERT_TRUE(read.ok) << read.error;
   EXPECT_EQ(read.bytes, bytes_of(96, 77));
   EXPECT_GE(disk.bytes_written(), 5u * 96);
+}
+
+// The workers: an entry's writes and reads stay in order however many entries are in flight on the
+// others; the read rate is measured once reads have come back.
+TEST(DiskTier, EveryEntryKeepsItsOrderAcrossTheWorkers) {
+  const auto parent = scratch_dir("workers");
+  constexpr int32_t kBlocks = 4 * static_cast<int32_t>(DiskTier::kWorkers) + 3;
+  DiskTier disk(parent, 4096, 64, kBlocks, 3);
+  EXPECT_EQ(disk.read_bytes_per_second(), 0.0);
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(round);
+    std::vector<std::future<DiskRead>> reads;
+    for (int32_t block = 0; block < kBlocks; ++block) {
+      disk.write_block(block, bytes_of(4096, static_cast<uint8_t>(block + 31 * round)));
+      reads.push_back(disk.read_block(block));
+    }
+    for (int32_t slot = 0; slot < 3; ++slot) {
+      disk.write_slot(slot, bytes_of(64, static_cast<uint8_t>(100 + slot + round)));
+      reads.push_back(disk.read_slot(slot));
+    }
+    for (int32_t block = 0; block < kBlocks; ++block) {
+      DiskRead read = reads[static_cast<size_t>(block)].get();
+      ASSERT_TRUE(read.ok) << read.error;
+      EXPECT_EQ(read.bytes, bytes_of(4096, static_cast<uint8_t>(block + 31 * round))) << "block " << block;
+    }
+    for (int32_t slot = 0; slot < 3; ++slot) {
+      DiskRead read = reads[static_cast<size_t>(kBlocks + slot)].get();
+      ASSERT_TRUE(read.ok) << read.error;
+      EXPECT_EQ(read.bytes, bytes_of(64, static_cast<uint8_t>(100 + slot + round))) << "slot " << slot;
+    }
+  }
+  disk.drain();
+  EXPECT_GT(disk.read_bytes_per_second(), 0.0);
+  EXPECT_EQ(disk.bytes_read(), 3u * (kBlocks * 4096u + 3u * 64u));
 }
 
 // The host tier's seal: an entry overwritten, partly or whole, or a block's bytes moved into another
