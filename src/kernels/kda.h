@@ -50,8 +50,7 @@ METRALE_DECLARE_OP_IMPLS(kda_gates, (const Tensor& f, const Tensor& b, const Ten
 // forms).
 // CUDA: bf16 or f32 activations; metadata read on the device only (graph-capturable). The chunked
 // form runs on tensor cores for bf16 with dk = 128 and dv a multiple of 64 (rows 16-byte aligned);
-// other shapes take the recurrent kernel row by row (same function, slower). The environment
-// variable METRALE_KDA_SCAN_CLUSTER=0 runs the scan's column tiles without clusters (measurements).
+// other shapes take the recurrent kernel row by row (same function, slower).
 METRALE_DECLARE_OP_IMPLS(kda_chunked,
                          (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& f, const Tensor& b,
                           const Tensor& A_log, const Tensor& dt_bias, const Tensor& state, const Tensor& cu_q,

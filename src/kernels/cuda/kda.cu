@@ -12,7 +12,6 @@
 // 3.3 TB/s); at batch 1 the 16-column tiles put 512 CTAs on the GPU.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -381,16 +380,6 @@ bool tensor_core_path(const KdaShape& d, const Tensor& q, const Tensor& k, const
          out.stride(1) % 2 == 0 && reinterpret_cast<uintptr_t>(out.data()) % 4 == 0;
 }
 
-// Whether the scan pairs its column tiles into clusters (METRALE_KDA_SCAN_CLUSTER=0 turns it off, for
-// measurements; read once).
-bool scan_clusters() {
-  static const bool enabled = [] {
-    const char* text = std::getenv("METRALE_KDA_SCAN_CLUSTER");
-    return text == nullptr || std::string(text) != "0";
-  }();
-  return enabled;
-}
-
 // Raises the kernel's dynamic shared-memory limit once per device (a host-side attribute, allowed
 // during graph capture).
 void allow_smem(const void* kernel, int bytes, uint64_t& done_devices, std::mutex& mutex) {
@@ -513,23 +502,10 @@ void kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
                        kda::prep::kSmemBytes, stream>>>(args);
     METRALE_CHECK_LAUNCH("kda prep");
   }
-  // The column tiles of a head run as clusters of two when there is an even number of them (they
-  // share the decayed operands of each chunk); otherwise alone.
   const int64_t column_tiles = d.dv / kda::kTileV;
-  cudaLaunchConfig_t config{};
-  config.gridDim =
-      dim3(static_cast<unsigned>(column_tiles), static_cast<unsigned>(d.heads), static_cast<unsigned>(d.num_seqs));
-  config.blockDim = dim3(kda::kScanThreads);
-  config.dynamicSmemBytes = kda::scan::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = column_tiles % 2 == 0 && scan_clusters() ? 2 : 1;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  METRALE_CUDA_CHECK(cudaLaunchKernelEx(&config, kda::scan_kernel, args));
+  kda::scan_kernel<<<dim3(static_cast<unsigned>(column_tiles), static_cast<unsigned>(d.heads),
+                          static_cast<unsigned>(d.num_seqs)),
+                     kda::kScanThreads, kda::scan::kSmemBytes, stream>>>(args);
   METRALE_CHECK_LAUNCH("kda scan");
 }
 

@@ -24,6 +24,8 @@ constexpr int kPadRow = 72;  // row pitch (bf16) of the 64-wide tiles: conflict-
 
 // Workspace record of one (chunk, head): written by the prep kernel, read by the scan.
 struct ChunkRecord {
+  float g[kChunk * kKeyDim];  // G, the per-channel cumulative log decay [64][128], row-major; padding
+                              // rows repeat the last valid row (their gates are 0)
   bf16 t_hi[kChunk * kChunk];  // T = (I + Akk)^-1 = t_hi + t_lo, row-major, zero above the diagonal
   bf16 t_lo[kChunk * kChunk];
   bf16 aqk[kChunk * kChunk];  // row-major; entries above the diagonal of the diagonal blocks are 0
@@ -64,6 +66,11 @@ struct ChunkArgs {
 __device__ __forceinline__ int sw(int row, int col) {
   return row * kKeyDim + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
 }
+
+// The 16-byte chunk (of 32 per row) where chunk `c16` of a [64][128] fp32 G row sits in the scan's
+// shared tile: bit 3 folded into bit 0, so that the 8 lanes of a phase reading chunks 2 c8 (or
+// 2 c8 + 1), c8 = 0..7, hit 8 distinct bank quads.
+__device__ __forceinline__ int g_chunk(int c16) { return c16 ^ ((c16 >> 3) & 1); }
 
 __device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
 __device__ __forceinline__ float bf16_to_f32(bf16 x) { return __bfloat162float(x); }

@@ -98,6 +98,13 @@ __global__ void __launch_bounds__(kPrepThreads, 2) prep_kernel(ChunkArgs a) {
   }
   __syncthreads();  // G, rk, rq complete; the gate tile is free (Akk lives there)
 
+  ChunkRecord* rec = a.records + static_cast<int64_t>(chunk) * a.heads + h;
+  // G for the scan, which forms the decayed operands from it (16-byte pieces, coalesced).
+  for (int idx = tid; idx < kChunk * (kKeyDim / 4); idx += kPrepThreads) {
+    const int i = idx / (kKeyDim / 4), c = (idx % (kKeyDim / 4)) * 4;
+    *reinterpret_cast<float4*>(rec->g + i * kKeyDim + c) = *reinterpret_cast<const float4*>(&G[i][c]);
+  }
+
   // Off-diagonal B operands: block J rows j with the reference rho = 16 (J + 1):
   // Ka_j = k^_j exp(G_rho - G_j) <= 1, as hi + lo.
   for (int idx = tid; idx < 48 * kKeyDim / 2; idx += kPrepThreads) {
@@ -111,7 +118,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2) prep_kernel(ChunkArgs a) {
   for (int idx = tid; idx < kChunk * kChunk; idx += kPrepThreads) akk[idx] = 0.0f;
   __syncthreads();
 
-  ChunkRecord* rec = a.records + static_cast<int64_t>(chunk) * a.heads + h;
   // Block pairs (I, J), J <= I: 0-3 the diagonal, then the off-diagonal ones. A diagonal pair
   // builds both of its operands from exponentials (or runs element by element), about twice an
   // off-diagonal one: warps 0-3 take one diagonal pair each, warps 4-7 the six off-diagonal pairs

@@ -1,8 +1,6 @@
 // Step 3 of the chunked KDA (kda_chunked.cuh): the scan kernel, sequential over each sequence's
-// chunks with the state tile in registers, column tiles of a head paired as a cluster.
+// chunks with the state tile in registers.
 #pragma once
-
-#include <cooperative_groups.h>
 
 #include "kernels/cuda/kda_chunked_common.cuh"
 
@@ -11,24 +9,24 @@ namespace metrale::kernels::cuda::kda {
 namespace scan {
 constexpr int kTile = kChunk * kKeyDim * 2;                 // [64][128] bf16, swizzled
 constexpr int kPadTile = kChunk * kPadRow * 2;              // [64][72] bf16
-constexpr int kOffScalarsInStage = 3 * kTile;               // beta, rk, rq [64] each
+constexpr int kGTile = kChunk * kKeyDim * 4;                // G [64][128] f32 (g_chunk), then ku hi + lo
+constexpr int kOffScalarsInStage = kGTile;                  // beta, rk, rq [64] each
 constexpr int kStageBytes = kOffScalarsInStage + 3 * kChunk * 4;
-constexpr int kOffStage = 0;                                // 2 stages: k, q, gate rows, scalars
-constexpr int kOffV = 2 * kStageBytes;                      // v tile [64][72]
+constexpr int kOffStage = 0;                                // 2 stages: G and the row scalars
+constexpr int kOffK = 2 * kStageBytes;                      // raw k, then (K^ e^G)_hi
+constexpr int kOffQ = kOffK + kTile;                        // raw q, then Q^ e^G
+constexpr int kOffKdLo = kOffQ + kTile;                     // (K^ e^G)_lo
+constexpr int kOffV = kOffKdLo + kTile;                     // v tile [64][72]
 constexpr int kOffTHi = kOffV + kPadTile;                   // [64][72]
 constexpr int kOffTLo = kOffTHi + kPadTile;
 constexpr int kOffAqk = kOffTLo + kPadTile;
-constexpr int kOffKdLo = kOffAqk + kPadTile;                // (K^ e^G)_lo [64][128]
-constexpr int kOffKuLo = kOffKdLo + kTile;                  // (K^ e^{G_C - G})_lo [64][128]
-constexpr int kOffSHi = kOffKuLo + kTile;                   // [128][72]
+constexpr int kOffSHi = kOffAqk + kPadTile;                 // [128][72]
 constexpr int kOffSLo = kOffSHi + kKeyDim * kPadRow * 2;
 constexpr int kOffYHi = kOffSLo + kKeyDim * kPadRow * 2;    // Y, then V' [64][72]
 constexpr int kOffYLo = kOffYHi + kPadTile;
-constexpr int kOffTotal = kOffYHi;  // float [2][16][128] + [2][128] in the Y tiles' space (free during step 0)
-constexpr int kOffDecay = kOffYLo + kPadTile;               // exp(G_C) [128], then G_C [128]
-constexpr int kSmemBytes = kOffDecay + 2 * kKeyDim * 4;
-static_assert((2 * 16 + 2) * kKeyDim * 4 <= 2 * kPadTile && kOffYLo == kOffYHi + kPadTile,
-              "the row-group sums and their exclusive sums fit in the two Y tiles");
+constexpr int kOffDecay = kOffYLo + kPadTile;               // exp(G_C) [128]
+constexpr int kSmemBytes = kOffDecay + kKeyDim * 4;
+static_assert(2 * kTile == kGTile, "K^ e^{G_C - G} hi and lo take the place of G");
 static_assert(kStageBytes % 16 == 0 && kSmemBytes <= 227 * 1024, "scan shared memory");
 }  // namespace scan
 
@@ -47,48 +45,51 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
   const int n_chunks = a.chunk_offsets[s + 1] - first_chunk;
   float* state = slot < 0 ? nullptr : a.state + ((static_cast<int64_t>(slot) * a.heads + h) * kKeyDim) * a.dv + v0;
 
+  bf16* kd_hi = reinterpret_cast<bf16*>(smem + scan::kOffK);  // raw k, then (K^ e^G)_hi
+  bf16* qd = reinterpret_cast<bf16*>(smem + scan::kOffQ);     // raw q, then Q^ e^G
+  bf16* kd_lo = reinterpret_cast<bf16*>(smem + scan::kOffKdLo);
   bf16* v_s = reinterpret_cast<bf16*>(smem + scan::kOffV);
   bf16* t_hi = reinterpret_cast<bf16*>(smem + scan::kOffTHi);
   bf16* t_lo = reinterpret_cast<bf16*>(smem + scan::kOffTLo);
   bf16* aqk = reinterpret_cast<bf16*>(smem + scan::kOffAqk);
-  bf16* kd_lo = reinterpret_cast<bf16*>(smem + scan::kOffKdLo);
-  bf16* ku_lo = reinterpret_cast<bf16*>(smem + scan::kOffKuLo);
   bf16* s_hi = reinterpret_cast<bf16*>(smem + scan::kOffSHi);
   bf16* s_lo = reinterpret_cast<bf16*>(smem + scan::kOffSLo);
   bf16* y_hi = reinterpret_cast<bf16*>(smem + scan::kOffYHi);
   bf16* y_lo = reinterpret_cast<bf16*>(smem + scan::kOffYLo);
-  // The column tiles of a head form a cluster of up to 2 CTAs that share step 0: each transforms
-  // half of the chunk's rows and writes them into both CTAs' tiles (distributed shared memory).
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  const int csize = static_cast<int>(cluster.num_blocks()), crank = static_cast<int>(cluster.block_rank());
-  const int own_rows = kChunk / csize, row_base = crank * own_rows;
-  const int peer = crank ^ 1;
-  float* totals = reinterpret_cast<float*>(smem + scan::kOffTotal);  // [16 row groups][128] of this CTA
-  float* offsets = totals + 16 * kKeyDim;                            // [16][128] exclusive sums
-  float* half_totals = offsets + 16 * kKeyDim;                       // [128] sum over this CTA's rows
-  float* head_offset = half_totals + kKeyDim;                        // [128] sum over the rows before them
   float* chunk_decay = reinterpret_cast<float*>(smem + scan::kOffDecay);
-  float* last_s = chunk_decay + kKeyDim;
   auto stage_base = [&](int stage) { return smem + scan::kOffStage + stage * scan::kStageBytes; };
+  auto record = [&](int ci) { return a.records + static_cast<int64_t>(first_chunk + ci) * a.heads + h; };
 
-  // The double-buffered part: this CTA's share of the raw k, q and gate rows (the cluster peer
-  // stages and transforms the others), and all of the record's row scalars.
-  auto load_stage = [&](int ci, int stage) {
-    const int r0 = seq_begin + ci * kChunk, valid = min(kChunk, seq_end - r0);
+  // Three cp.async groups per chunk, each issued as soon as its buffers are free, so that every
+  // load has most of a chunk to land: at the top of chunk ci, G and the row scalars of chunk ci + 1
+  // (double-buffered: the other stage's G became the K^ e^{G_C - G} that step 4 of chunk ci - 1
+  // read) with Aqk of chunk ci (read in step 3); after step 1, the raw k and q rows of chunk ci + 1;
+  // after step 2, its v columns and T. In order: ..., GA(ci), KQ(ci + 1), VT(ci + 1), GA(ci + 1), ...
+  auto load_g = [&](int ci, int stage) {
     unsigned char* base = stage_base(stage);
-    stage_rows<kScanThreads>(reinterpret_cast<bf16*>(base), a.k + h * a.k_head, a.k_row, r0, valid, row_base, own_rows);
-    stage_rows<kScanThreads>(reinterpret_cast<bf16*>(base + scan::kTile), a.q + h * a.q_head, a.q_row, r0, valid,
-                             row_base, own_rows);
-    stage_rows<kScanThreads>(reinterpret_cast<bf16*>(base + 2 * scan::kTile), a.f + static_cast<int64_t>(h) * kKeyDim,
-                             a.f_row, r0, valid, row_base, own_rows);
-    const ChunkRecord* rec = a.records + static_cast<int64_t>(first_chunk + ci) * a.heads + h;
+    const ChunkRecord* rec = record(ci);
+    for (int idx = tid; idx < kChunk * (kKeyDim / 4); idx += kScanThreads) {
+      const int r = idx >> 5, c16 = idx & 31;
+      attn::cp_async_16(attn::smem_address(base + r * kKeyDim * 4 + g_chunk(c16) * 16), rec->g + r * kKeyDim + c16 * 4,
+                        true);
+    }
     if (tid < 3 * kChunk / 4) {
       attn::cp_async_16(attn::smem_address(base + scan::kOffScalarsInStage + tid * 16), rec->beta + tid * 4, true);
     }
-    attn::cp_async_commit();
   };
-  // The single-buffered part: v columns, T and Aqk.
-  auto load_matrices = [&](int ci) {
+  auto load_aqk = [&](int ci) {
+    const ChunkRecord* rec = record(ci);
+    for (int idx = tid; idx < kChunk * (kChunk / 8); idx += kScanThreads) {
+      const int r = idx >> 3, c = (idx & 7) * 8;
+      attn::cp_async_16(attn::smem_address(aqk + r * kPadRow + c), rec->aqk + r * kChunk + c, true);
+    }
+  };
+  auto load_kq = [&](int ci) {
+    const int r0 = seq_begin + ci * kChunk, valid = min(kChunk, seq_end - r0);
+    stage_rows<kScanThreads>(kd_hi, a.k + h * a.k_head, a.k_row, r0, valid);
+    stage_rows<kScanThreads>(qd, a.q + h * a.q_head, a.q_row, r0, valid);
+  };
+  auto load_vt = [&](int ci) {
     const int r0 = seq_begin + ci * kChunk, valid = min(kChunk, seq_end - r0);
     for (int idx = tid; idx < kChunk * (kTileV / 8); idx += kScanThreads) {
       const int r = idx >> 3, c = (idx & 7) * 8;
@@ -96,14 +97,12 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
       attn::cp_async_16(attn::smem_address(v_s + r * kPadRow + c),
                         a.v + static_cast<int64_t>(r0 + (ok ? r : 0)) * a.v_row + h * a.v_head + v0 + c, ok);
     }
-    const ChunkRecord* rec = a.records + static_cast<int64_t>(first_chunk + ci) * a.heads + h;
+    const ChunkRecord* rec = record(ci);
     for (int idx = tid; idx < kChunk * (kChunk / 8); idx += kScanThreads) {
       const int r = idx >> 3, c = (idx & 7) * 8;
       attn::cp_async_16(attn::smem_address(t_hi + r * kPadRow + c), rec->t_hi + r * kChunk + c, true);
       attn::cp_async_16(attn::smem_address(t_lo + r * kPadRow + c), rec->t_lo + r * kChunk + c, true);
-      attn::cp_async_16(attn::smem_address(aqk + r * kPadRow + c), rec->aqk + r * kChunk + c, true);
     }
-    attn::cp_async_commit();
   };
 
   // The state tile: warp w owns dk rows 16w..16w+15, all 64 columns, as 8 fragments of 16 x 8.
@@ -120,26 +119,27 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
     }
   }
   const int c8 = tid & 15, rg = tid >> 4;  // step 0: channels 8 c8.., rows 4 rg..
-  float bias8[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) bias8[e] = load_weight(a.dt_bias, a.dt_bias_type, static_cast<int64_t>(h) * kKeyDim + c8 * 8 + e);
-  const float rate = expf(load_weight(a.A_log, a.A_log_type, h));
   const int mt = warp & 3, ch = warp >> 2;  // steps 1-4: rows 16 mt.., columns 32 ch..
   auto b_block = [&](const bf16* tile, int kk, int col0) {
     return attn::smem_address(tile + (kk * 16 + ldm_i + (ldm_m & 1) * 8) * kPadRow + col0 + (ldm_m >> 1) * 8);
   };
 
-  if (n_chunks > 0) load_stage(0, 0);
+  if (n_chunks > 0) {
+    load_g(0, 0);
+    attn::cp_async_commit();
+    load_kq(0);
+    attn::cp_async_commit();
+    load_vt(0);
+    attn::cp_async_commit();
+  }
   for (int ci = 0; ci < n_chunks; ++ci) {
     const int stage = ci & 1;
     const int r0 = seq_begin + ci * kChunk, valid = min(kChunk, seq_end - r0);
-    __syncthreads();  // every warp is done with the previous chunk's buffers
-    load_matrices(ci);
-    if (ci + 1 < n_chunks) {
-      load_stage(ci + 1, stage ^ 1);
-    } else {
-      attn::cp_async_commit();  // an empty group keeps the counts below aligned
-    }
+    const bool more = ci + 1 < n_chunks;
+    __syncthreads();  // every warp is done with the previous chunk's step 4 (the other stage, Aqk)
+    if (more) load_g(ci + 1, stage ^ 1);
+    load_aqk(ci);
+    attn::cp_async_commit();
     // S -> shared as hi + lo (the B operand of step 1).
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -147,124 +147,70 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
       store_split(s_hi, s_lo, r * kPadRow + c, st[e][0], st[e][1]);
       store_split(s_hi, s_lo, (r + 8) * kPadRow + c, st[e][2], st[e][3]);
     }
-    attn::cp_async_wait<2>();  // this chunk's stage (the oldest group)
+    attn::cp_async_wait<2>();  // G of this chunk and its k and q rows (VT and GA(ci) may be in flight)
     __syncthreads();
 
     unsigned char* base = stage_base(stage);
-    bf16* kd_hi = reinterpret_cast<bf16*>(base);                 // raw k, then (K^ e^G)_hi
-    bf16* qd = reinterpret_cast<bf16*>(base + scan::kTile);      // raw q, then Q^ e^G
-    bf16* ku_hi = reinterpret_cast<bf16*>(base + 2 * scan::kTile);  // gate rows, then (K^ e^{G_C - G})_hi
+    bf16* ku_hi = reinterpret_cast<bf16*>(base);  // G, then (K^ e^{G_C - G})_hi
+    bf16* ku_lo = ku_hi + kChunk * kKeyDim;       // and _lo
     const float* beta = reinterpret_cast<const float*>(base + scan::kOffScalarsInStage);
     const float* rk = beta + kChunk;
     const float* rq = rk + kChunk;
 
-    // Step 0: G and the decayed operands of this CTA's rows, in place and in the peer's tiles.
-    // Thread (rg, c8) takes R = 4 / csize consecutive rows of row group rg and channels
-    // 8 c8 .. 8 c8 + 7 with 16-byte accesses; the cumulative sums meet through `totals`.
+    // Step 0: the decayed operands from G (the prep's), in place. Thread (rg, c8) takes rows
+    // 4 rg .. 4 rg + 3 and channels 8 c8 .. 8 c8 + 7 with 16-byte accesses; both column tiles of
+    // a head form all 64 rows (computing them twice costs less than sharing them across a cluster).
     {
-      const int R = 4 / csize;
-      float G[4][8];
-      float running[8] = {};
+      const float* g_tile = reinterpret_cast<const float*>(base);
+      float G[4][8], last[8];
+      const auto read_g = [&](int i, float(&dst)[8]) {
+        const float4 lo = *reinterpret_cast<const float4*>(g_tile + i * kKeyDim + g_chunk(2 * c8) * 4);
+        const float4 hi = *reinterpret_cast<const float4*>(g_tile + i * kKeyDim + g_chunk(2 * c8 + 1) * 4);
+        dst[0] = lo.x, dst[1] = lo.y, dst[2] = lo.z, dst[3] = lo.w;
+        dst[4] = hi.x, dst[5] = hi.y, dst[6] = hi.z, dst[7] = hi.w;
+      };
+#pragma unroll
+      for (int r = 0; r < 4; ++r) read_g(rg * 4 + r, G[r]);
+      read_g(kChunk - 1, last);  // G_C: padding rows repeat the last valid row
+      __syncthreads();           // every thread holds its G: the tile takes K^ e^{G_C - G}
+      if (rg == 0) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) chunk_decay[c8 * 8 + e] = __expf(last[e]);
+      }
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        if (r < R) {
-          const int i = row_base + rg * R + r;
-          const uint4 raw = *reinterpret_cast<const uint4*>(ku_hi + sw(i, c8 * 8));
-          const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        const int i = rg * 4 + r, at = sw(i, c8 * 8);
+        const uint4 kraw = *reinterpret_cast<const uint4*>(kd_hi + at);
+        const uint4 qraw = *reinterpret_cast<const uint4*>(qd + at);
+        const uint32_t kw[4] = {kraw.x, kraw.y, kraw.z, kraw.w}, qw[4] = {qraw.x, qraw.y, qraw.z, qraw.w};
+        uint32_t kdh[4], kdl[4], kuh[4], kul[4], qdv[4];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float f = bf16_bits_to_f32(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xffffu);
-            const float g = i < valid ? forget_gate(f + bias8[e], rate, a.has_lower_bound, a.lower_bound) : 0.0f;
-            running[e] += g;
-            G[r][e] = running[e];
+        for (int e2 = 0; e2 < 4; ++e2) {
+          float kdec[2], kupd[2], qdec[2];
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const int e = 2 * e2 + b;
+            // Both factors are <= 1 and feed bf16 hi/lo operands: the fast exponential's ~1e-6
+            // relative error stays below the products' own rounding.
+            const float e1 = __expf(G[r][e]), e2f = __expf(last[e] - G[r][e]);
+            const float kv = bf16_bits_to_f32(b ? kw[e2] >> 16 : kw[e2] & 0xffffu) * rk[i];
+            const float qv = bf16_bits_to_f32(b ? qw[e2] >> 16 : qw[e2] & 0xffffu) * rq[i];
+            kdec[b] = kv * e1;
+            kupd[b] = kv * e2f;
+            qdec[b] = qv * e1;
           }
+          attn::split_bf16x2(kdec[0], kdec[1], kdh[e2], kdl[e2]);
+          attn::split_bf16x2(kupd[0], kupd[1], kuh[e2], kul[e2]);
+          qdv[e2] = attn::pack_bf16x2(qdec[0], qdec[1]);
         }
+        *reinterpret_cast<uint4*>(kd_hi + at) = make_uint4(kdh[0], kdh[1], kdh[2], kdh[3]);
+        *reinterpret_cast<uint4*>(kd_lo + at) = make_uint4(kdl[0], kdl[1], kdl[2], kdl[3]);
+        *reinterpret_cast<uint4*>(ku_hi + at) = make_uint4(kuh[0], kuh[1], kuh[2], kuh[3]);
+        *reinterpret_cast<uint4*>(ku_lo + at) = make_uint4(kul[0], kul[1], kul[2], kul[3]);
+        *reinterpret_cast<uint4*>(qd + at) = make_uint4(qdv[0], qdv[1], qdv[2], qdv[3]);
       }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) totals[rg * kKeyDim + c8 * 8 + e] = running[e];
-      __syncthreads();
-      if (tid < kKeyDim) {  // exclusive scan over this CTA's 16 row groups of channel tid
-        float sum = 0.0f;
-#pragma unroll
-        for (int g = 0; g < 16; ++g) {
-          const float v = totals[g * kKeyDim + tid];
-          offsets[g * kKeyDim + tid] = sum;
-          sum += v;
-        }
-        half_totals[tid] = sum;
-      }
-      cluster.sync();  // both CTAs' half sums written (and each past its previous chunk)
-      if (tid < kKeyDim) {
-        // Rank 0 holds the chunk's first rows. One remote load per channel; both CTAs add the two
-        // halves in either order and get the same G_C (addition commutes).
-        const float own = half_totals[tid];
-        const float other = csize > 1 ? cluster.map_shared_rank(half_totals, peer)[tid] : 0.0f;
-        head_offset[tid] = crank == 1 ? other : 0.0f;
-        const float sum = own + other;
-        last_s[tid] = sum;
-        chunk_decay[tid] = __expf(sum);
-      }
-      __syncthreads();
-      float offset[8], last[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        offset[e] = offsets[rg * kKeyDim + c8 * 8 + e] + head_offset[c8 * 8 + e];
-        last[e] = last_s[c8 * 8 + e];
-      }
-      bf16* kd_hi_peer = csize > 1 ? cluster.map_shared_rank(kd_hi, peer) : nullptr;
-      bf16* kd_lo_peer = csize > 1 ? cluster.map_shared_rank(kd_lo, peer) : nullptr;
-      bf16* ku_hi_peer = csize > 1 ? cluster.map_shared_rank(ku_hi, peer) : nullptr;
-      bf16* ku_lo_peer = csize > 1 ? cluster.map_shared_rank(ku_lo, peer) : nullptr;
-      bf16* qd_peer = csize > 1 ? cluster.map_shared_rank(qd, peer) : nullptr;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        if (r < R) {
-          const int i = row_base + rg * R + r, at = sw(i, c8 * 8);
-          const uint4 kraw = *reinterpret_cast<const uint4*>(kd_hi + at);
-          const uint4 qraw = *reinterpret_cast<const uint4*>(qd + at);
-          const uint32_t kw[4] = {kraw.x, kraw.y, kraw.z, kraw.w}, qw[4] = {qraw.x, qraw.y, qraw.z, qraw.w};
-          uint32_t kdh[4], kdl[4], kuh[4], kul[4], qdv[4];
-#pragma unroll
-          for (int e2 = 0; e2 < 4; ++e2) {
-            float kdec[2], kupd[2], qdec[2];
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {
-              const int e = 2 * e2 + b;
-              // Both factors are <= 1 and feed bf16 hi/lo operands: the fast exponential's ~1e-6
-              // relative error stays below the products' own rounding.
-              const float g = G[r][e] + offset[e];
-              const float e1 = __expf(g), e2f = __expf(last[e] - g);
-              const float kv = bf16_bits_to_f32(b ? kw[e2] >> 16 : kw[e2] & 0xffffu) * rk[i];
-              const float qv = bf16_bits_to_f32(b ? qw[e2] >> 16 : qw[e2] & 0xffffu) * rq[i];
-              kdec[b] = kv * e1;
-              kupd[b] = kv * e2f;
-              qdec[b] = qv * e1;
-            }
-            attn::split_bf16x2(kdec[0], kdec[1], kdh[e2], kdl[e2]);
-            attn::split_bf16x2(kupd[0], kupd[1], kuh[e2], kul[e2]);
-            qdv[e2] = attn::pack_bf16x2(qdec[0], qdec[1]);
-          }
-          const uint4 vkdh = make_uint4(kdh[0], kdh[1], kdh[2], kdh[3]), vkdl = make_uint4(kdl[0], kdl[1], kdl[2], kdl[3]);
-          const uint4 vkuh = make_uint4(kuh[0], kuh[1], kuh[2], kuh[3]), vkul = make_uint4(kul[0], kul[1], kul[2], kul[3]);
-          const uint4 vqd = make_uint4(qdv[0], qdv[1], qdv[2], qdv[3]);
-          *reinterpret_cast<uint4*>(kd_hi + at) = vkdh;
-          *reinterpret_cast<uint4*>(kd_lo + at) = vkdl;
-          *reinterpret_cast<uint4*>(ku_hi + at) = vkuh;
-          *reinterpret_cast<uint4*>(ku_lo + at) = vkul;
-          *reinterpret_cast<uint4*>(qd + at) = vqd;
-          if (csize > 1) {
-            *reinterpret_cast<uint4*>(kd_hi_peer + at) = vkdh;
-            *reinterpret_cast<uint4*>(kd_lo_peer + at) = vkdl;
-            *reinterpret_cast<uint4*>(ku_hi_peer + at) = vkuh;
-            *reinterpret_cast<uint4*>(ku_lo_peer + at) = vkul;
-            *reinterpret_cast<uint4*>(qd_peer + at) = vqd;
-          }
-        }
-      }
-      // The peer's rows have arrived (and the peer has read this CTA's sums): every tile is whole.
-      cluster.sync();
     }
-    attn::cp_async_wait<1>();  // v, T and Aqk of this chunk
+    attn::cp_async_wait<1>();  // v and T of this chunk (GA(ci) may be in flight)
     __syncthreads();
 
     // Step 1: KS = (K^ e^G) S (3 products) and QS = (Q^ e^G) s_hi for rows 16 mt.., columns 32 ch..
@@ -303,7 +249,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
         store_split(y_hi, y_lo, r * kPadRow + c, y0, y1);
       }
     }
-    __syncthreads();
+    __syncthreads();  // every warp is done with the k, q and v tiles
+    if (more) load_kq(ci + 1);
+    attn::cp_async_commit();
 
     // Step 2: V' = T Y (T lower triangular: row tile m takes k-tiles 0..m). Warp w computes the
     // 16 columns 16 (w & 3).. of row tiles {0, 3} (w < 4) or {1, 2}: five k-tiles for every warp
@@ -347,8 +295,11 @@ __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ChunkArgs a) {
           }
         }
       }
-      __syncthreads();
+      attn::cp_async_wait<1>();  // Aqk of this chunk (KQ(ci + 1) may be in flight)
+      __syncthreads();           // V' whole; every warp is done with T
     }
+    if (more) load_vt(ci + 1);
+    attn::cp_async_commit();
 
     // Step 3: O = QS + Aqk V'_hi, stored for the valid rows.
 #pragma unroll
