@@ -11,7 +11,9 @@ namespace metrale::kernels {
 //
 // CUDA: the fast paths take bf16 x and bf16 weights, with out bf16 or f32:
 //   M <= gemv_max_rows() (default 2): a hand-written GEMV that streams each weight row once;
-//   larger M: cuBLASLt (fp32 accumulation), plans cached per shape.
+//   larger M: cuBLASLt (fp32 accumulation), plans cached per shape; the heuristic is asked once per
+//   M bucket (powers of two up to 64K rows, then multiples of 16K) and each exact shape takes its
+//   bucket's algorithm when cublasLtMatmulAlgoCheck accepts it.
 // f32 x, weight and out (f32 runs) take cuBLASLt at every M with CUBLAS_COMPUTE_32F (no TF32).
 // Other dtypes, K not a multiple of 8 or misaligned pointers take a simple, slower kernel.
 METRALE_DECLARE_OP_IMPLS(linear, (const Tensor& x, const Tensor& weight, const Tensor& out, bool accumulate))
@@ -31,6 +33,15 @@ void linear_prepare(int device_index);
 // sets it at start-up, and benchmarks and tests may change it (not while other threads run linear).
 int gemv_max_rows();
 void set_gemv_max_rows(int rows);
+// cuBLASLt plans of the device since start-up (bf16/f32 linear): exact-shape plans built, heuristic
+// queries (one per M bucket, plus the shapes whose bucket algorithm failed its check), and plans
+// that took their bucket's algorithm.
+struct LinearPlanStats {
+  int64_t plans = 0;
+  int64_t heuristic_queries = 0;
+  int64_t bucket_algorithms_taken = 0;
+};
+LinearPlanStats linear_plan_stats(int device_index);
 }  // namespace cuda
 #endif
 

@@ -98,6 +98,22 @@ TEST(CudaLinear, GemvAndCublasLtMatchCpuTwin) {
   }
 }
 
+// Every M of a bucket (33-64, 65-128) shares one heuristic query: later shapes take the bucket's
+// algorithm after a check, and still match the CPU twin.
+TEST(CudaLinear, MBucketsShareOneHeuristicQuery) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  Random rng(4242);
+  const kernels::cuda::LinearPlanStats before = kernels::cuda::linear_plan_stats(0);
+  const int64_t ms[] = {33, 40, 47, 57, 64, 65, 90, 127, 128};
+  for (const int64_t m : ms) check_problem({m, 2053, 776, DType::kBF16, DType::kBF16, DType::kBF16, false, 0}, rng);
+  const kernels::cuda::LinearPlanStats after = kernels::cuda::linear_plan_stats(0);
+  EXPECT_EQ(after.plans - before.plans, 9);
+  // Two buckets: two representative queries, plus one for each shape whose check failed.
+  const int64_t taken = after.bucket_algorithms_taken - before.bucket_algorithms_taken;
+  EXPECT_GE(taken, 5);
+  EXPECT_EQ(after.heuristic_queries - before.heuristic_queries, 2 + (9 - taken));
+}
+
 TEST(CudaLinear, StridedAndMisalignedInputRows) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   Random rng(9002);

@@ -39,12 +39,36 @@ class LtPlanDescriptors {
   }
 
  protected:
+  // Takes `shared` (another M's algorithm) when cublasLtMatmulAlgoCheck accepts it for these exact
+  // descriptors within `max_workspace` bytes; false (nothing changed) otherwise.
+  bool take_checked(cublasLtHandle_t handle, const cublasLtMatmulAlgo_t& shared, size_t max_workspace) {
+    cublasLtMatmulHeuristicResult_t checked{};
+    if (cublasLtMatmulAlgoCheck(handle, op_, a_, b_, c_, c_, &shared, &checked) != CUBLAS_STATUS_SUCCESS ||
+        checked.state != CUBLAS_STATUS_SUCCESS || checked.workspaceSize > max_workspace)
+      return false;
+    algo_ = shared;
+    workspace_bytes_ = checked.workspaceSize;
+    return true;
+  }
+
   cublasLtMatmulDesc_t op_ = nullptr;
   cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, c_ = nullptr;
   cublasLtMatmulPreference_t preference_ = nullptr;
   cublasLtMatmulAlgo_t algo_{};
   size_t workspace_bytes_ = 0;
 };
+
+// The M bucket whose algorithm a problem of M rows takes: the next power of two up to 64K rows,
+// then the next multiple of 16K. Mixed steps (prefill chunks, decode and draft rows) give a new M
+// almost every step; a heuristic query costs tens to hundreds of microseconds, a check of a known
+// algorithm against the exact layouts (cublasLtMatmulAlgoCheck) a few.
+inline int64_t m_bucket(int64_t m) {
+  constexpr int64_t kPowerLimit = int64_t{1} << 16, kStep = int64_t{1} << 14;
+  if (m > kPowerLimit) return (m + kStep - 1) / kStep * kStep;
+  int64_t bucket = 1;
+  while (bucket < m) bucket <<= 1;
+  return bucket;
+}
 
 // FNV-1a over 64-bit words: the plan caches' key hash.
 class PlanKeyHasher {

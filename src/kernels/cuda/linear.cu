@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -205,8 +206,12 @@ struct LtPlanKeyHash {
 // Descriptors and the chosen algorithm of one problem (host objects only).
 class LtPlan : public LtPlanDescriptors {
  public:
-  // Returns false when cuBLASLt has no algorithm for the problem.
-  bool build(cublasLtHandle_t handle, const LtPlanKey& key) {
+  // With `shared` (the algorithm of the problem's M bucket): takes it if cublasLtMatmulAlgoCheck
+  // accepts it for the exact layouts within the workspace, and otherwise (or without `shared`)
+  // asks the heuristic. Returns false when cuBLASLt has no algorithm for the problem. `queried`
+  // says whether the heuristic was asked.
+  bool build(cublasLtHandle_t handle, const LtPlanKey& key, const cublasLtMatmulAlgo_t* shared, bool& queried) {
+    queried = false;
     const cudaDataType_t out_type = key.out_dtype == static_cast<int>(DType::kF32) ? CUDA_R_32F : CUDA_R_16BF;
     const cudaDataType_t in_type = key.in_dtype == static_cast<int>(DType::kF32) ? CUDA_R_32F : CUDA_R_16BF;
     // CUBLAS_COMPUTE_32F (not ..._FAST_TF32): fp32 operands are multiplied in full fp32.
@@ -244,6 +249,8 @@ class LtPlan : public LtPlanDescriptors {
     lt_check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c,
                                                   sizeof(align_c)),
              "set alignment D");
+    if (shared != nullptr && take_checked(handle, *shared, kCublasWorkspaceBytes)) return true;
+    queried = true;
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t status =
@@ -253,6 +260,8 @@ class LtPlan : public LtPlanDescriptors {
     workspace_bytes_ = result.workspaceSize;
     return true;
   }
+
+  const cublasLtMatmulAlgo_t& algo() const { return algo_; }
 
   void run(cublasLtHandle_t handle, const void* x, const void* w, void* out, bool accumulate, void* workspace,
            cudaStream_t stream) const {
@@ -268,6 +277,10 @@ struct LtDevice {
   Buffer workspace;
   // Problems cuBLASLt has no algorithm for map to nullptr (they take the simple path).
   std::unordered_map<LtPlanKey, std::unique_ptr<LtPlan>, LtPlanKeyHash> plans;
+  // Per M bucket (the key's m is the bucket): the heuristic's algorithm for M = the bucket, which
+  // every problem of the bucket tries first; nullopt where cuBLASLt had none.
+  std::unordered_map<LtPlanKey, std::optional<cublasLtMatmulAlgo_t>, LtPlanKeyHash> bucket_algos;
+  LinearPlanStats stats;
 
   LtDevice() = default;
   LtDevice(const LtDevice&) = delete;
@@ -311,6 +324,37 @@ LtDevice& lt_device_locked(int index, cudaStream_t stream) {
   return *slot;
 }
 
+// The plan of an exact problem (nullptr: cuBLASLt has none), from its M bucket's algorithm when
+// that one passes the check. Caller holds lt_mutex().
+std::unique_ptr<LtPlan> build_plan(LtDevice& device, const LtPlanKey& key) {
+  const auto start = std::chrono::steady_clock::now();
+  LtPlanKey bucket_key = key;
+  bucket_key.m = m_bucket(key.m);
+  auto bucket = device.bucket_algos.find(bucket_key);
+  if (bucket == device.bucket_algos.end()) {
+    LtPlan representative;
+    bool queried = false;
+    std::optional<cublasLtMatmulAlgo_t> algo;
+    if (representative.build(device.handle, bucket_key, nullptr, queried)) algo = representative.algo();
+    ++device.stats.heuristic_queries;
+    bucket = device.bucket_algos.emplace(bucket_key, algo).first;
+  }
+  auto plan = std::make_unique<LtPlan>();
+  bool queried = false;
+  const bool built = plan->build(device.handle, key, bucket->second ? &*bucket->second : nullptr, queried);
+  ++device.stats.plans;
+  if (queried) ++device.stats.heuristic_queries;
+  if (!queried && built) ++device.stats.bucket_algorithms_taken;
+  if (log_level() <= LogLevel::kDebug) {
+    const double ms = 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    log_write(LogLevel::kDebug, "cuBLASLt plan " + std::to_string(device.plans.size() + 1) + " for m " +
+                                    std::to_string(key.m) + " (bucket " + std::to_string(bucket_key.m) + ") n " +
+                                    std::to_string(key.n) + " k " + std::to_string(key.k) + ": " +
+                                    std::to_string(ms) + " ms" + (queried ? ", heuristic" : ", bucket algorithm"));
+  }
+  return built ? std::move(plan) : nullptr;
+}
+
 // Runs the product through cuBLASLt; false when cuBLASLt has no algorithm for it.
 bool run_cublaslt(const Tensor& x, const Tensor& weight, const Tensor& out, bool accumulate, cudaStream_t stream) {
   const LtPlanKey key{x.size(0),
@@ -327,18 +371,7 @@ bool run_cublaslt(const Tensor& x, const Tensor& weight, const Tensor& out, bool
   std::lock_guard lock(lt_mutex());
   LtDevice& device = lt_device_locked(out.device().index, stream);
   auto it = device.plans.find(key);
-  if (it == device.plans.end()) {
-    const auto start = std::chrono::steady_clock::now();
-    auto plan = std::make_unique<LtPlan>();
-    if (!plan->build(device.handle, key)) plan.reset();
-    it = device.plans.emplace(key, std::move(plan)).first;
-    if (log_level() <= LogLevel::kDebug) {
-      const double ms = 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      log_write(LogLevel::kDebug, "cuBLASLt plan " + std::to_string(device.plans.size()) + " for m " +
-                                      std::to_string(key.m) + " n " + std::to_string(key.n) + " k " +
-                                      std::to_string(key.k) + ": " + std::to_string(ms) + " ms");
-    }
-  }
+  if (it == device.plans.end()) it = device.plans.emplace(key, build_plan(device, key)).first;
   if (!it->second) return false;
   it->second->run(device.handle, x.data(), weight.data(), out.data(), accumulate, device.workspace.data(), stream);
   return true;
@@ -356,6 +389,11 @@ CublasLtContext cublaslt_context_locked(int device_index, cudaStream_t stream) {
 void linear_prepare(int device_index) {
   std::lock_guard lock(lt_mutex());
   lt_device_locked(device_index, nullptr);
+}
+
+LinearPlanStats linear_plan_stats(int device_index) {
+  std::lock_guard lock(lt_mutex());
+  return lt_device_locked(device_index, nullptr).stats;
 }
 
 int gemv_max_rows() { return gemv_rows_setting().load(std::memory_order_relaxed); }

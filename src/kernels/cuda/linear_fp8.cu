@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -301,8 +302,11 @@ struct Fp8PlanKeyHash {
 class Fp8Plan : public LtPlanDescriptors {
  public:
   // Empty when cuBLASLt has an algorithm for the problem, else why not (status names, for the logs).
+  // With `shared` (the algorithm of the problem's M bucket), takes it when cublasLtMatmulAlgoCheck
+  // accepts it for the exact layouts within the workspace; otherwise asks the heuristic (`queried`).
   std::string build(cublasLtHandle_t handle, const Fp8PlanKey& key, size_t workspace_bytes, const void* w_scales,
-                    const void* x_scales) {
+                    const void* x_scales, const cublasLtMatmulAlgo_t* shared, bool& queried) {
+    queried = false;
     const cudaDataType_t out_type = key.out_dtype == static_cast<int>(DType::kF32) ? CUDA_R_32F : CUDA_R_16BF;
     lt_check(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
     const cublasOperation_t transpose = CUBLAS_OP_T, no_transpose = CUBLAS_OP_N;
@@ -345,6 +349,8 @@ class Fp8Plan : public LtPlanDescriptors {
     lt_check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c,
                                                   sizeof(align_c)),
              "set alignment D");
+    if (shared != nullptr && take_checked(handle, *shared, workspace_bytes)) return {};
+    queried = true;
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t status =
@@ -357,6 +363,8 @@ class Fp8Plan : public LtPlanDescriptors {
     workspace_bytes_ = result.workspaceSize;
     return {};
   }
+
+  const cublasLtMatmulAlgo_t& algo() const { return algo_; }
 
   // Enqueues the matmul; returns its status (not-supported and invalid-value mean: take the GEMV).
   cublasStatus_t run(cublasLtHandle_t handle, const void* w, const void* w_scales, const void* x_codes,
@@ -380,6 +388,9 @@ class Fp8Plan : public LtPlanDescriptors {
 struct Fp8Device {
   // Problems cuBLASLt has no algorithm for map to nullptr (they take the GEMV).
   std::unordered_map<Fp8PlanKey, std::unique_ptr<Fp8Plan>, Fp8PlanKeyHash> plans;
+  // Per M bucket (the key's m is the bucket): the heuristic's algorithm at M = the bucket, tried
+  // first by every problem of the bucket; nullopt where cuBLASLt had none.
+  std::unordered_map<Fp8PlanKey, std::optional<cublasLtMatmulAlgo_t>, Fp8PlanKeyHash> bucket_algos;
   Buffer scratch;
   bool scratch_captured = false;  // a graph capture has used `scratch`: keep it alive if it is replaced
   std::vector<Buffer> retired;    // earlier scratch buffers that captured graphs still point into
@@ -456,8 +467,21 @@ bool run_fp8_gemm(const Tensor& x, const Tensor& weight, const Tensor& scale_inv
   }
   if (it == device.plans.end()) {
     const auto start = std::chrono::steady_clock::now();
+    Fp8PlanKey bucket_key = key;
+    bucket_key.m = m_bucket(m);
+    auto bucket = device.bucket_algos.find(bucket_key);
+    if (bucket == device.bucket_algos.end()) {
+      Fp8Plan representative;
+      bool queried = false;
+      std::optional<cublasLtMatmulAlgo_t> algo;
+      if (representative.build(lt.handle, bucket_key, lt.workspace_bytes, w_scales, x_scales, nullptr, queried).empty())
+        algo = representative.algo();
+      bucket = device.bucket_algos.emplace(bucket_key, algo).first;
+    }
     auto plan = std::make_unique<Fp8Plan>();
-    const std::string refusal = plan->build(lt.handle, key, lt.workspace_bytes, w_scales, x_scales);
+    bool queried = false;
+    const std::string refusal = plan->build(lt.handle, key, lt.workspace_bytes, w_scales, x_scales,
+                                            bucket->second ? &*bucket->second : nullptr, queried);
     const std::string shape = "m " + std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k) +
                               " ldc " + std::to_string(key.ldc) + " out " + std::string(dtype_name(out.dtype())) +
                               (accumulate ? " accumulate" : "");
@@ -469,7 +493,9 @@ bool run_fp8_gemm(const Tensor& x, const Tensor& weight, const Tensor& scale_inv
                                       "); the GEMV runs instead");
     } else if (log_level() <= LogLevel::kDebug) {
       const double ms = 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      log_write(LogLevel::kDebug, "cuBLASLt FP8 plan for " + shape + ": " + std::to_string(ms) + " ms");
+      log_write(LogLevel::kDebug, "cuBLASLt FP8 plan for " + shape + " (bucket " + std::to_string(bucket_key.m) +
+                                      "): " + std::to_string(ms) + " ms" +
+                                      (queried ? ", heuristic" : ", bucket algorithm"));
     }
     it = device.plans.emplace(key, std::move(plan)).first;
     if (!it->second) return false;
