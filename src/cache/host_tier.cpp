@@ -61,6 +61,14 @@ uint64_t HostTier::memory_bytes() const {
   return bytes;
 }
 
+std::byte* HostTier::device_unit(const Tensor& tensor, const Area& area, int32_t device_index) {
+  METRALE_CHECK(device_index >= 0 && device_index < tensor.size(0), "device index {} outside [0, {})", device_index,
+                tensor.size(0));
+  METRALE_CHECK(tensor.nbytes() == area.unit_bytes * static_cast<size_t>(tensor.size(0)),
+                "host area holds units of {} bytes, the device tensor {}", area.unit_bytes, tensor.describe());
+  return static_cast<std::byte*>(tensor.data()) + static_cast<size_t>(device_index) * area.unit_bytes;
+}
+
 void HostTier::copy_unit(std::span<const OwnedTensor> device_tensors, std::vector<Area>& areas, int32_t device_index,
                          int32_t host_index, bool to_host) {
   METRALE_CHECK(device_tensors.size() == areas.size(), "{} device tensors for {} host areas", device_tensors.size(),
@@ -72,18 +80,14 @@ void HostTier::copy_unit(std::span<const OwnedTensor> device_tensors, std::vecto
   for (size_t i = 0; i < areas.size(); ++i) {
     const Tensor& tensor = device_tensors[i].tensor;
     const Area& area = areas[i];
-    METRALE_CHECK(device_index >= 0 && device_index < tensor.size(0), "device index {} outside [0, {})", device_index,
-                  tensor.size(0));
-    METRALE_CHECK(tensor.nbytes() == area.unit_bytes * static_cast<size_t>(tensor.size(0)),
-                  "host area {} holds units of {} bytes, the device tensor {}", i, area.unit_bytes, tensor.describe());
-    auto* device_unit = static_cast<std::byte*>(tensor.data()) + static_cast<size_t>(device_index) * area.unit_bytes;
+    std::byte* on_device = device_unit(tensor, area, device_index);
     std::byte* host_unit = area.data() + static_cast<size_t>(host_index) * area.unit_bytes;
     auto batch = std::find_if(batches.begin(), batches.end(), [&](const auto& b) { return b.first == tensor.device(); });
     if (batch == batches.end()) batch = batches.insert(batches.end(), {tensor.device(), {}});
     if (to_host) {
-      batch->second.push_back({host_unit, device_unit, area.unit_bytes});
+      batch->second.push_back({host_unit, on_device, area.unit_bytes});
     } else {
-      batch->second.push_back({device_unit, host_unit, area.unit_bytes});
+      batch->second.push_back({on_device, host_unit, area.unit_bytes});
     }
   }
   for (const auto& [device, segments] : batches) copy_segments_async(device, segments);
@@ -124,28 +128,22 @@ void HostTier::store_block_staged(std::span<const OwnedTensor> paged, int32_t bl
     std::vector<CopySegment> in, out;
     for (size_t i = 0; i < block_areas_.size(); ++i) {
       if (lane.area_offset[i] == std::string::npos) continue;
-      const Tensor& tensor = paged[i].tensor;
       const Area& area = block_areas_[i];
-      METRALE_CHECK(block >= 0 && block < tensor.size(0) &&
-                        tensor.nbytes() == area.unit_bytes * static_cast<size_t>(tensor.size(0)),
-                    "device block {} of {} for host units of {} bytes", block, tensor.describe(), area.unit_bytes);
-      in.push_back({unit + lane.area_offset[i],
-                    static_cast<std::byte*>(tensor.data()) + static_cast<size_t>(block) * area.unit_bytes,
-                    area.unit_bytes});
+      in.push_back({unit + lane.area_offset[i], device_unit(paged[i].tensor, area, block), area.unit_bytes});
       out.push_back({area.data() + static_cast<size_t>(host_block) * area.unit_bytes, unit + lane.area_offset[i],
                      area.unit_bytes});
     }
     copy_segments_async(lane.device, in);  // on the current stream: the forward may overwrite the block after it
     const CopyLane::Ticket ticket = lane.lane.copy_after_current(out);
     lane.slot_ticket[static_cast<size_t>(slot)] = ticket;
-    block_seals_.ticket[static_cast<size_t>(host_block) * lanes_.size() + l] = ticket;
+    ticket_of(block_seals_, host_block, l) = ticket;
   }
 }
 
 bool HostTier::lanes_done(const Seals& seals, int32_t host_index) {
   if (seals.ticket.empty()) return true;
   for (size_t l = 0; l < lanes_.size(); ++l)
-    if (!lanes_[l].lane.done(seals.ticket[static_cast<size_t>(host_index) * lanes_.size() + l])) return false;
+    if (!lanes_[l].lane.done(ticket_of(seals, host_index, l))) return false;
   return true;
 }
 
@@ -163,7 +161,7 @@ void HostTier::store_block(std::span<const OwnedTensor> paged, int32_t block, in
 void HostTier::load_block(std::span<const OwnedTensor> paged, int32_t host_block, int32_t block) {
   METRALE_CHECK(holds_block(host_block), "host block {} holds nothing", host_block);
   for (size_t l = 0; l < lanes_.size(); ++l)  // an entry still on its way to the host
-    lanes_[l].lane.hold_current_until(block_seals_.ticket[static_cast<size_t>(host_block) * lanes_.size() + l]);
+    lanes_[l].lane.hold_current_until(ticket_of(block_seals_, host_block, l));
   copy_unit(paged, block_areas_, block, host_block, false);
 }
 
@@ -254,7 +252,7 @@ std::vector<std::byte> HostTier::pack(Seals& seals, const std::vector<Area>& are
   if (seals.sealed[static_cast<size_t>(host_index)] == 0) {
     if (!seals.ticket.empty())
       for (size_t l = 0; l < lanes_.size(); ++l)
-        lanes_[l].lane.wait(seals.ticket[static_cast<size_t>(host_index) * lanes_.size() + l]);
+        lanes_[l].lane.wait(ticket_of(seals, host_index, l));
     seal_pending();
   }
   size_t total = 0;

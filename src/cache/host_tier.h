@@ -143,6 +143,14 @@ class HostTier {
     CopyLane lane;  // last: destroyed (and drained) before the staging memory and the host areas
   };
   void store_block_staged(std::span<const OwnedTensor> paged, int32_t block, int32_t host_block);
+  // Device unit `device_index` of `tensor` (checked against the area's unit size).
+  static std::byte* device_unit(const Tensor& tensor, const Area& area, int32_t device_index);
+  CopyLane::Ticket& ticket_of(Seals& seals, int32_t host_index, size_t lane) {
+    return seals.ticket[static_cast<size_t>(host_index) * lanes_.size() + lane];
+  }
+  const CopyLane::Ticket& ticket_of(const Seals& seals, int32_t host_index, size_t lane) const {
+    return seals.ticket[static_cast<size_t>(host_index) * lanes_.size() + lane];
+  }
   bool lanes_done(const Seals& seals, int32_t host_index);
   uint64_t checksum_of(const std::vector<Area>& areas, int32_t host_index) const;
   void mark_stored(Seals& seals, const std::vector<Area>& areas, int32_t host_index);
