@@ -134,25 +134,25 @@ std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t se
     size_t usable = 0;
     CheckpointSource checkpoint;
     std::vector<TierHit> hits;
-    const bool read_disk = disk_ && disk_->block_pool().num_cached() > 0 && disk_hits_pay();
+    PrefixPrefetch prefetched = take_prefix_prefetch(seq_id);
+    // Reads queued ahead of the match were judged worth it then (and are paid for by now).
+    const bool read_disk = disk_ && disk_->block_pool().num_cached() > 0 &&
+                           (!prefetched.blocks.empty() || prefetched.slot.entry >= 0 || disk_hits_pay());
     for (size_t i = 0; i < max_blocks; ++i) {
       const auto block_tokens = tokens.subspan(i * static_cast<size_t>(block_size), static_cast<size_t>(block_size));
-      const BlockHash hash = hash_block(parent, block_tokens);
-      const int32_t block = prefix_.find(hash, parent, block_tokens);
+      const PrefixBlock found = find_prefix_block(parent, block_tokens);
+      const int32_t block = found.device;
       if (block < 0) {
         // Another tier may hold it (evicted from the device); it is copied back below.
-        const int32_t host_block = host_.num_cached_blocks() > 0 ? host_prefix_.find(hash, parent, block_tokens) : -1;
-        const int32_t disk_block = host_block < 0 && disk_ && disk_->block_pool().num_cached() > 0
-                                       ? disk_prefix_.find(hash, parent, block_tokens)
-                                       : -1;
-        if (host_block < 0 && disk_block >= 0 && !read_disk) {
+        if (found.host < 0 && found.disk >= 0 && !read_disk) {
           ++swap_counters_.disk_hits_declined;
           break;
         }
-        if (host_block < 0 && disk_block < 0) break;
-        hits.push_back({entry.blocks.size(), host_block >= 0 ? Tier::kHost : Tier::kDisk,
-                        host_block >= 0 ? host_block : disk_block});
+        if (found.host < 0 && found.disk < 0) break;
+        hits.push_back({entry.blocks.size(), found.host >= 0 ? Tier::kHost : Tier::kDisk,
+                        found.host >= 0 ? found.host : found.disk});
       }
+      const BlockHash& hash = found.hash;
       entry.blocks.push_back(block);
       entry.hashes.push_back(hash);
       parent = hash;
@@ -170,7 +170,7 @@ std::optional<CacheManager::PrefixMatch> CacheManager::begin_sequence(int64_t se
     std::erase_if(hits, [&](const TierHit& hit) { return hit.index >= usable; });
     bool restored = false;
     if (!hits.empty() || (checkpoint.slot >= 0 && checkpoint.tier != Tier::kDevice))
-      restored = restore_tier_hits(entry, tokens, hits, checkpoint);
+      restored = restore_tier_hits(entry, tokens, hits, checkpoint, prefetched);
     if (checkpoint.slot >= 0 && checkpoint.tier == Tier::kDevice && entry.blocks.size() == usable) {
       copy_state_slot(entry.state_slot, checkpoint.slot);
       touch_checkpoint(checkpoint.slot);
@@ -220,6 +220,7 @@ void CacheManager::free_sequence(int64_t seq_id) {
     swapped_.erase(swapped);
     return;
   }
+  take_prefix_prefetch(seq_id);  // reads made for an admission that will not come
   const auto it = sequences_.find(seq_id);
   if (it == sequences_.end()) return;
   // Tail first: the empty blocks go back on top of the free stack last, so the next allocation

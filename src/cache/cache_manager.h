@@ -102,6 +102,8 @@ struct SwapCounters {
   // Disk hits left unread (their tokens recomputed) because reading a block was measured slower
   // than recomputing it.
   int64_t disk_hits_declined = 0;
+  // Waiting sequences whose prefix's disk reads were queued ahead of their admission.
+  int64_t prefix_prefetches = 0;
   // State checkpoints dropped from the device and kept in the host tier, and those restored from
   // the host or disk tier on a prefix hit.
   int64_t checkpoints_out = 0;
@@ -212,6 +214,15 @@ class CacheManager {
   // Queues the disk reads a later swap_in of this sequence needs (a no-op unless it is on disk),
   // so that they overlap the steps before it.
   void prefetch(int64_t seq_id);
+  // Queues the disk reads of the prefix match a waiting sequence (not begun) would make now: its
+  // blocks and its checkpoint that only the disk tier holds, while disk hits pay (disk_hits_pay) and
+  // at most kMaxPrefetchBytes are held in all. begin_sequence takes the reads whose entries have not
+  // been rewritten since, and reads the rest itself. Once per sequence; a no-op without a disk tier.
+  void prefetch_prefix(int64_t seq_id, std::span<const int32_t> tokens);
+  static constexpr size_t kMaxPrefetchBytes = size_t{1} << 30;
+  // Whether disk reads queued for the sequence (prefetch or prefetch_prefix) are still running:
+  // admitting it now would wait for them.
+  bool reads_pending(int64_t seq_id) const;
   // Checksums host-tier entries whose copies were in flight; the engine calls it after a step,
   // when the device's stream has drained (it synchronizes first).
   void seal_host_tier() { host_.seal_pending(); }
@@ -285,6 +296,21 @@ class CacheManager {
     uint64_t swapped_at = 0;                   // for moving the oldest to disk first
     std::vector<std::future<DiskRead>> reads;  // prefetch(): the blocks', then the slot's
   };
+  // A disk entry's read queued by prefetch_prefix, at the entry's write generation then.
+  struct PrefetchedRead {
+    int32_t entry = -1;
+    uint64_t generation = 0;
+    std::future<DiskRead> data;
+  };
+  struct PrefixPrefetch {
+    std::vector<PrefetchedRead> blocks;
+    PrefetchedRead slot;
+    size_t bytes = 0;
+  };
+  std::unordered_map<int64_t, PrefixPrefetch> prefix_prefetches_;
+  size_t prefetched_bytes_ = 0;  // of every PrefixPrefetch held
+  // Removes and returns the sequence's prefetched reads (empty when none).
+  PrefixPrefetch take_prefix_prefetch(int64_t seq_id);
   HostTier host_;
   PrefixCache host_prefix_{0, 1};  // hashes of the host tier's cached blocks
   CheckpointIndex host_checkpoints_;
@@ -331,6 +357,15 @@ class CacheManager {
     Tier tier = Tier::kDevice;
     int32_t slot = -1;
   };
+  // One block of a prefix, looked up in every tier: its hash and the block holding it in each
+  // (-1: not there; host and disk are looked up only when the tiers above miss).
+  struct PrefixBlock {
+    BlockHash hash;
+    int32_t device = -1;
+    int32_t host = -1;
+    int32_t disk = -1;
+  };
+  PrefixBlock find_prefix_block(const BlockHash& parent, std::span<const int32_t> block_tokens) const;
   // The checkpoint after the prefix `hash` (held by device `block` if >= 0) in any tier.
   CheckpointSource find_checkpoint(int32_t block, const BlockHash& hash) const;
   // Brings a match's tier hits and (from the host or disk) its checkpoint into `entry` (which holds
@@ -339,8 +374,9 @@ class CacheManager {
   // The match is cut before the first hit lost or without a free device block; with per-slot
   // tensors, where a shorter match has no state, such a cut empties it. Returns whether the state
   // was restored.
+  // Disk reads come from `prefetched` where it holds a read of the same entry and generation.
   bool restore_tier_hits(SequenceEntry& entry, std::span<const int32_t> tokens, const std::vector<TierHit>& hits,
-                         const CheckpointSource& checkpoint);
+                         const CheckpointSource& checkpoint, PrefixPrefetch& prefetched);
   // Reads a swapped sequence's contents back into fresh device blocks and a slot (swap_in's work).
   SwapIn load_swapped(int64_t seq_id, SwappedEntry& swapped, SequenceEntry& entry);
   SwapCounters swap_counters_;

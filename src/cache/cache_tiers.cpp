@@ -1,6 +1,7 @@
 // CacheManager's tiers below the device: what moves to the host tier when the device drops it,
 // what moves on to disk when the host tier does, and how a prefix hit in either comes back.
 #include <algorithm>
+#include <chrono>
 
 #include "cache/cache_manager.h"
 #include "core/error.h"
@@ -221,6 +222,82 @@ bool CacheManager::disk_hits_pay() {
   return true;
 }
 
+CacheManager::PrefixBlock CacheManager::find_prefix_block(const BlockHash& parent,
+                                                          std::span<const int32_t> block_tokens) const {
+  PrefixBlock found;
+  found.hash = hash_block(parent, block_tokens);
+  found.device = prefix_.find(found.hash, parent, block_tokens);
+  if (found.device >= 0) return found;
+  if (host_.num_cached_blocks() > 0) found.host = host_prefix_.find(found.hash, parent, block_tokens);
+  if (found.host < 0 && disk_ && disk_->block_pool().num_cached() > 0)
+    found.disk = disk_prefix_.find(found.hash, parent, block_tokens);
+  return found;
+}
+
+void CacheManager::prefetch_prefix(int64_t seq_id, std::span<const int32_t> tokens) {
+  if (!disk_ || disk_->block_pool().num_cached() == 0 || !prefix_caching() || tokens.empty() ||
+      prefix_prefetches_.count(seq_id) != 0 || has_sequence(seq_id) || is_swapped(seq_id))
+    return;
+  // The match begin_sequence would make now (the same walk, nothing retained): its disk hits up to
+  // the last block it could use, and that block's checkpoint when only the disk holds it.
+  const auto block_size = static_cast<size_t>(config_.block_size);
+  const size_t max_blocks = (tokens.size() - 1) / block_size;
+  BlockHash parent;
+  std::vector<int32_t> disk_hits;  // per block up to the walk's end: its disk block, or -1
+  size_t usable = 0;
+  CheckpointSource checkpoint;
+  for (size_t i = 0; i < max_blocks; ++i) {
+    const PrefixBlock found = find_prefix_block(parent, tokens.subspan(i * block_size, block_size));
+    if (found.device < 0 && found.host < 0 && found.disk < 0) break;
+    disk_hits.push_back(found.device < 0 && found.host < 0 ? found.disk : -1);
+    parent = found.hash;
+    if (!has_slots_) {
+      usable = disk_hits.size();
+    } else if (const CheckpointSource source = find_checkpoint(found.device, found.hash); source.slot >= 0) {
+      usable = disk_hits.size();
+      checkpoint = source;
+    }
+  }
+  disk_hits.resize(usable);
+  const bool state_from_disk = checkpoint.slot >= 0 && checkpoint.tier == Tier::kDisk;
+  const auto blocks =
+      static_cast<size_t>(std::count_if(disk_hits.begin(), disk_hits.end(), [](int32_t b) { return b >= 0; }));
+  const size_t bytes = blocks * disk_->block_bytes() + (state_from_disk ? disk_->slot_bytes() : 0);
+  PrefixPrefetch& prefetch = prefix_prefetches_[seq_id];  // also marks the sequence as looked at
+  if (bytes == 0 || prefetched_bytes_ + bytes > kMaxPrefetchBytes || !disk_hits_pay()) return;
+  for (const int32_t block : disk_hits)
+    if (block >= 0) prefetch.blocks.push_back({block, disk_->block_generation(block), disk_->read_block(block)});
+  if (state_from_disk)
+    prefetch.slot = {checkpoint.slot, disk_->slot_generation(checkpoint.slot), disk_->read_slot(checkpoint.slot)};
+  prefetch.bytes = bytes;
+  prefetched_bytes_ += bytes;
+  ++swap_counters_.prefix_prefetches;
+}
+
+CacheManager::PrefixPrefetch CacheManager::take_prefix_prefetch(int64_t seq_id) {
+  const auto it = prefix_prefetches_.find(seq_id);
+  if (it == prefix_prefetches_.end()) return {};
+  PrefixPrefetch taken = std::move(it->second);
+  prefix_prefetches_.erase(it);
+  prefetched_bytes_ -= taken.bytes;
+  return taken;
+}
+
+bool CacheManager::reads_pending(int64_t seq_id) const {
+  const auto running = [](const std::future<DiskRead>& read) {
+    return read.valid() && read.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
+  };
+  if (const auto it = prefix_prefetches_.find(seq_id); it != prefix_prefetches_.end()) {
+    const PrefixPrefetch& prefetch = it->second;
+    if (running(prefetch.slot.data)) return true;
+    return std::any_of(prefetch.blocks.begin(), prefetch.blocks.end(),
+                       [&](const PrefetchedRead& read) { return running(read.data); });
+  }
+  if (const auto it = swapped_.find(seq_id); it != swapped_.end())
+    return std::any_of(it->second.reads.begin(), it->second.reads.end(), running);
+  return false;
+}
+
 CacheManager::CheckpointSource CacheManager::find_checkpoint(int32_t block, const BlockHash& hash) const {
   if (block >= 0) {
     if (const int32_t slot = prefix_.checkpoint(block); slot >= 0) return {Tier::kDevice, slot};
@@ -233,15 +310,28 @@ CacheManager::CheckpointSource CacheManager::find_checkpoint(int32_t block, cons
 }
 
 bool CacheManager::restore_tier_hits(SequenceEntry& entry, std::span<const int32_t> tokens,
-                                     const std::vector<TierHit>& hits, const CheckpointSource& checkpoint) {
+                                     const std::vector<TierHit>& hits, const CheckpointSource& checkpoint,
+                                     PrefixPrefetch& prefetched) {
   const size_t full = entry.blocks.size();
-  // The worker reads the disk hits while the host hits are verified here.
+  // The workers read the disk hits (unless prefetched) while the host hits are verified here.
   std::vector<std::future<DiskRead>> reads(hits.size());
-  for (size_t h = 0; h < hits.size(); ++h)
-    if (hits[h].tier == Tier::kDisk) reads[h] = disk_->read_block(hits[h].block);
+  for (size_t h = 0; h < hits.size(); ++h) {
+    if (hits[h].tier != Tier::kDisk) continue;
+    const int32_t block = hits[h].block;
+    const auto ahead =
+        std::find_if(prefetched.blocks.begin(), prefetched.blocks.end(), [&](const PrefetchedRead& read) {
+          return read.entry == block && read.generation == disk_->block_generation(block) && read.data.valid();
+        });
+    reads[h] = ahead != prefetched.blocks.end() ? std::move(ahead->data) : disk_->read_block(block);
+  }
   const bool tier_state = checkpoint.slot >= 0 && checkpoint.tier != Tier::kDevice;
   std::future<DiskRead> state_read;
-  if (tier_state && checkpoint.tier == Tier::kDisk) state_read = disk_->read_slot(checkpoint.slot);
+  if (tier_state && checkpoint.tier == Tier::kDisk) {
+    const bool ahead = prefetched.slot.entry == checkpoint.slot &&
+                       prefetched.slot.generation == disk_->slot_generation(checkpoint.slot) &&
+                       prefetched.slot.data.valid();
+    state_read = ahead ? std::move(prefetched.slot.data) : disk_->read_slot(checkpoint.slot);
+  }
 
   std::vector<DiskRead> data(hits.size());
   size_t good = hits.size();  // hits before the first lost one

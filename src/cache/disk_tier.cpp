@@ -50,7 +50,9 @@ DiskTier::DiskTier(const std::filesystem::path& parent, size_t block_bytes, size
       blocks_(std::max(num_blocks, 0)),
       slots_(0, std::max(num_slots, 0)),
       block_checksums_(static_cast<size_t>(std::max(num_blocks, 0)), 0),
-      slot_checksums_(static_cast<size_t>(std::max(num_slots, 0)), 0) {
+      slot_checksums_(static_cast<size_t>(std::max(num_slots, 0)), 0),
+      block_generations_(static_cast<size_t>(std::max(num_blocks, 0)), 0),
+      slot_generations_(static_cast<size_t>(std::max(num_slots, 0)), 0) {
   if (num_blocks < 0 || num_slots < 0)
     raise(ErrorCode::kInvalidArgument, "negative disk tier size ({} blocks, {} slots)", num_blocks, num_slots);
   std::error_code error;
@@ -244,6 +246,7 @@ void DiskTier::write_block(int32_t block, std::vector<std::byte> bytes) {
                 block, bytes.size());
   // Hashed on the worker (~150 us for a Qwen3-8B block, off the engine thread); a later read of the
   // entry runs after this job and takes the checksum there.
+  ++block_generations_[static_cast<size_t>(block)];
   enqueue(worker_of_block(block), [this, block, path = block_path(block), data = std::move(bytes)] {
     block_checksums_[static_cast<size_t>(block)] = entry_checksum(data.data(), data.size());
     write_file(path, data);
@@ -253,6 +256,7 @@ void DiskTier::write_block(int32_t block, std::vector<std::byte> bytes) {
 void DiskTier::write_slot(int32_t slot, std::vector<std::byte> bytes) {
   METRALE_CHECK(slots_.contains(slot) && bytes.size() == slot_bytes_, "disk slot {} write of {} bytes", slot,
                 bytes.size());
+  ++slot_generations_[static_cast<size_t>(slot)];
   enqueue(worker_of_slot(slot), [this, slot, path = slot_path(slot), data = std::move(bytes)] {
     slot_checksums_[static_cast<size_t>(slot)] = entry_checksum(data.data(), data.size());
     write_file(path, data);

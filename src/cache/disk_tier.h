@@ -77,6 +77,10 @@ class DiskTier {
   // Queues reading the entry back; the future holds its bytes once they are read and verified.
   std::future<DiskRead> read_block(int32_t block);
   std::future<DiskRead> read_slot(int32_t slot);
+  // How many writes the entry has been queued: a read queued at generation g holds the bytes of
+  // that generation's write, so a read made ahead of time is still good while this has not moved.
+  uint64_t block_generation(int32_t block) const { return block_generations_.at(static_cast<size_t>(block)); }
+  uint64_t slot_generation(int32_t slot) const { return slot_generations_.at(static_cast<size_t>(slot)); }
   // Waits until every queued job has run (tests; shutdown).
   void drain() const;
   // Bytes written and read since start-up, and the seconds the workers spent on them (summed).
@@ -114,6 +118,9 @@ class DiskTier {
   // Checksums of what each entry holds, set and read only by the entry's worker (its write and read jobs).
   std::vector<uint64_t> block_checksums_;
   std::vector<uint64_t> slot_checksums_;
+  // Writes queued per entry (the engine thread's, as every call above).
+  std::vector<uint64_t> block_generations_;
+  std::vector<uint64_t> slot_generations_;
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;

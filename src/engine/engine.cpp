@@ -159,6 +159,7 @@ EngineStats Engine::stats() const {
   stats.prefix_blocks_to_disk = swaps.prefix_blocks_to_disk;
   stats.prefix_blocks_from_disk = swaps.prefix_blocks_from_disk;
   stats.disk_hits_declined = swaps.disk_hits_declined;
+  stats.prefix_prefetches = swaps.prefix_prefetches;
   stats.checkpoints_to_host = swaps.checkpoints_out;
   stats.checkpoints_restored_from_tiers = swaps.checkpoints_in;
   stats.tier_entries_lost = swaps.lost_entries;
@@ -430,6 +431,7 @@ int64_t Engine::add_request(Request request) {
   sequences_.emplace(raw->id, std::move(sequence));
   stats_.prompt_tokens += prompt_len;
   waiting_.push_back(raw);
+  prefetch_waiting();  // a prefix on disk starts coming back while the current steps run
   return raw->id;
 }
 
@@ -520,17 +522,25 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
   // The step's results are on the host, so the copies into the host tier queued on its stream have
   // landed (those on a copy lane are sealed once their ticket is done): seal them.
   cache_->seal_host_tier();
-  // Disk reads for the next swapped sequences to come back, overlapping the next steps.
-  size_t prefetched = 0;
-  for (auto it = waiting_.begin();
-       it != waiting_.end() && prefetched < static_cast<size_t>(std::max(config_.swap_prefetch, 0)); ++it) {
-    if (!cache_->is_swapped_to_disk((*it)->id)) continue;
-    cache_->prefetch((*it)->id);
-    ++prefetched;
-  }
+  prefetch_waiting();
 #ifndef NDEBUG
   if (!has_unfinished()) cache_->check_integrity();  // debug builds: the cache's books balance when idle
 #endif
+}
+
+void Engine::prefetch_waiting() {
+  // Disk reads for the next waiting sequences, overlapping the next steps: a swapped one's contents,
+  // or the disk hits of a new one's prefix match (the scheduler admits neither while its reads run).
+  size_t looked_at = 0;
+  for (auto it = waiting_.begin();
+       it != waiting_.end() && looked_at < static_cast<size_t>(std::max(config_.swap_prefetch, 0)); ++it, ++looked_at) {
+    const Sequence& sequence = **it;
+    if (cache_->is_swapped_to_disk(sequence.id)) {
+      cache_->prefetch(sequence.id);
+    } else if (!cache_->is_swapped(sequence.id) && !sequence.request.return_prompt_logits) {
+      cache_->prefetch_prefix(sequence.id, sequence.tokens);
+    }
+  }
 }
 
 void Engine::record_step_cost(const SchedulePlan& plan, std::chrono::steady_clock::time_point step_start) {

@@ -51,8 +51,9 @@ struct EngineConfig {
   // and state slots the host tier spills (LRU), bounded by swap_disk_bytes; empty: none.
   std::filesystem::path swap_disk_dir{};
   uint64_t swap_disk_bytes = 0;
-  // Swapped-to-disk sequences at the head of the waiting queue whose disk reads are queued after
-  // each step, ahead of their swap-in (their bytes then wait in host memory); 0: read at swap-in.
+  // Sequences at the head of the waiting queue whose disk reads are queued after each step, ahead
+  // of their admission (their bytes then wait in host memory): a swapped-to-disk one's contents, a
+  // new one's prefix-cache disk hits. 0: read at admission, inside the step.
   int32_t swap_prefetch = 2;
   // Speculative decoding (engine/speculator.h): method none|ngram|mtp, num_drafts, ngram_min/max.
   SpeculativeConfig speculative;
@@ -156,6 +157,7 @@ struct EngineStats {
   int64_t prefix_blocks_to_disk = 0;
   int64_t prefix_blocks_from_disk = 0;
   int64_t disk_hits_declined = 0;  // disk hits recomputed instead: reading them was slower
+  int64_t prefix_prefetches = 0;   // waiting requests whose prefix's disk reads began before admission
   int64_t checkpoints_to_host = 0;
   int64_t checkpoints_restored_from_tiers = 0;
   int64_t tier_entries_lost = 0;
@@ -214,6 +216,9 @@ class Engine {
   void run_step(std::vector<TokenEvent>& events);
   SchedulePlan schedule_step();
   // The step's decode and prefill shares and its wall time, for the prefill budget.
+  // Queues the disk reads of the first swap_prefetch waiting sequences (CacheManager::prefetch,
+  // prefetch_prefix): after each step and when a request arrives.
+  void prefetch_waiting();
   void record_step_cost(const SchedulePlan& plan, std::chrono::steady_clock::time_point step_start);
   // Prefill steps' seconds per token, for the scheduler's swap-or-recompute choice.
   void record_prefill_cost(const SchedulePlan& plan, std::chrono::steady_clock::time_point step_start);

@@ -116,6 +116,9 @@ SchedulePlan Scheduler::schedule(std::vector<Sequence*>& running, std::deque<Seq
   while (plan.preempted.empty() && budget > 0 && prefill_left > 0 && !waiting.empty() &&
          static_cast<int32_t>(running.size()) < config_.max_num_seqs) {
     Sequence* sequence = waiting.front();
+    // Its disk reads (queued ahead of admission) still run: admitting it now would hold the whole
+    // step until they land. With nothing else to run there is nothing to hold up.
+    if (!running.empty() && cache.reads_pending(sequence->id)) break;
     if (cache.is_swapped(sequence->id)) {
       // Swapped out by a preemption: it comes back whole (its blocks and its slot) and goes on.
       const int64_t count = chunk_for(*sequence);

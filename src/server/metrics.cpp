@@ -113,6 +113,9 @@ std::string ServerMetrics::render(const AsyncEngineStats& stats) const {
   counter(out, "metrale_disk_hits_declined_total",
           "Prefix-cache blocks found on disk but recomputed: reading them was measured slower.",
           engine.disk_hits_declined);
+  counter(out, "metrale_prefix_prefetches_total",
+          "Waiting requests whose prefix-cache disk hits were read ahead of their admission.",
+          engine.prefix_prefetches);
   counter(out, "metrale_state_checkpoints_to_host_total",
           "Recurrent-state checkpoints kept in the host tier after "
           "leaving the device.",

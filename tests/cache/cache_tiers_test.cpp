@@ -351,6 +351,69 @@ TEST(CacheTiers, PrefixBlocksComeBackFromDiskUntilTheirFileIsLost) {
   cache.check_integrity();
 }
 
+// A waiting sequence's prefix reads are queued ahead of its admission; begin_sequence takes them
+// (no second read), so files lost after they landed cost nothing. A sequence freed unadmitted
+// drops its reads, and one whose prefix holds nothing on disk queues none.
+TEST(CacheTiers, PrefetchedPrefixReadsAreTakenByTheMatch) {
+  const auto dir = scratch_dir("prefetch");
+  CacheManager cache(specs_of(false), tiered(4, 1, 8, dir, false), Device::cpu());
+  const auto prompt = tokens_from(7, 13);
+  ASSERT_TRUE(cache.begin_sequence(1, prompt, true).has_value());
+  compute(cache, 1, prompt, 0, 13);
+  cache.cache_full_blocks(1, prompt, 13);
+  cache.free_sequence(1);
+  const auto evict = [&](int64_t seq, int32_t first) {
+    compute(cache, seq, tokens_from(first, 16), 0, 16);
+    cache.free_sequence(seq);
+  };
+  evict(2, 200);  // the prompt's blocks: 1 on the host, 2 on disk
+  const SwapCounters& counters = cache.swap_counters();
+  ASSERT_EQ(cache.disk_tier()->block_pool().num_cached(), 2);
+  const DiskTier& disk = *cache.disk_tier();
+
+  cache.prefetch_prefix(3, prompt);
+  cache.prefetch_prefix(3, prompt);  // once per sequence
+  EXPECT_EQ(counters.prefix_prefetches, 1);
+  disk.drain();
+  EXPECT_FALSE(cache.reads_pending(3));
+  const uint64_t read_ahead = disk.bytes_read();
+  EXPECT_EQ(read_ahead, 2 * disk.block_bytes());
+  remove_files(disk.directory());  // after the reads landed: nothing is lost
+  const auto match = cache.begin_sequence(3, prompt, true);
+  ASSERT_TRUE(match.has_value());
+  EXPECT_EQ(match->cached_tokens, 12);
+  EXPECT_TRUE(holds(cache, 3, prompt, 12));
+  EXPECT_EQ(disk.bytes_read(), read_ahead) << "the match read the disk again";
+  EXPECT_EQ(counters.lost_entries, 0);
+  cache.check_integrity();
+  cache.free_sequence(3);
+
+  // Freed before admission: its reads (which landed whole) are dropped, so the next match reads
+  // the files again and finds them lost. (A fresh prompt: the first one's disk files are gone.)
+  const auto other = tokens_from(500, 13);
+  ASSERT_TRUE(cache.begin_sequence(4, other, true).has_value());
+  compute(cache, 4, other, 0, 13);
+  cache.cache_full_blocks(4, other, 13);
+  cache.free_sequence(4);
+  evict(5, 300);
+  cache.prefetch_prefix(6, other);
+  EXPECT_EQ(counters.prefix_prefetches, 2);
+  disk.drain();
+  cache.free_sequence(6);
+  remove_files(disk.directory());
+  const auto cold = cache.begin_sequence(6, other, true);
+  ASSERT_TRUE(cold.has_value());
+  EXPECT_LT(cold->cached_tokens, 12) << "the dropped reads were used";
+  EXPECT_GT(counters.lost_entries, 0);
+  cache.check_integrity();
+  cache.free_sequence(6);
+
+  // Nothing of this prompt is anywhere: no reads, nothing pending.
+  cache.prefetch_prefix(7, tokens_from(900, 40));
+  EXPECT_EQ(counters.prefix_prefetches, 2);
+  EXPECT_FALSE(cache.reads_pending(7));
+}
+
 // Disk hits are read while reading a block costs less than recomputing it (the rate measured by the
 // reads before); slower, the match stops at the first disk block, but every kDiskProbeInterval-th
 // declined match reads anyway to measure again.

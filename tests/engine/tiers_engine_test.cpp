@@ -137,6 +137,43 @@ TEST(TieredEngine, PrefixBlocksEvictedToDiskStillHit) {
   EXPECT_EQ(after.tier_entries_lost, 0);
 }
 
+// A request whose prefix is on disk arrives while another runs: its disk hits are read ahead of
+// its admission (which waits for them instead of holding the running step), and it gives the
+// tokens of a cold run.
+TEST(TieredEngine, PrefixReadAheadWhileAnotherRequestRunsGivesTheColdTokens) {
+  const auto model_dir = write_tiny_qwen3({}, "tiers_read_ahead");
+  std::vector<int32_t> first(40), second(88), busy(5);  // the second takes all 6 blocks
+  for (size_t i = 0; i < first.size(); ++i) first[i] = static_cast<int32_t>(3 + (i * 7) % 90);
+  for (size_t i = 0; i < second.size(); ++i) second[i] = static_cast<int32_t>(5 + (i * 11) % 80);
+  for (size_t i = 0; i < busy.size(); ++i) busy[i] = static_cast<int32_t>(60 + i);
+  EngineConfig config;
+  config.num_kv_blocks = 6;
+  auto probe = std::make_unique<Engine>(load_model(model_dir, Device::cpu()), config);
+  config.swap_space_bytes = block_bytes(*probe);
+  config.swap_disk_dir = swap_dir("read_ahead");
+  config.swap_disk_bytes = 16 * block_bytes(*probe);
+  Engine engine(load_model(model_dir, Device::cpu()), config);
+  const int64_t a = engine.add_request(make_request(first, 4));
+  const auto cold = testing::tokens_of(testing::run_to_completion(engine));
+  engine.add_request(make_request(second, 4));  // evicts the first prompt's blocks, through the host to disk
+  testing::run_to_completion(engine);
+  const EngineStats before = engine.stats();
+  ASSERT_GT(before.prefix_blocks_to_disk, 0);
+  Request long_running = make_request(busy, 12);
+  long_running.ignore_eos = true;
+  engine.add_request(long_running);
+  std::map<int64_t, testing::Generated> outputs;
+  testing::record(engine.step(), outputs);  // the busy request is running
+  const int64_t again = engine.add_request(make_request(first, 4));
+  outputs = testing::run_to_completion(engine, testing::expect_cache_integrity, outputs);
+  EXPECT_EQ(testing::tokens_of(outputs).at(again), cold.at(a));
+  const EngineStats after = engine.stats();
+  EXPECT_EQ(after.prefix_prefetches - before.prefix_prefetches, 1);
+  EXPECT_GT(after.prefix_blocks_from_disk, before.prefix_blocks_from_disk);
+  EXPECT_EQ(after.prefix_cache_hits - before.prefix_cache_hits, 32);
+  EXPECT_EQ(after.tier_entries_lost, 0);
+}
+
 // A hybrid golden model (Gated DeltaNet + gated attention, from transformers 5.17.0): its prompt's
 // blocks and state checkpoints are pushed off the device by another prompt, through a host tier
 // of one state slot onto disk; the prompt again restores blocks and state from there and gives
