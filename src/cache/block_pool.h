@@ -13,6 +13,7 @@
 // allocation can take (empty + cached).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -48,6 +49,8 @@ class BlockPool {
 
   // Cached free blocks from least to most recently released (for tests and integrity checks).
   std::vector<int32_t> lru_order() const;
+  // The least recently released cached free block (the next to be evicted), or -1.
+  int32_t least_recent_cached() const { return num_lru_ == 0 ? -1 : lru_next_[static_cast<size_t>(sentinel())]; }
 
  private:
   void lru_push_back(int32_t block);

@@ -85,6 +85,9 @@ CacheManager::CacheManager(std::span<const CacheSpec> specs, const CacheConfig& 
                                        config.num_disk_blocks, disk_slots);
     disk_prefix_ = PrefixCache(disk_->num_blocks(), config.block_size);
     disk_checkpoints_ = CheckpointIndex(disk_->num_slots());
+    write_ahead_target_ = config.num_host_write_ahead_blocks >= 0
+                              ? std::min(config.num_host_write_ahead_blocks, host_.num_blocks())
+                              : std::min(256, host_.num_blocks() / 8);
   }
 }
 

@@ -81,6 +81,10 @@ struct CacheConfig {
   std::filesystem::path disk_dir{};
   int32_t num_disk_blocks = 0;
   int32_t num_disk_slots = 0;
+  // With a disk tier: host blocks kept empty by writing the least recently used cached ones to disk
+  // ahead of their eviction (CacheManager::write_back_host_blocks); -1: min(256, host blocks / 8)
+  // (a burst of evictions, such as a long prompt's blocks, then finds empty blocks).
+  int32_t num_host_write_ahead_blocks = -1;
 };
 
 // Swaps since start-up: sequences, and the device blocks and state slots they moved.
@@ -98,6 +102,9 @@ struct SwapCounters {
   // disk and disk hits brought back.
   int64_t sequences_to_disk = 0;
   int64_t prefix_blocks_to_disk = 0;
+  // Of those, written from host memory by a disk worker ahead of their eviction (no copy on the
+  // engine thread; the others were packed when evicted).
+  int64_t prefix_blocks_written_ahead = 0;
   int64_t prefix_blocks_from_disk = 0;
   // Disk hits left unread (their tokens recomputed) because reading a block was measured slower
   // than recomputing it.
@@ -226,6 +233,12 @@ class CacheManager {
   // Checksums host-tier entries whose copies were in flight; the engine calls it after a step,
   // when the device's stream has drained (it synchronizes first).
   void seal_host_tier() { host_.seal_pending(); }
+  // With a disk tier (the engine calls it after each step, after seal_host_tier): host blocks whose
+  // write-ahead has landed become empty (the disk holds them), and the least recently used cached
+  // host blocks start theirs (a disk worker reads the pinned memory itself; the block stays a host
+  // hit meanwhile) until num_host_write_ahead_blocks are empty or on their way. An eviction then
+  // finds an empty block instead of packing a cached one on the engine thread.
+  void write_back_host_blocks();
   // Seconds one prompt token costs to recompute (measured by the engine on prefill steps; 0 while
   // unmeasured). A prefix match reads disk hits only while the disk's measured read rate makes a
   // block cheaper to read than to recompute; every kDiskProbeInterval-th declined match reads them
@@ -307,6 +320,14 @@ class CacheManager {
     PrefetchedRead slot;
     size_t bytes = 0;
   };
+  // Host blocks being written to disk ahead of their eviction: retained (off the LRU list, still
+  // indexed as host hits) until `written` is ready.
+  struct HostWriteAhead {
+    int32_t host_block = -1;
+    std::future<void> written;
+  };
+  std::vector<HostWriteAhead> host_writes_;
+  int32_t write_ahead_target_ = 0;
   std::unordered_map<int64_t, PrefixPrefetch> prefix_prefetches_;
   size_t prefetched_bytes_ = 0;  // of every PrefixPrefetch held
   // Removes and returns the sequence's prefetched reads (empty when none).

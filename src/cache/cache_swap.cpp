@@ -170,24 +170,38 @@ void CacheManager::check_host_tier_integrity() const {
       ++slots;
     }
   }
+  // Blocks on their way to disk (write_back_host_blocks): held once, by the write alone.
+  int32_t writing_cached = 0;
+  for (const HostWriteAhead& write : host_writes_) {
+    const int32_t block = write.host_block;
+    METRALE_CHECK(block >= 0 && block < host_.num_blocks() && host_.block_pool().ref_count(block) == 1 &&
+                      block_owned[static_cast<size_t>(block)] == 0,
+                  "host block {} written ahead is held by something else", block);
+    block_owned[static_cast<size_t>(block)] = 1;
+    ++blocks;
+    writing_cached += host_.block_pool().is_cached(block) ? 1 : 0;
+  }
   const BlockPool& host_pool = host_.block_pool();
   METRALE_CHECK(blocks == host_pool.num_used() &&
                     host_pool.num_empty() + host_pool.num_cached() + host_pool.num_used() == host_pool.num_blocks(),
-                "host tier: {} blocks held by swapped sequences; used {} + cached {} + empty {} of {}", blocks,
-                host_pool.num_used(), host_pool.num_cached(), host_pool.num_empty(), host_pool.num_blocks());
+                "host tier: {} blocks held by swapped sequences and writes; used {} + cached {} + empty {} of {}",
+                blocks, host_pool.num_used(), host_pool.num_cached(), host_pool.num_empty(), host_pool.num_blocks());
   int32_t indexed = 0;
   for (int32_t block = 0; block < host_pool.num_blocks(); ++block) {
     METRALE_CHECK(host_pool.is_cached(block) == host_prefix_.holds(block), "host block {}: cached {} but indexed {}",
                   block, host_pool.is_cached(block), host_prefix_.holds(block));
-    METRALE_CHECK(!host_pool.is_cached(block) || host_pool.ref_count(block) == 0,
-                  "host block {} is cached and held", block);
+    METRALE_CHECK(
+        !host_pool.is_cached(block) || host_pool.ref_count(block) == 0 || block_owned[static_cast<size_t>(block)],
+        "host block {} is cached and held", block);
     if (host_prefix_.holds(block)) {
       METRALE_CHECK(host_prefix_.checkpoint(block) < 0, "host block {} has a block-bound state checkpoint", block);
       ++indexed;
     }
   }
-  METRALE_CHECK(indexed == host_pool.num_cached() && static_cast<int32_t>(host_prefix_.size()) == indexed,
-                "host prefix index has {} hashes for {} cached host blocks", host_prefix_.size(), host_pool.num_cached());
+  METRALE_CHECK(
+      indexed == host_pool.num_cached() + writing_cached && static_cast<int32_t>(host_prefix_.size()) == indexed,
+      "host prefix index has {} hashes for {} cached host blocks and {} being written", host_prefix_.size(),
+      host_pool.num_cached(), writing_cached);
   int32_t checkpoints = 0;
   for (int32_t slot = 0; slot < host_.num_slots(); ++slot) {
     if (!host_checkpoints_.holds(slot)) continue;

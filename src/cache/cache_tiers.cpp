@@ -149,6 +149,47 @@ void CacheManager::spill_host_checkpoint(int32_t host_slot) {
   disk_checkpoints_.insert(hash, disk_slot);
 }
 
+void CacheManager::write_back_host_blocks() {
+  if (!disk_ || disk_->num_blocks() == 0) return;
+  BlockPool& pool = host_.block_pool();
+  // Landed: the disk holds the block, so the host copy goes (a later hit reads the disk's).
+  std::erase_if(host_writes_, [&](HostWriteAhead& write) {
+    if (write.written.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+    if (host_prefix_.holds(write.host_block)) host_prefix_.erase(write.host_block);  // (unless found lost since)
+    pool.discard(write.host_block);
+    pool.release(write.host_block);  // empty
+    return true;
+  });
+  while (pool.num_empty() + static_cast<int32_t>(host_writes_.size()) < write_ahead_target_) {
+    const int32_t victim = pool.least_recent_cached();
+    if (victim < 0) break;
+    const BlockHash& hash = host_prefix_.hash_of(victim);
+    const bool on_disk = disk_prefix_.find(hash) >= 0;
+    const bool intact = on_disk || host_.verify_block(victim);
+    if (on_disk || !intact) {
+      // Nothing to write: the disk has it already, or the host copy is corrupted (not carried on).
+      if (!intact) {
+        METRALE_LOG_WARN("host tier: prefix block {} failed its checksum; dropped", victim);
+        ++swap_counters_.lost_entries;
+      }
+      host_prefix_.erase(victim);
+      pool.discard(victim);
+      continue;
+    }
+    std::vector<int32_t> taken;
+    if (!take_disk_blocks(1, taken)) break;  // every disk block holds a swapped sequence
+    const int32_t disk_block = taken.front();
+    pool.retain(victim);
+    host_writes_.push_back({victim, disk_->write_block_in_place(disk_block, host_.block_pieces(victim))});
+    METRALE_CHECK(disk_prefix_.insert(disk_block, hash, host_prefix_.parent_of(victim), host_prefix_.tokens_of(victim)),
+                  "disk prefix index refused block {}", disk_block);
+    disk_->block_pool().mark_cached(disk_block);
+    disk_->block_pool().release(disk_block);
+    ++swap_counters_.prefix_blocks_to_disk;
+    ++swap_counters_.prefix_blocks_written_ahead;
+  }
+}
+
 bool CacheManager::spill_swapped(int64_t seq_id) {
   SwappedEntry& swapped = swapped_.at(seq_id);
   if (!disk_ || swapped.on_disk) return false;

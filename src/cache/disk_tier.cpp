@@ -2,13 +2,16 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <memory>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -172,19 +175,40 @@ double DiskTier::io_seconds() const {
   return io_seconds_;
 }
 
-void DiskTier::write_file(const std::filesystem::path& path, const std::vector<std::byte>& bytes) {
+void DiskTier::write_file(const std::filesystem::path& path, std::span<const std::span<const std::byte>> pieces) {
   FileDescriptor fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600));
-  size_t done = 0;
-  while (fd.get() >= 0 && done < bytes.size()) {
-    const ssize_t written = ::pwrite(fd.get(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+  size_t total = 0;
+  for (const auto& piece : pieces) total += piece.size();
+  // pwritev of the pieces not yet written (1024 at a time: Linux's IOV_MAX), resumed after a
+  // short write.
+  constexpr size_t kMaxVectors = 1024;
+  std::vector<iovec> vectors;
+  size_t done = 0, piece = 0, piece_done = 0;
+  while (fd.get() >= 0 && done < total) {
+    vectors.clear();
+    for (size_t p = piece; p < pieces.size() && vectors.size() < kMaxVectors; ++p) {
+      const size_t skip = p == piece ? piece_done : 0;
+      vectors.push_back({const_cast<std::byte*>(pieces[p].data() + skip), pieces[p].size() - skip});
+    }
+    const ssize_t written =
+        ::pwritev(fd.get(), vectors.data(), static_cast<int>(vectors.size()), static_cast<off_t>(done));
     if (written < 0 && errno == EINTR) continue;
     if (written <= 0) break;
     done += static_cast<size_t>(written);
+    for (auto left = static_cast<size_t>(written); left > 0 && piece < pieces.size();) {
+      const size_t take = std::min(left, pieces[piece].size() - piece_done);
+      left -= take;
+      piece_done += take;
+      if (piece_done == pieces[piece].size()) {
+        ++piece;
+        piece_done = 0;
+      }
+    }
   }
   // A failed write leaves a short or missing file, which the read reports lost.
-  if (done < bytes.size()) {
+  if (done < total) {
     METRALE_LOG_WARN("disk tier: writing {} failed after {} of {} bytes ({}); the entry will be recomputed",
-                     path.string(), done, bytes.size(), std::strerror(errno));
+                     path.string(), done, total, std::strerror(errno));
   }
   std::lock_guard<std::mutex> lock(mutex_);
   bytes_written_ += done;
@@ -249,8 +273,30 @@ void DiskTier::write_block(int32_t block, std::vector<std::byte> bytes) {
   ++block_generations_[static_cast<size_t>(block)];
   enqueue(worker_of_block(block), [this, block, path = block_path(block), data = std::move(bytes)] {
     block_checksums_[static_cast<size_t>(block)] = entry_checksum(data.data(), data.size());
-    write_file(path, data);
+    const std::span<const std::byte> whole(data);
+    write_file(path, std::span(&whole, 1));
   });
+}
+
+std::future<void> DiskTier::write_block_in_place(int32_t block, std::vector<std::span<const std::byte>> pieces) {
+  size_t total = 0;
+  for (const auto& piece : pieces) total += piece.size();
+  METRALE_CHECK(block >= 0 && block < num_blocks() && total == block_bytes_, "disk block {} write of {} bytes", block,
+                total);
+  ++block_generations_[static_cast<size_t>(block)];
+  auto written = std::make_shared<std::promise<void>>();
+  std::future<void> future = written->get_future();
+  enqueue(worker_of_block(block), [this, block, written, path = block_path(block), parts = std::move(pieces)] {
+    // The checksum of the pieces as one entry: XXH3's streaming state gives the same 64 bits.
+    const std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(), XXH3_freeState);
+    METRALE_CHECK(state != nullptr, "XXH3_createState failed");
+    XXH3_64bits_reset(state.get());
+    for (const auto& part : parts) XXH3_64bits_update(state.get(), part.data(), part.size());
+    block_checksums_[static_cast<size_t>(block)] = XXH3_64bits_digest(state.get());
+    write_file(path, parts);
+    written->set_value();
+  });
+  return future;
 }
 
 void DiskTier::write_slot(int32_t slot, std::vector<std::byte> bytes) {
@@ -259,7 +305,8 @@ void DiskTier::write_slot(int32_t slot, std::vector<std::byte> bytes) {
   ++slot_generations_[static_cast<size_t>(slot)];
   enqueue(worker_of_slot(slot), [this, slot, path = slot_path(slot), data = std::move(bytes)] {
     slot_checksums_[static_cast<size_t>(slot)] = entry_checksum(data.data(), data.size());
-    write_file(path, data);
+    const std::span<const std::byte> whole(data);
+    write_file(path, std::span(&whole, 1));
   });
 }
 

@@ -26,6 +26,7 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,6 +75,10 @@ class DiskTier {
   // Queues writing `bytes` (block_bytes / slot_bytes of them) as the entry; its checksum is kept.
   void write_block(int32_t block, std::vector<std::byte> bytes);
   void write_slot(int32_t slot, std::vector<std::byte> bytes);
+  // The same from the caller's memory, `pieces` in order (block_bytes in all), read by the worker
+  // itself: the memory must stay unchanged until the future is ready (the entry is then written,
+  // or its write failed and a read will report it lost).
+  std::future<void> write_block_in_place(int32_t block, std::vector<std::span<const std::byte>> pieces);
   // Queues reading the entry back; the future holds its bytes once they are read and verified.
   std::future<DiskRead> read_block(int32_t block);
   std::future<DiskRead> read_slot(int32_t slot);
@@ -106,7 +111,8 @@ class DiskTier {
   void enqueue(size_t worker, std::function<void()> run);
   bool idle_locked() const;
   void worker_loop(size_t index);
-  void write_file(const std::filesystem::path& path, const std::vector<std::byte>& bytes);
+  // Writes the pieces, in order, as the file's bytes.
+  void write_file(const std::filesystem::path& path, std::span<const std::span<const std::byte>> pieces);
   DiskRead read_file(const std::filesystem::path& path, size_t size, uint64_t checksum);  // timed
   DiskRead read_and_check(const std::filesystem::path& path, size_t size, uint64_t checksum);
 

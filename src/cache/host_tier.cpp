@@ -248,24 +248,39 @@ bool HostTier::verify_slot(int32_t host_slot) const {
   return verify(slot_seals_, slot_areas_, host_slot);
 }
 
-std::vector<std::byte> HostTier::pack(Seals& seals, const std::vector<Area>& areas, int32_t host_index) {
+std::vector<std::span<const std::byte>> HostTier::pieces(Seals& seals, const std::vector<Area>& areas,
+                                                         int32_t host_index) {
   if (seals.sealed[static_cast<size_t>(host_index)] == 0) {
     if (!seals.ticket.empty())
       for (size_t l = 0; l < lanes_.size(); ++l)
         lanes_[l].lane.wait(ticket_of(seals, host_index, l));
     seal_pending();
   }
-  size_t total = 0;
-  for (const Area& area : areas) total += area.unit_bytes;
-  std::vector<std::byte> packed(total);
-  size_t offset = 0;
+  std::vector<std::span<const std::byte>> result;
+  result.reserve(areas.size());
   for (const Area& area : areas) {
     if (area.unit_bytes == 0) continue;
-    std::memcpy(packed.data() + offset, area.data() + static_cast<size_t>(host_index) * area.unit_bytes,
-                area.unit_bytes);
-    offset += area.unit_bytes;
+    result.emplace_back(area.data() + static_cast<size_t>(host_index) * area.unit_bytes, area.unit_bytes);
+  }
+  return result;
+}
+
+std::vector<std::byte> HostTier::pack(Seals& seals, const std::vector<Area>& areas, int32_t host_index) {
+  const std::vector<std::span<const std::byte>> parts = pieces(seals, areas, host_index);
+  size_t total = 0;
+  for (const auto& part : parts) total += part.size();
+  std::vector<std::byte> packed(total);
+  size_t offset = 0;
+  for (const auto& part : parts) {
+    std::memcpy(packed.data() + offset, part.data(), part.size());
+    offset += part.size();
   }
   return packed;
+}
+
+std::vector<std::span<const std::byte>> HostTier::block_pieces(int32_t host_block) {
+  METRALE_CHECK(holds_block(host_block), "host block {} holds nothing", host_block);
+  return pieces(block_seals_, block_areas_, host_block);
 }
 
 std::span<std::byte> HostTier::block_bytes(size_t area, int32_t host_block) {

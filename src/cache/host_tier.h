@@ -29,7 +29,8 @@
 // of the bytes): enough to tell an entry overwritten, misplaced or half-copied, the failures that
 // bookkeeping and copies can cause; a bit flipped in between is ECC memory's business. (The disk
 // tier hashes every byte: files can be truncated or edited.) The host reads an entry's bytes
-// itself only to pack it for the disk tier, after sealing it.
+// itself only for the disk tier, after sealing it: packed, or in place by a disk worker
+// (block_pieces) while the caller keeps the block from reuse.
 #pragma once
 
 #include <cstddef>
@@ -104,6 +105,9 @@ class HostTier {
   // The entry's bytes, packed (sealed first: they are read on the host).
   std::vector<std::byte> pack_block(int32_t host_block);
   std::vector<std::byte> pack_slot(int32_t host_slot);
+  // The entry's bytes in place, one span per area in packing order (sealed first): what pack_block
+  // would copy, for a writer that reads them itself while the block is kept from reuse.
+  std::vector<std::span<const std::byte>> block_pieces(int32_t host_block);
   // Queues copies of packed bytes (a disk tier entry) into device block `block` / slot `slot`. The
   // bytes are plain host memory the caller keeps until it has synchronized the device.
   void load_packed_block(std::span<const OwnedTensor> paged, std::span<const std::byte> packed, int32_t block) const;
@@ -155,6 +159,7 @@ class HostTier {
   uint64_t checksum_of(const std::vector<Area>& areas, int32_t host_index) const;
   void mark_stored(Seals& seals, const std::vector<Area>& areas, int32_t host_index);
   bool verify(const Seals& seals, const std::vector<Area>& areas, int32_t host_index) const;
+  std::vector<std::span<const std::byte>> pieces(Seals& seals, const std::vector<Area>& areas, int32_t host_index);
   std::vector<std::byte> pack(Seals& seals, const std::vector<Area>& areas, int32_t host_index);
 
   Device device_;

@@ -157,6 +157,7 @@ EngineStats Engine::stats() const {
   stats.prefix_blocks_from_host = swaps.prefix_blocks_in;
   stats.swapped_to_disk_sequences = swaps.sequences_to_disk;
   stats.prefix_blocks_to_disk = swaps.prefix_blocks_to_disk;
+  stats.prefix_blocks_written_ahead = swaps.prefix_blocks_written_ahead;
   stats.prefix_blocks_from_disk = swaps.prefix_blocks_from_disk;
   stats.disk_hits_declined = swaps.disk_hits_declined;
   stats.prefix_prefetches = swaps.prefix_prefetches;
@@ -522,6 +523,7 @@ void Engine::run_step(std::vector<TokenEvent>& events) {
   // The step's results are on the host, so the copies into the host tier queued on its stream have
   // landed (those on a copy lane are sealed once their ticket is done): seal them.
   cache_->seal_host_tier();
+  cache_->write_back_host_blocks();  // keeps host blocks empty for the next evictions, off this thread
   prefetch_waiting();
 #ifndef NDEBUG
   if (!has_unfinished()) cache_->check_integrity();  // debug builds: the cache's books balance when idle

@@ -156,6 +156,7 @@ struct EngineStats {
   int64_t swapped_to_disk_sequences = 0;
   int64_t prefix_blocks_to_disk = 0;
   int64_t prefix_blocks_from_disk = 0;
+  int64_t prefix_blocks_written_ahead = 0;  // of those, written by a disk worker before their eviction
   int64_t disk_hits_declined = 0;  // disk hits recomputed instead: reading them was slower
   int64_t prefix_prefetches = 0;   // waiting requests whose prefix's disk reads began before admission
   int64_t checkpoints_to_host = 0;

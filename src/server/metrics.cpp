@@ -110,6 +110,9 @@ std::string ServerMetrics::render(const AsyncEngineStats& stats) const {
           engine.prefix_blocks_to_disk);
   counter(out, "metrale_prefix_blocks_from_disk_total", "Prefix-cache blocks brought back from disk on a hit.",
           engine.prefix_blocks_from_disk);
+  counter(out, "metrale_prefix_blocks_written_ahead_total",
+          "Prefix-cache blocks written from the host tier to disk ahead of their eviction.",
+          engine.prefix_blocks_written_ahead);
   counter(out, "metrale_disk_hits_declined_total",
           "Prefix-cache blocks found on disk but recomputed: reading them was measured slower.",
           engine.disk_hits_declined);

@@ -351,6 +351,56 @@ TEST(CacheTiers, PrefixBlocksComeBackFromDiskUntilTheirFileIsLost) {
   cache.check_integrity();
 }
 
+// With room to keep, the least recently used cached host blocks are written to disk after a step,
+// by a worker reading the host memory itself; once written they leave the host (empty), the disk
+// serves their hits, and the next eviction into the host tier finds an empty block instead of
+// packing one on the engine thread.
+TEST(CacheTiers, HostBlocksAreWrittenToDiskAheadOfTheirEviction) {
+  const auto dir = scratch_dir("write_ahead");
+  CacheConfig config = tiered(4, 4, 16, dir, false);
+  config.num_host_write_ahead_blocks = 2;
+  CacheManager cache(specs_of(false), config, Device::cpu());
+  const auto prompt = tokens_from(7, 13);  // 3 full blocks
+  ASSERT_TRUE(cache.begin_sequence(1, prompt, true).has_value());
+  compute(cache, 1, prompt, 0, 13);
+  cache.cache_full_blocks(1, prompt, 13);
+  cache.free_sequence(1);
+  compute(cache, 2, tokens_from(200, 16), 0, 16);  // every device block: the prompt's 3 go to the host
+  cache.free_sequence(2);
+  const SwapCounters& counters = cache.swap_counters();
+  const BlockPool& host = cache.host_tier().block_pool();
+  ASSERT_EQ(host.num_cached(), 3);
+  ASSERT_EQ(host.num_empty(), 1);
+  EXPECT_EQ(counters.prefix_blocks_to_disk, 0);
+
+  cache.write_back_host_blocks();  // one more empty block wanted: the oldest cached one is written
+  EXPECT_EQ(counters.prefix_blocks_written_ahead, 1);
+  EXPECT_EQ(counters.prefix_blocks_to_disk, 1);
+  EXPECT_EQ(host.num_cached(), 2);
+  EXPECT_EQ(host.num_used(), 1);  // held by the write; still a host hit meanwhile
+  cache.check_integrity();
+  cache.disk_tier()->drain();
+  cache.write_back_host_blocks();  // landed: the host copy goes, and two are empty again
+  EXPECT_EQ(host.num_empty(), 2);
+  EXPECT_EQ(host.num_cached(), 2);
+  EXPECT_EQ(counters.prefix_blocks_written_ahead, 1);
+  cache.check_integrity();
+
+  // The prompt hits 2 blocks on the host and 1 on disk, bit for bit.
+  const auto match = cache.begin_sequence(3, prompt, true);
+  ASSERT_TRUE(match.has_value());
+  EXPECT_EQ(match->cached_tokens, 12);
+  EXPECT_TRUE(holds(cache, 3, prompt, 12));
+  EXPECT_EQ(counters.prefix_blocks_from_disk, 1);
+  cache.check_integrity();
+  cache.free_sequence(3);
+  // Evicting them again takes the empty host blocks: nothing is packed at eviction.
+  compute(cache, 4, tokens_from(300, 16), 0, 16);
+  cache.free_sequence(4);
+  EXPECT_EQ(counters.prefix_blocks_to_disk, 1);
+  cache.check_integrity();
+}
+
 // A waiting sequence's prefix reads are queued ahead of its admission; begin_sequence takes them
 // (no second read), so files lost after they landed cost nothing. A sequence freed unadmitted
 // drops its reads, and one whose prefix holds nothing on disk queues none.
