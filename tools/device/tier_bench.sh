@@ -16,9 +16,10 @@
 # engine measured at start-up (its plan line). JSON results and logs go to $OUT.
 #
 # The same flow runs on the CPU with the tiny default model for a check of the script itself:
-#   BUILD_DIR=build PRESET= SERVE_ARGS="--device cpu --kv-cache-memory 2MiB" INPUT_LEN=64 TURN_INPUT_LEN=16 \
-#     OUTPUT_LEN=4 CONVERSATIONS=8 CONCURRENCY=4 HOST_GIB=0.05 DISK_HOST_GIB=0.01 DISK_GIB=0.1 \
-#     tools/device/tier_bench.sh
+#   BUILD_DIR=build PRESET= SERVE_ARGS="--device cpu --kv-cache-memory 6MiB --state-checkpoint-slots 6" \
+#     INPUT_LEN=64 TURN_INPUT_LEN=16 OUTPUT_LEN=4 CONVERSATIONS=16 CONCURRENCY=4 HOST_GIB=0.05 \
+#     DISK_HOST_GIB=0.004 DISK_GIB=0.1 tools/device/tier_bench.sh
+# (the default model is a hybrid: without checkpoint slots no prefix can hit, and the tiers stay idle).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 build_dir=${BUILD_DIR:-build-cuda}
@@ -70,8 +71,9 @@ run_case() {  # run_case NAME [serve flags...]
   local m="$out/metrics-$name.txt"
   echo "   prefix hits $(metric "$m" metrale_prefix_cache_hits_total) of $(metric "$m" metrale_prefix_cache_queries_total) tokens;" \
     "blocks to host $(metric "$m" metrale_prefix_cache_blocks_to_host_total), back $(metric "$m" metrale_prefix_cache_blocks_from_host_total);" \
-    "to disk $(metric "$m" metrale_prefix_blocks_to_disk_total), back $(metric "$m" metrale_prefix_blocks_from_disk_total), declined $(metric "$m" metrale_disk_hits_declined_total);" \
-    "lost $(metric "$m" metrale_tier_entries_lost_total)"
+    "to disk $(metric "$m" metrale_prefix_blocks_to_disk_total) (written ahead $(metric "$m" metrale_prefix_blocks_written_ahead_total))," \
+    "back $(metric "$m" metrale_prefix_blocks_from_disk_total) (read ahead for $(metric "$m" metrale_prefix_prefetches_total) requests)," \
+    "declined $(metric "$m" metrale_disk_hits_declined_total); lost $(metric "$m" metrale_tier_entries_lost_total)"
 }
 
 cases=" ${CASES:-none host disk} "
