@@ -102,20 +102,36 @@ CacheSplit split_cache_budget(uint64_t budget, uint64_t per_block, uint64_t per_
   return split;
 }
 
-// The host tier: state slots first (one per running sequence at most, and at most half the space,
-// so that their blocks fit too), the rest in KV blocks.
+// A tier's bytes (host or disk) split into KV blocks and state slots. Without per-slot state: all
+// blocks. With it (hybrid models): up to `swap_slots` slots for preempted sequences' states (at most
+// a quarter of the bytes); then, with prefix caching, units of one checkpoint slot and the
+// `blocks_per_checkpoint` blocks of a checkpoint interval, since a hybrid's cached prefix is usable
+// only up to its last checkpoint (a tier of blocks without checkpoints would hold no usable prefix);
+// without prefix caching the rest is blocks.
 struct HostSplit {
   int32_t num_blocks = 0;
   int32_t num_slots = 0;
 };
-HostSplit split_swap_space(uint64_t bytes, uint64_t per_block, uint64_t per_slot, int64_t max_num_seqs) {
+HostSplit split_tier_space(uint64_t bytes, uint64_t per_block, uint64_t per_slot, int64_t swap_slots,
+                           bool prefix_caching, int64_t blocks_per_checkpoint) {
   HostSplit split;
   if (bytes == 0 || per_block == 0) return split;
+  uint64_t slots = 0, blocks = 0;
   if (per_slot > 0) {
-    split.num_slots = static_cast<int32_t>(std::min<uint64_t>(static_cast<uint64_t>(max_num_seqs), bytes / 2 / per_slot));
-    bytes -= static_cast<uint64_t>(split.num_slots) * per_slot;
+    slots = std::min<uint64_t>(static_cast<uint64_t>(std::max<int64_t>(swap_slots, 0)), bytes / 4 / per_slot);
+    bytes -= slots * per_slot;
+    if (prefix_caching && blocks_per_checkpoint > 0) {
+      const uint64_t unit = static_cast<uint64_t>(blocks_per_checkpoint) * per_block + per_slot;
+      const uint64_t units = bytes / unit;
+      slots += units;
+      blocks += units * static_cast<uint64_t>(blocks_per_checkpoint);
+      bytes -= units * unit;
+    }
   }
-  split.num_blocks = static_cast<int32_t>(std::min<uint64_t>(bytes / per_block, std::numeric_limits<int32_t>::max()));
+  blocks += bytes / per_block;
+  constexpr uint64_t kMax = std::numeric_limits<int32_t>::max();
+  split.num_blocks = static_cast<int32_t>(std::min(blocks, kMax));
+  split.num_slots = static_cast<int32_t>(std::min(slots, kMax));
   return split;
 }
 
@@ -340,16 +356,19 @@ void Engine::plan_cache(const std::vector<CacheSpec>& specs) {
   cache_config.num_checkpoint_slots = static_cast<int32_t>(checkpoint_slots);
   cache_config.enable_prefix_caching = config_.enable_prefix_caching;
   cache_config.state_checkpoint_interval = config_.state_checkpoint_interval;
-  // Tier slots hold swapped sequences' state and prefix-cache checkpoints.
-  const int64_t tier_slots = max_seqs + checkpoint_slots;
-  const HostSplit host = split_swap_space(config_.swap_space_bytes, per_block, per_slot, tier_slots);
+  // Tier slots hold swapped sequences' state and prefix-cache checkpoints (one per checkpoint interval of blocks).
+  const int64_t blocks_per_checkpoint =
+      (config_.state_checkpoint_interval + config_.block_size - 1) / config_.block_size;
+  const HostSplit host = split_tier_space(config_.swap_space_bytes, per_block, per_slot, max_seqs,
+                                          config_.enable_prefix_caching, blocks_per_checkpoint);
   cache_config.num_host_blocks = host.num_blocks;
   cache_config.num_host_slots = host.num_slots;
   cache_config.num_host_staging_blocks = host.num_blocks > 0 ? plan_.num_host_staging_blocks : 0;
   if (!config_.swap_disk_dir.empty()) {
     if (config_.swap_space_bytes == 0 || config_.swap_disk_bytes == 0)
       raise(ErrorCode::kInvalidArgument, "--high-speed-swap needs --swap-space and --swap-disk-space above 0");
-    const HostSplit disk = split_swap_space(config_.swap_disk_bytes, per_block, per_slot, 4 * tier_slots);
+    const HostSplit disk = split_tier_space(config_.swap_disk_bytes, per_block, per_slot, 4 * max_seqs,
+                                            config_.enable_prefix_caching, blocks_per_checkpoint);
     cache_config.disk_dir = config_.swap_disk_dir;
     cache_config.num_disk_blocks = disk.num_blocks;
     cache_config.num_disk_slots = disk.num_slots;

@@ -91,6 +91,30 @@ TEST(Qwen3_5Engine, PlansStateSlots) {
   EXPECT_EQ(engine.plan().state_bytes_per_slot, static_cast<uint64_t>(2 * (3 * conv_dim + 4 * 8 * 6) * 4));
 }
 
+// The host tier of a hybrid model with prefix caching keeps a checkpoint slot for every checkpoint
+// interval of its blocks (a cached prefix is usable only up to its last checkpoint); without prefix
+// caching its slots are only for preempted sequences.
+TEST(Qwen3_5Engine, HostTierSplitsItsSpaceIntoBlocksWithTheirCheckpoints) {
+  for (const bool prefix_caching : {true, false}) {
+    EngineConfig config;
+    config.enable_prefix_caching = prefix_caching;
+    config.state_checkpoint_interval = 64;  // 4 blocks of 16
+    config.scheduler.max_num_seqs = 4;
+    config.swap_space_bytes = 64ull << 20;
+    Engine engine(tiny_qwen3_5(), config);
+    const EnginePlan& plan = engine.plan();
+    SCOPED_TRACE(::testing::Message() << "prefix caching " << prefix_caching << ": " << plan.num_host_blocks
+                                      << " host blocks, " << plan.num_host_slots << " host slots");
+    ASSERT_GT(plan.num_host_blocks, 0);
+    if (prefix_caching) {
+      EXPECT_GE(plan.num_host_slots, plan.num_host_blocks / 4);
+      EXPECT_LE(plan.num_host_slots, plan.num_host_blocks / 4 + 4 + 1);
+    } else {
+      EXPECT_LE(plan.num_host_slots, 4);
+    }
+  }
+}
+
 TEST(Qwen3_5Engine, BatchingAndPreemptionGiveTheTokensOfRunningAlone) {
   std::vector<Request> requests;
   for (uint64_t i = 0; i < 4; ++i) requests.push_back(greedy(random_tokens(9 + 7 * i, 40 + i), 10));
