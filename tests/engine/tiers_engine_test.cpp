@@ -49,6 +49,26 @@ size_t count_files(const std::filesystem::path& dir) {
   return count;
 }
 
+// A prompt of `length` tokens: first + (i * step) % range.
+std::vector<int32_t> arithmetic_prompt(size_t length, int32_t first, size_t step, size_t range) {
+  std::vector<int32_t> prompt(length);
+  for (size_t i = 0; i < length; ++i) prompt[i] = first + static_cast<int32_t>((i * step) % range);
+  return prompt;
+}
+
+// An engine over `num_kv_blocks` device blocks, a one-block host tier and a 16-block disk tier in
+// swap_dir(name).
+std::unique_ptr<Engine> one_block_host_engine(const std::filesystem::path& model_dir, int32_t num_kv_blocks,
+                                              const std::string& name) {
+  EngineConfig config;
+  config.num_kv_blocks = num_kv_blocks;
+  auto probe = std::make_unique<Engine>(load_model(model_dir, Device::cpu()), config);
+  config.swap_space_bytes = block_bytes(*probe);
+  config.swap_disk_dir = swap_dir(name);
+  config.swap_disk_bytes = 16 * block_bytes(*probe);
+  return std::make_unique<Engine>(load_model(model_dir, Device::cpu()), config);
+}
+
 // A host tier of 3 blocks holds one preempted sequence at a time: the others go on to disk. With
 // the disk's files deleted as soon as any exist, those come back lost and are recomputed.
 TEST(TieredEngine, SwapsThroughDiskGiveTheTokensOfNoSwapEvenWhenFilesVanish) {
@@ -112,16 +132,10 @@ TEST(TieredEngine, SwapsThroughDiskGiveTheTokensOfNoSwapEvenWhenFilesVanish) {
 // prompt later hits them there, computing fewer tokens, with the tokens of a cold run.
 TEST(TieredEngine, PrefixBlocksEvictedToDiskStillHit) {
   const auto model_dir = write_tiny_qwen3({}, "tiers_prefix");
-  std::vector<int32_t> first(40), second(50);
-  for (size_t i = 0; i < first.size(); ++i) first[i] = static_cast<int32_t>(3 + (i * 7) % 90);
-  for (size_t i = 0; i < second.size(); ++i) second[i] = static_cast<int32_t>(5 + (i * 11) % 80);
-  EngineConfig config;
-  config.num_kv_blocks = 4;  // the second prompt takes every block, evicting the first's
-  auto probe = std::make_unique<Engine>(load_model(model_dir, Device::cpu()), config);
-  config.swap_space_bytes = block_bytes(*probe);
-  config.swap_disk_dir = swap_dir("prefix");
-  config.swap_disk_bytes = 16 * block_bytes(*probe);
-  Engine engine(load_model(model_dir, Device::cpu()), config);
+  const auto first = arithmetic_prompt(40, 3, 7, 90), second = arithmetic_prompt(50, 5, 11, 80);
+  // The second prompt takes every block, evicting the first's.
+  const auto owned = one_block_host_engine(model_dir, 4, "prefix");
+  Engine& engine = *owned;
   const int64_t a = engine.add_request(make_request(first, 4));
   const auto cold = testing::tokens_of(testing::run_to_completion(engine));
   engine.add_request(make_request(second, 4));
@@ -142,17 +156,11 @@ TEST(TieredEngine, PrefixBlocksEvictedToDiskStillHit) {
 // tokens of a cold run.
 TEST(TieredEngine, PrefixReadAheadWhileAnotherRequestRunsGivesTheColdTokens) {
   const auto model_dir = write_tiny_qwen3({}, "tiers_read_ahead");
-  std::vector<int32_t> first(40), second(88), busy(5);  // the second takes all 6 blocks
-  for (size_t i = 0; i < first.size(); ++i) first[i] = static_cast<int32_t>(3 + (i * 7) % 90);
-  for (size_t i = 0; i < second.size(); ++i) second[i] = static_cast<int32_t>(5 + (i * 11) % 80);
-  for (size_t i = 0; i < busy.size(); ++i) busy[i] = static_cast<int32_t>(60 + i);
-  EngineConfig config;
-  config.num_kv_blocks = 6;
-  auto probe = std::make_unique<Engine>(load_model(model_dir, Device::cpu()), config);
-  config.swap_space_bytes = block_bytes(*probe);
-  config.swap_disk_dir = swap_dir("read_ahead");
-  config.swap_disk_bytes = 16 * block_bytes(*probe);
-  Engine engine(load_model(model_dir, Device::cpu()), config);
+  // The second prompt takes all 6 blocks.
+  const auto first = arithmetic_prompt(40, 3, 7, 90), second = arithmetic_prompt(88, 5, 11, 80);
+  const auto busy = arithmetic_prompt(5, 60, 1, 5);
+  const auto owned = one_block_host_engine(model_dir, 6, "read_ahead");
+  Engine& engine = *owned;
   const int64_t a = engine.add_request(make_request(first, 4));
   const auto cold = testing::tokens_of(testing::run_to_completion(engine));
   engine.add_request(make_request(second, 4));  // evicts the first prompt's blocks, through the host to disk
